@@ -1,0 +1,1 @@
+"""Video data: synthetic generator, annotation readers, clip dataset, transforms, loaders."""

@@ -1,0 +1,152 @@
+"""A map-style clip dataset over ``LabeledVideoPaths``, decoded by pytorchvideo's PyAV reader.
+
+Why map-style: pytorchvideo's ``LabeledVideoDataset`` is an ``IterableDataset``, so an epoch's
+length depends on ``num_workers`` (pytorchvideo #102) and a ``DistributedSampler`` cannot
+shard it. Here the sampler owns the order, and the loader can be resumed mid-epoch.
+
+Why per-sample seeds: each item is addressed by a ``SampleKey(index, epoch)``, and all of its
+randomness (clip start, crop, flip) comes from a seed derived from ``(seed, epoch, index)``.
+The same step therefore sees the same pixels whatever the worker count and after a resume.
+
+Why a ``skipped`` field: a broken video is replaced by another one (so batch size and epoch
+length stay fixed), and the item reports the broken path. Workers are separate processes, so
+the main process learns about bad files from the batches, not from shared state.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from pytorchvideo.data.clip_sampling import ConstantClipsPerVideoSampler, RandomClipSampler
+from pytorchvideo.data.encoded_video import EncodedVideo
+
+from videotrain.data.annotations import VideoIndex
+
+log = logging.getLogger(__name__)
+
+
+class SampleKey(NamedTuple):
+    index: int
+    epoch: int
+
+
+class BadVideo(RuntimeError):
+    """A video that cannot be decoded into a clip."""
+
+
+def uniform_indices(length: int, num: int) -> torch.Tensor:
+    """``num`` evenly spaced frame indices into ``length`` frames (repeats if too short)."""
+    return torch.linspace(0, max(length - 1, 0), num).round().long()
+
+
+class VideoClipDataset(torch.utils.data.Dataset):
+    """Returns ``{"video": (V, T, C, H, W) or (T, C, H, W), "label", "index", "skipped"}``.
+
+    Training items are one random clip; evaluation items stack ``clips x crops`` views
+    (``V``), uniformly spaced in time, for video-level aggregation.
+    """
+
+    def __init__(
+        self,
+        index: VideoIndex,
+        num_frames: int,
+        clip_duration: float,
+        transform: Callable[[torch.Tensor], torch.Tensor],
+        train: bool,
+        num_clips: int = 1,
+        seed: int = 0,
+        max_retries: int = 20,
+    ) -> None:
+        self.index = index
+        self.num_frames = num_frames
+        self.clip_duration = clip_duration
+        self.transform = transform  # (T, C, H, W) uint8 -> (V_crops, T, C, h, w) or (T, C, h, w)
+        self.train = train
+        self.num_clips = num_clips
+        self.seed = seed
+        self.max_retries = max_retries
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _decode(self, path: str) -> list[torch.Tensor]:
+        """Decode the clips of one video: a list of uint8 ``(T, C, H, W)`` tensors."""
+        try:
+            video = EncodedVideo.from_path(path, decode_audio=False, decoder="pyav")
+        except Exception as err:  # missing, empty, not a container, ...
+            raise BadVideo(f"{path}: cannot open ({type(err).__name__}: {err})") from err
+        try:
+            duration = float(video.duration or 0)
+            if self.train:
+                sampler = RandomClipSampler(self.clip_duration)
+                infos = [sampler(0.0, duration, {})]
+            else:
+                sampler = ConstantClipsPerVideoSampler(self.clip_duration, self.num_clips)
+                infos = [sampler(0.0, duration, {}) for _ in range(self.num_clips)]
+            clips = []
+            for info in infos:
+                # pytorchvideo returns None for a window past the end; fall back to the whole video
+                clip = video.get_clip(info.clip_start_sec, info.clip_end_sec)
+                if clip is None or clip.get("video") is None:
+                    clip = video.get_clip(0, duration)
+                frames = None if clip is None else clip.get("video")  # (C, T, H, W) float
+                if frames is None or frames.shape[1] == 0:
+                    raise BadVideo(f"{path}: no decodable frames")
+                frames = frames[:, uniform_indices(frames.shape[1], self.num_frames)]
+                clips.append(frames.permute(1, 0, 2, 3).to(torch.uint8))  # (T, C, H, W)
+            return clips
+        except BadVideo:
+            raise
+        except Exception as err:  # truncated stream, decoder error, ...
+            raise BadVideo(f"{path}: cannot decode ({type(err).__name__}: {err})") from err
+        finally:
+            video.close()
+
+    def _load(self, idx: int, seed: int) -> tuple[torch.Tensor, int]:
+        path, info = self.index.paths[idx]
+        state = random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            random.seed(seed)
+            torch.manual_seed(seed)
+            try:
+                clips = self._decode(path)
+                views = [self.transform(c) for c in clips]
+            finally:
+                random.setstate(state)
+        if self.train:
+            video = views[0]  # (T, C, H, W)
+        else:  # each view is (crops, T, C, H, W) -> (clips * crops, T, C, H, W)
+            video = torch.cat([v if v.dim() == 5 else v[None] for v in views])
+        return video, int(info["label"])
+
+    def __getitem__(self, key: SampleKey | int) -> dict:
+        idx, epoch = (key, 0) if isinstance(key, int) else key
+        skipped: list[str] = []
+        candidate = idx
+        for attempt in range(self.max_retries + 1):
+            seed = hash((self.seed, epoch, idx, attempt)) & 0x7FFF_FFFF
+            try:
+                video, label = self._load(candidate, seed)
+                return {"video": video, "label": label, "index": candidate, "skipped": skipped}
+            except BadVideo as err:
+                log.warning("skipping bad video %s", err)
+                skipped.append(str(self.index.paths[candidate][0]))
+                candidate = random.Random(seed).randrange(len(self))
+        raise RuntimeError(
+            f"{self.index.source}: {self.max_retries + 1} videos in a row failed to decode; "
+            f"last: {skipped[-1]}"
+        )
+
+
+def collate(items: list[dict]) -> dict:
+    """Stack videos and labels; concatenate the lists of skipped paths."""
+    return {
+        "video": torch.stack([it["video"] for it in items]),
+        "label": torch.tensor([it["label"] for it in items]),
+        "index": torch.tensor([it["index"] for it in items]),
+        "skipped": [p for it in items for p in it["skipped"]],
+    }

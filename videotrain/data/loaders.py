@@ -1,0 +1,159 @@
+"""Datasets and loaders for one run: readers by name, resumable sharded sampling, preflight."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from videotrain.data import annotations
+from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
+from videotrain.data.synthetic import ensure_synthetic
+from videotrain.data.transforms import eval_transform, train_transform
+
+log = logging.getLogger(__name__)
+
+
+class BadDataError(RuntimeError):
+    """Too many unreadable videos in a split (more than ``data.max_bad_fraction``)."""
+
+
+class ResumableSampler(Sampler[SampleKey]):
+    """``DistributedSampler`` order (shuffled per epoch from ``seed``), yielding
+    ``SampleKey(index, epoch)`` and able to start part-way through an epoch on resume."""
+
+    def __init__(self, dataset, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1,
+                 drop_last: bool = False) -> None:
+        self.base = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                       shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Select the epoch's order and skip its first ``skip`` samples (already trained on)."""
+        self.base.set_epoch(epoch)
+        self.epoch, self.skip = epoch, skip
+
+    def __iter__(self):
+        for i, idx in enumerate(self.base):
+            if i >= self.skip:
+                yield SampleKey(int(idx), self.epoch)
+
+    def __len__(self) -> int:
+        return max(len(self.base) - self.skip, 0)
+
+
+@dataclass
+class DataBundle:
+    train: DataLoader
+    val: DataLoader
+    train_sampler: ResumableSampler
+    class_names: list[str]
+    num_classes: int
+    root: Path
+
+
+def resolve_root(name: str, root: str | None, synthetic: dict | None) -> Path:
+    """The dataset root; for ``synthetic`` it is generated into the cache on first use."""
+    if name == "synthetic":
+        return ensure_synthetic(root, **(synthetic or {}))
+    if not root:
+        raise ValueError(f"data.root must be set for data={name} (e.g. data.root=/data/{name})")
+    path = Path(os.path.expanduser(root))
+    if not path.is_dir():
+        raise FileNotFoundError(f"data.root: directory not found: {path}")
+    return path
+
+
+def read_index(layout: str, root: Path, split: str, num_classes: int | None) -> annotations.VideoIndex:
+    if layout == "kinetics":
+        return annotations.kinetics_index(root, split, num_classes)
+    if layout == "folder":
+        return annotations.folder_index(root, split)
+    raise ValueError(f"data.layout must be 'kinetics' or 'folder', got {layout!r}")
+
+
+def preflight(index: annotations.VideoIndex, max_bad_fraction: float) -> list[str]:
+    """Stat every file: missing and zero-byte videos are reported now, not mid-epoch."""
+    bad = []
+    for path, _ in index.paths:
+        try:
+            if os.path.getsize(path) == 0:
+                bad.append(path)
+        except OSError:
+            bad.append(path)
+    for path in bad:
+        log.warning("skipping bad video %s: missing or empty", path)
+    check_bad_fraction(len(bad), len(index), index.source, max_bad_fraction)
+    return bad
+
+
+def check_bad_fraction(num_bad: int, total: int, source: str, max_bad_fraction: float) -> None:
+    if total and num_bad / total > max_bad_fraction:
+        raise BadDataError(
+            f"{source}: {num_bad} of {total} videos are unreadable "
+            f"({num_bad / total:.0%} > data.max_bad_fraction={max_bad_fraction}); "
+            f"see the warnings above for the files"
+        )
+
+
+def build_data(
+    *,
+    name: str,
+    layout: str,
+    root: str | None,
+    num_frames: int,
+    sampling_rate: int,
+    fps: float,
+    short_side: int,
+    crop_size: int,
+    train_scale: tuple[float, float],
+    hflip: bool,
+    batch_size: int,
+    val_batch_size: int,
+    num_workers: int,
+    val_clips: int,
+    val_crops: int,
+    max_bad_fraction: float,
+    num_classes: int | None = None,
+    synthetic: dict | None = None,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    pin_memory: bool = False,
+) -> tuple[DataBundle, list[str]]:
+    """Build train/val loaders; returns the bundle and the paths found bad by preflight."""
+    path = resolve_root(name, root, synthetic)
+    train_index = read_index(layout, path, "train", num_classes)
+    val_index = read_index(layout, path, "val", num_classes or len(train_index.class_names))
+    if layout == "folder" and val_index.class_names != train_index.class_names:
+        extra = sorted(set(val_index.class_names) - set(train_index.class_names))
+        raise annotations.AnnotationError(
+            f"{val_index.source}: class folders differ from train ({extra or 'missing classes'})"
+        )
+    bad = preflight(train_index, max_bad_fraction) + preflight(val_index, max_bad_fraction)
+    clip_duration = num_frames * sampling_rate / fps  # seconds of video one clip spans
+    train_ds = VideoClipDataset(
+        train_index, num_frames, clip_duration,
+        train_transform(short_side, crop_size, train_scale, hflip), train=True, seed=seed,
+    )
+    val_ds = VideoClipDataset(
+        val_index, num_frames, clip_duration,
+        eval_transform(short_side, crop_size, val_crops), train=False, num_clips=val_clips, seed=seed,
+    )
+    train_sampler = ResumableSampler(train_ds, shuffle=True, seed=seed, rank=rank,
+                                     world_size=world_size, drop_last=True)
+    val_sampler = ResumableSampler(val_ds, shuffle=False, seed=seed, rank=rank, world_size=world_size)
+    common = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory,
+                  persistent_workers=num_workers > 0)
+    if len(train_ds) < batch_size * world_size:
+        raise ValueError(f"data.batch_size={batch_size} exceeds the {len(train_ds)} training videos")
+    train = DataLoader(train_ds, batch_size=batch_size, sampler=train_sampler, drop_last=True, **common)
+    val = DataLoader(val_ds, batch_size=val_batch_size, sampler=val_sampler, **common)
+    names = train_index.class_names
+    bundle = DataBundle(train, val, train_sampler, names, len(names), path)
+    return bundle, bad
+

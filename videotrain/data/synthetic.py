@@ -1,0 +1,153 @@
+"""Synthetic action-recognition data written as real MP4 files.
+
+Why a two-stroke task: a per-frame model with a *mean* head sees only the *set* of frames.
+For a single object moving in one of four directions, that set still reveals the axis
+(a horizontal vs a vertical track), so an order-blind model could reach 50% on four classes.
+Here every clip has two strokes: in the first half a red square moves left or right, in the
+second half a blue square moves up or down, each from a random start over a random texture.
+The class is the pair of directions (4 classes). Reversing either stroke alone maps one class
+onto another while leaving the frame *set* unchanged, so all four classes share one
+distribution of frame sets: an order-blind model is at chance (0.25) by construction, and
+only a head that uses frame order can solve the task.
+
+Files are written with PyAV (libx264, falling back to mpeg4), deterministically for a seed, as
+``<split>/<class>/<class>_<i>.mp4`` plus Kinetics-style ``train.csv`` / ``val.csv``
+(``relative/path.mp4 label``) and ``classes.txt``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+
+CLASSES: tuple[str, ...] = ("right_then_down", "right_then_up", "left_then_down", "left_then_up")
+_RED = np.array([230, 40, 40], dtype=np.float32)
+_BLUE = np.array([40, 80, 235], dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Everything that determines the generated files; its hash names the cache folder."""
+
+    train_per_class: int = 64
+    val_per_class: int = 16
+    num_frames: int = 20  # frames per video; the first half is the red stroke, the rest blue
+    size: int = 64  # frame height and width in pixels
+    object_size: int = 12
+    travel: float = 0.45  # stroke length as a fraction of the frame size
+    fps: int = 10
+    seed: int = 0
+
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha1(blob).hexdigest()[:10]
+
+
+def _texture(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A smooth random colour texture, (H, W, 3) float32 in [0, 255]."""
+    coarse = rng.uniform(60, 190, size=(size // 8 + 2, size // 8 + 2, 3)).astype(np.float32)
+    tex = np.kron(coarse, np.ones((8, 8, 1), dtype=np.float32))[:size, :size]
+    # blur the blocks a little so the texture has no hard grid edges
+    for axis in (0, 1):
+        tex = (tex + np.roll(tex, 3, axis=axis) + np.roll(tex, -3, axis=axis)) / 3.0
+    tex += rng.normal(0, 12, size=tex.shape).astype(np.float32)
+    return np.clip(tex, 0, 255)
+
+
+def render_clip(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
+    """Render one clip of class ``label``; returns uint8 frames (T, H, W, 3)."""
+    horiz_sign = 1 if label in (0, 1) else -1  # red: right (+x) or left (-x)
+    vert_sign = 1 if label in (0, 2) else -1  # blue: down (+y) or up (-y)
+    size, obj = spec.size, spec.object_size
+    travel = spec.travel * size
+    half = spec.num_frames // 2
+    background = _texture(rng, size)
+    frames = np.empty((spec.num_frames, size, size, 3), dtype=np.uint8)
+
+    def track(sign: int) -> tuple[float, float]:
+        lo = 0.0 if sign > 0 else travel
+        hi = size - obj - (travel if sign > 0 else 0.0)
+        return rng.uniform(lo, hi), rng.uniform(0, size - obj)  # (along, across)
+
+    red_along, red_across = track(horiz_sign)
+    blue_along, blue_across = track(vert_sign)
+    for t in range(spec.num_frames):
+        frame = background.copy()
+        if t < half:
+            x = red_along + horiz_sign * travel * t / max(half - 1, 1)
+            y, colour = red_across, _RED
+        else:
+            s = t - half
+            y = blue_along + vert_sign * travel * s / max(spec.num_frames - half - 1, 1)
+            x, colour = blue_across, _BLUE
+        x0, y0 = int(round(x)), int(round(y))
+        frame[y0 : y0 + obj, x0 : x0 + obj] = colour
+        frames[t] = frame.astype(np.uint8)
+    return frames
+
+
+def write_video(path: Path, frames: np.ndarray, fps: int) -> None:
+    """Encode uint8 (T, H, W, 3) frames to ``path`` with PyAV."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "12", "preset": "veryfast", "threads": "1"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def generate(root: str | Path, spec: SyntheticSpec | None = None) -> Path:
+    """Write the dataset under ``root`` (atomically: a finished tree has ``spec.json``).
+
+    Returns ``root``. Re-running with an existing finished tree does nothing, so this is
+    safe to call at the start of every run.
+    """
+    spec = spec or SyntheticSpec()
+    root = Path(root)
+    if (root / "spec.json").exists():
+        return root
+    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    rng = np.random.default_rng(spec.seed)
+    for split, per_class in (("train", spec.train_per_class), ("val", spec.val_per_class)):
+        lines = []
+        for i in range(per_class):
+            for label, name in enumerate(CLASSES):
+                rel = f"{split}/{name}/{name}_{i:04d}.mp4"
+                write_video(tmp / rel, render_clip(spec, label, rng), spec.fps)
+                lines.append(f"{rel} {label}")
+        (tmp / f"{split}.csv").write_text("\n".join(lines) + "\n")
+    (tmp / "classes.txt").write_text("\n".join(CLASSES) + "\n")
+    (tmp / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(root)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def default_cache_root() -> Path:
+    """``$VIDEOTRAIN_CACHE`` or ``~/.cache/videotrain``."""
+    return Path(os.environ.get("VIDEOTRAIN_CACHE", Path.home() / ".cache" / "videotrain"))
+
+
+def ensure_synthetic(cache_dir: str | Path | None = None, **spec_kwargs: int | float) -> Path:
+    """Generate (once) and return the synthetic dataset root for these spec values."""
+    spec = SyntheticSpec(**spec_kwargs)
+    base = Path(cache_dir) if cache_dir else default_cache_root()
+    return generate(base / f"synthetic-{spec.digest()}", spec)

@@ -1,0 +1,1 @@
+"""Training engine: trainer loop, evaluation, checkpoints, precision, optimizers."""

@@ -1,0 +1,286 @@
+"""The training loop, in one readable place.
+
+The loop never branches on the memory strategy: the model owns it. What the loop owns is the
+bookkeeping users rely on: gradient accumulation, clipping, mixed precision, per-step peak
+memory and step time, atomic checkpoints with exact resume, bad-video accounting, and logs.
+
+Resume is exact because (a) checkpoints are taken only at optimizer-step boundaries and record
+how many samples of the current epoch were consumed, (b) the sampler's order is a function of
+``(seed, epoch)`` and can skip what was consumed, and (c) every sample's augmentation is seeded
+by ``(seed, epoch, index)``, independent of workers. Model-side randomness (dropout, SBP masks)
+comes from RNG states saved in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from videotrain.data.loaders import DataBundle, check_bad_fraction
+from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.evaluate import evaluate
+from videotrain.engine.precision import Precision
+from videotrain.metrics.logger import MetricsLogger
+from videotrain.metrics.memory import StepPeakMemory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerSettings:
+    max_epochs: int = 10
+    max_steps: int | None = None
+    grad_accum: int = 1
+    grad_clip: float | None = None
+    label_smoothing: float = 0.0
+    log_every_n_steps: int = 10
+    checkpoint_every_n_steps: int | None = None
+    val_every_n_epochs: int = 1
+    max_bad_fraction: float = 0.1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.grad_accum < 1:
+            raise ValueError(f"trainer.grad_accum must be >= 1, got {self.grad_accum}")
+        if self.max_epochs < 1:
+            raise ValueError(f"trainer.max_epochs must be >= 1, got {self.max_epochs}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"trainer.max_steps must be >= 1 or null, got {self.max_steps}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"trainer.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+
+
+def plan_steps(batches_per_epoch: int, settings: TrainerSettings) -> tuple[int, int]:
+    """(optimizer steps per epoch, total optimizer steps) for the LR schedule and the loop."""
+    per_epoch = batches_per_epoch // settings.grad_accum
+    if per_epoch < 1:
+        raise ValueError(
+            f"{batches_per_epoch} batches per epoch is fewer than trainer.grad_accum="
+            f"{settings.grad_accum}; lower data.batch_size or trainer.grad_accum"
+        )
+    by_epochs = settings.max_epochs * per_epoch
+    return per_epoch, min(settings.max_steps or by_epochs, by_epochs)
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # current epoch
+    consumed: int = 0  # samples of the current epoch already trained on (this rank)
+    skipped: set[str] = field(default_factory=set)  # bad video paths seen so far
+    step_times: list[float] = field(default_factory=list)
+    peaks: list[float] = field(default_factory=list)
+    last_val: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        data: DataBundle,
+        precision: Precision,
+        settings: TrainerSettings,
+        out_dir: str | Path,
+        logger: MetricsLogger,
+        device: torch.device,
+        is_main: bool = True,
+        preflight_bad: list[str] | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.data, self.precision, self.s = data, precision, settings
+        self.out_dir, self.logger, self.device = Path(out_dir), logger, device
+        self.is_main = is_main
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.state = TrainState(skipped=set(preflight_bad or []))
+        self.meter = StepPeakMemory(device)
+        self.steps_per_epoch, self.total_steps = plan_steps(len(data.train), settings)
+        # samples per epoch that feed full optimizer steps; a tail smaller than grad_accum
+        # micro-batches is dropped rather than leaking half-accumulated gradients
+        self.epoch_samples = self.steps_per_epoch * settings.grad_accum * data.train.batch_size
+
+    # ---------------------------------------------------------------- checkpoints
+    @property
+    def strategy(self):
+        return getattr(self.model, "module", self.model).strategy
+
+    def save(self) -> None:
+        if not self.is_main:
+            return
+        st = self.state
+        ckpt.save_atomic(
+            {
+                "model": getattr(self.model, "module", self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.precision.scaler.state_dict(),
+                "strategy": self.strategy.state_dict(),
+                "rng": ckpt.rng_state(),
+                "step": st.step,
+                "epoch": st.epoch,
+                "consumed": st.consumed,
+                "skipped": sorted(st.skipped),
+                "step_times": st.step_times,
+                "peaks": st.peaks,
+                "last_val": st.last_val,
+            },
+            self.ckpt_dir / ckpt.LAST,
+        )
+
+    def maybe_resume(self) -> bool:
+        path = ckpt.find_last(self.ckpt_dir)
+        if path is None:
+            return False
+        blob = ckpt.load(path, map_location=self.device)
+        getattr(self.model, "module", self.model).load_state_dict(blob["model"])
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scheduler.load_state_dict(blob["scheduler"])
+        self.precision.scaler.load_state_dict(blob["scaler"])
+        self.strategy.load_state_dict(blob["strategy"])
+        ckpt.set_rng_state(blob["rng"])
+        st = self.state
+        st.step, st.epoch, st.consumed = blob["step"], blob["epoch"], blob["consumed"]
+        st.skipped |= set(blob["skipped"])
+        st.step_times, st.peaks, st.last_val = blob["step_times"], blob["peaks"], blob["last_val"]
+        self.logger.truncate_after(st.step)
+        log.info("resumed from %s at step %d (epoch %d)", path, st.step, st.epoch)
+        return True
+
+    # ---------------------------------------------------------------- loop
+    def _note_skipped(self, paths: list[str], total: int, source: str) -> None:
+        if paths:
+            self.state.skipped.update(paths)
+            check_bad_fraction(len(self.state.skipped), total, source, self.s.max_bad_fraction)
+
+    def _loss(self, video: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():
+            logits = self.model(video)  # (B, K)
+        return F.cross_entropy(logits.float(), labels, label_smoothing=self.s.label_smoothing)
+
+    def _optimizer_step(self) -> float | None:
+        scaler = self.precision.scaler
+        grad_norm = None
+        if self.s.grad_clip:
+            scaler.unscale_(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.grad_clip))
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm
+
+    def train_epoch(self) -> bool:
+        """One (possibly resumed) epoch. Returns False when ``max_steps`` stopped it early."""
+        st, s = self.state, self.s
+        batch_size = self.data.train.batch_size
+        self.data.train_sampler.set_epoch(st.epoch, skip=st.consumed)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        micro, loss_sum, data_time = 0, 0.0, 0.0
+        bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
+                   desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
+        t_data = time.perf_counter()
+        for batch in self.data.train:
+            if st.consumed >= self.epoch_samples:
+                break
+            data_time += time.perf_counter() - t_data
+            self._note_skipped(batch["skipped"], len(self.data.train.dataset), "train split")
+            if micro == 0:
+                self.meter.start()
+                t_step = time.perf_counter()
+            video = batch["video"].to(self.device, non_blocking=True)  # (B, T, C, H, W)
+            labels = batch["label"].to(self.device, non_blocking=True)
+            loss = self._loss(video, labels)
+            self.precision.scaler.scale(loss / s.grad_accum).backward()
+            loss_sum += float(loss.detach())
+            micro += 1
+            st.consumed += batch_size
+            if micro < s.grad_accum:
+                t_data = time.perf_counter()
+                continue
+            grad_norm = self._optimizer_step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            st.step_times.append(time.perf_counter() - t_step)
+            peak = self.meter.stop()
+            if peak is not None:
+                st.peaks.append(peak)
+            st.step += 1
+            bar.update(1)
+            train_loss = loss_sum / s.grad_accum
+            bar.set_postfix(loss=f"{train_loss:.3f}")
+            if st.step % s.log_every_n_steps == 0 or st.step == 1:
+                row = {"train_loss": train_loss, "lr": self.scheduler.get_last_lr()[0],
+                       "epoch": st.epoch, "step_time_s": st.step_times[-1], "data_time_s": data_time,
+                       "peak_mem_mb": peak, "skipped_videos": len(st.skipped)}
+                if grad_norm is not None:
+                    row["grad_norm"] = grad_norm
+                self.logger.log(row, st.step)
+            micro, loss_sum, data_time = 0, 0.0, 0.0
+            if s.checkpoint_every_n_steps and st.step % s.checkpoint_every_n_steps == 0:
+                self.save()
+            if st.step >= self.total_steps:
+                break
+            t_data = time.perf_counter()
+        bar.close()
+        return st.consumed >= self.epoch_samples
+
+    def validate(self) -> dict[str, float]:
+        metrics = evaluate(self.model, self.data.val, self.precision, self.device,
+                           progress=self.s.progress and self.is_main,
+                           on_skipped=lambda p: self._note_skipped(p, len(self.data.val.dataset), "val split"))
+        self.state.last_val = metrics
+        self.logger.log({**metrics, "epoch": self.state.epoch}, self.state.step)
+        if self.is_main:
+            log.info("step %d epoch %d: val top1 %.3f top5 %.3f (clip top1 %.3f)", self.state.step,
+                     self.state.epoch, metrics["val_top1"], metrics["val_top5"], metrics["val_clip_top1"])
+        return metrics
+
+    def fit(self) -> dict[str, Any]:
+        st, s = self.state, self.s
+        self.maybe_resume()
+        validated_at = None
+        while st.step < self.total_steps and st.epoch < s.max_epochs:
+            finished = self.train_epoch()
+            if finished:
+                st.epoch += 1
+                st.consumed = 0
+            if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
+                self.validate()
+                validated_at = st.step
+            self.save()
+        if validated_at != st.step or not st.last_val:
+            self.validate()
+        return self.results()
+
+    def results(self) -> dict[str, Any]:
+        st = self.state
+        times = st.step_times[1:] or st.step_times  # the first step pays for lazy allocations
+        peaks = st.peaks[1:] or st.peaks
+        step_time = statistics.median(times) if times else float("nan")
+        clips = self.data.train.batch_size * self.s.grad_accum
+        return {
+            **st.last_val,
+            "train_peak_mem_mb": max(peaks) if peaks else None,
+            "step_time_s": step_time,
+            "clips_per_s": clips / step_time if times else None,
+            "memory_strategy": self.strategy.describe().get("strategy"),
+            "memory": self.strategy.describe(),
+            "skipped_videos": len(st.skipped),
+            "skipped_paths": sorted(st.skipped),
+            "epochs": st.epoch,
+            "steps": st.step,
+            "num_classes": self.data.num_classes,
+            "device": str(self.device),
+            "precision": self.precision.key,
+        }

@@ -1,0 +1,71 @@
+"""The memory-strategy seam: how the backbone is run over the frames of a clip in training.
+
+Every strategy is a small object with two methods. ``prepare`` may wrap the backbone's blocks
+once (block-level SBP, per-block checkpointing). ``encode`` runs the backbone over a clip and
+returns per-frame features plus the *positions* of the frames they belong to, so strategies
+that drop frames (frame dropout) hand the head a subset without lying about time.
+
+The model calls ``encode`` only in training with autograd on; evaluation and ``no_grad``
+always use ``encode_all_frames``. All strategies are therefore identical at test time, and the
+trainer's loop never branches on the strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class FrameFeatures:
+    features: torch.Tensor  # (B, T', D)
+    positions: torch.Tensor  # (B, T') long: frame index of each feature in the clip
+
+
+@runtime_checkable
+class MemoryStrategy(Protocol):
+    name: str
+
+    def prepare(self, backbone: nn.Module) -> nn.Module: ...
+
+    def encode(self, backbone: nn.Module, video: torch.Tensor) -> FrameFeatures: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def all_positions(video: torch.Tensor) -> torch.Tensor:
+    """Positions ``0..T-1`` for every clip of a ``(B, T, C, H, W)`` batch -> ``(B, T)``."""
+    b, t = video.shape[:2]
+    return torch.arange(t, device=video.device).expand(b, t)
+
+
+def encode_all_frames(backbone: nn.Module, video: torch.Tensor) -> FrameFeatures:
+    """Run the backbone on every frame as one batch of images: ``(B, T, ...) -> (B, T, D)``."""
+    b, t = video.shape[:2]
+    feats = backbone(video.flatten(0, 1))  # (B*T, D)
+    return FrameFeatures(feats.view(b, t, -1), all_positions(video))
+
+
+class StatelessStrategy:
+    """Defaults for strategies that keep no RNG or other state between steps."""
+
+    name = "base"
+
+    def prepare(self, backbone: nn.Module) -> nn.Module:
+        return backbone
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.name}

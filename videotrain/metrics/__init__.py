@@ -1,0 +1,1 @@
+"""Accuracy, peak memory and metric logging."""

@@ -1,0 +1,78 @@
+"""Metric sinks: ``metrics.jsonl`` (always, on rank 0) and wandb (``logger.wandb.mode``).
+
+The JSONL file is the source of truth for scripts; wandb is for people. On resume, lines
+logged after the checkpoint being resumed are dropped so the file reads as one clean run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        enabled: bool = True,
+        wandb_mode: str = "disabled",
+        wandb_project: str = "videotrain",
+        run_name: str | None = None,
+        config: dict | None = None,
+    ) -> None:
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"logger.wandb.mode must be one of {WANDB_MODES}, got {wandb_mode!r}")
+        self.out_dir = Path(out_dir)
+        self.enabled = enabled
+        self.path = self.out_dir / "metrics.jsonl"
+        self._wandb = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if wandb_mode != "disabled":
+            import wandb  # imported lazily: it is slow to import and optional at run time
+
+            id_file = self.out_dir / "wandb_run_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            self._wandb = wandb.init(
+                project=wandb_project, mode=wandb_mode, dir=str(self.out_dir), name=run_name,
+                id=run_id, resume="allow", config=config, reinit="finish_previous",
+            )
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines with ``step > step`` (written after the checkpoint we resume from)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def finish(self, summary: dict[str, Any] | None = None) -> None:
+        """Always called at the end of a job, so Hydra multirun starts each job cleanly."""
+        if self._wandb is not None:
+            if summary:
+                self._wandb.summary.update({k: _clean(v) for k, v in summary.items()})
+            self._wandb.finish()
+            self._wandb = None

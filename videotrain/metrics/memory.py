@@ -1,0 +1,77 @@
+"""Peak memory of one training step, on CUDA and on CPU.
+
+CUDA: ``max_memory_allocated`` over the step minus what was allocated before it.
+
+CPU (no allocator statistics): reset the kernel's high-water mark by writing ``5`` to
+``/proc/self/clear_refs``, run the step, then read ``VmHWM - VmRSS(before)``. glibc keeps
+freed small blocks in its heap, so large tensors must come from ``mmap`` and go back to the
+OS when freed; ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` does that (the same as starting the
+process with ``MALLOC_MMAP_THRESHOLD_=65536``). Where ``clear_refs`` is not writable the meter
+reports ``None`` rather than a wrong number.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import re
+from pathlib import Path
+
+import torch
+
+_M_MMAP_THRESHOLD = -3
+_mmap_threshold_set = False
+
+
+def _set_mmap_threshold(nbytes: int = 65536) -> None:
+    global _mmap_threshold_set
+    if _mmap_threshold_set:
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(_M_MMAP_THRESHOLD, nbytes)
+    except (OSError, AttributeError):
+        pass
+    _mmap_threshold_set = True
+
+
+def _status_kb(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(m.group(1)) if m else 0
+
+
+def _reset_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class StepPeakMemory:
+    """``start()`` before a step, ``stop()`` after it -> the step's peak increase in MB."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._base = 0
+        self._ok = True
+        if device.type == "cpu":
+            _set_mmap_threshold()
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._ok = _reset_hwm()
+            self._base = _status_kb("VmRSS") * 1024
+
+    def stop(self) -> float | None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        if not self._ok:
+            return None
+        return max(_status_kb("VmHWM") * 1024 - self._base, 0) / 2**20

@@ -1,0 +1,1 @@
+"""Per-frame backbones, temporal heads, and the video classifier that joins them."""

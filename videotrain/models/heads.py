@@ -1,0 +1,125 @@
+"""Temporal heads: per-frame features ``(B, T', D)`` at frame positions ``(B, T')`` -> logits.
+
+Heads receive the *positions* of the frames they see, not just their order, because frame
+dropout hands them a subset (``T' < T``) at training time and every frame at test time. The
+transformer indexes its position embedding by that position, so both cases mean the same
+thing to it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MeanHead(nn.Module):
+    """TSN consensus: average the frame features, then a linear classifier. Order-blind."""
+
+    def __init__(self, in_dim: int, num_classes: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(in_dim, num_classes)
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.drop(features.mean(dim=1)))  # (B, T', D) -> (B, K)
+
+
+class TConvHead(nn.Module):
+    """1-D temporal convolutions over the frame axis, then an average over time."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        num_classes: int,
+        hidden_dim: int = 256,
+        num_layers: int = 2,
+        kernel_size: int = 3,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        dim = in_dim
+        for _ in range(num_layers):
+            layers += [
+                nn.Conv1d(dim, hidden_dim, kernel_size, padding=kernel_size // 2),
+                nn.BatchNorm1d(hidden_dim),
+                nn.ReLU(inplace=True),
+            ]
+            dim = hidden_dim
+        self.net = nn.Sequential(*layers)
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(dim, num_classes)
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.net(features.transpose(1, 2))  # (B, D, T') -> (B, H, T')
+        return self.fc(self.drop(x.mean(dim=2)))
+
+
+class TransformerHead(nn.Module):
+    """A small transformer encoder with a class token and learned *position* embeddings."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        num_classes: int,
+        d_model: int = 128,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        mlp_ratio: float = 2.0,
+        dropout: float = 0.0,
+        max_frames: int = 64,
+    ) -> None:
+        super().__init__()
+        self.max_frames = max_frames
+        self.proj = nn.Linear(in_dim, d_model)
+        self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
+        self.pos = nn.Embedding(max_frames, d_model)
+        nn.init.normal_(self.pos.weight, std=0.02)
+        layer = nn.TransformerEncoderLayer(
+            d_model,
+            num_heads,
+            int(d_model * mlp_ratio),
+            dropout=dropout,
+            batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, num_classes)
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if int(positions.max()) >= self.max_frames:
+            raise ValueError(
+                f"frame position {int(positions.max())} >= model.head.max_frames={self.max_frames}"
+            )
+        x = self.proj(features) + self.pos(positions)  # (B, T', d)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + T', d)
+        x = self.encoder(x)
+        return self.fc(self.norm(x[:, 0]))
+
+
+class LSTMHead(nn.Module):
+    """An LSTM over the frames in temporal order; the last hidden state(s) classify."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        num_classes: int,
+        hidden_dim: int = 128,
+        num_layers: int = 1,
+        bidirectional: bool = True,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(
+            in_dim, hidden_dim, num_layers, batch_first=True, bidirectional=bidirectional
+        )
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(hidden_dim * (2 if bidirectional else 1), num_classes)
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        order = positions.argsort(dim=1)  # frames may arrive out of order from a strategy
+        x = features.gather(1, order[..., None].expand_as(features))  # (B, T', D)
+        _, (h, _) = self.lstm(x)  # h: (layers * dirs, B, H)
+        last = torch.cat([h[-2], h[-1]], dim=1) if self.lstm.bidirectional else h[-1]
+        return self.fc(self.drop(last))

@@ -1,0 +1,36 @@
+"""The video classifier: a per-frame backbone, a memory strategy, and a temporal head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from videotrain.memory.base import MemoryStrategy, encode_all_frames
+from videotrain.memory.e2e import EndToEnd
+from videotrain.models.backbones import FrameBackbone
+
+
+class VideoClassifier(nn.Module):
+    """``(B, T, C, H, W) -> (B, K)``.
+
+    In training with autograd on, the strategy decides how the backbone runs (and how much
+    activation memory that costs); in eval mode or under ``no_grad`` every frame is encoded
+    plainly, so all strategies agree at test time.
+    """
+
+    def __init__(
+        self, backbone: FrameBackbone, head: nn.Module, strategy: MemoryStrategy | None = None
+    ) -> None:
+        super().__init__()
+        self.strategy = strategy or EndToEnd()
+        self.backbone = self.strategy.prepare(backbone)
+        self.head = head
+
+    def forward(self, video: torch.Tensor) -> torch.Tensor:
+        if video.dim() != 5:
+            raise ValueError(f"expected video (B, T, C, H, W), got shape {tuple(video.shape)}")
+        if self.training and torch.is_grad_enabled():
+            out = self.strategy.encode(self.backbone, video)
+        else:
+            out = encode_all_frames(self.backbone, video)
+        return self.head(out.features, out.positions)  # (B, T', D), (B, T') -> (B, K)
