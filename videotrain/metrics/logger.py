@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ class MetricsLogger:
             import wandb  # imported lazily: it is slow to import and optional at run time
 
             id_file = self.out_dir / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
             self._wandb = wandb.init(
                 project=wandb_project, mode=wandb_mode, dir=str(self.out_dir), name=run_name,
