@@ -56,7 +56,10 @@ def build_model(cfg: DictConfig, num_classes: int) -> VideoClassifier:
 
 def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
                         world_size: int = 1) -> tuple[DataBundle, list[str]]:
-    d = OmegaConf.to_container(cfg.data, resolve=True)
+    for key in cfg.data:
+        if OmegaConf.is_missing(cfg.data, key):
+            raise ValueError(f"data.{key} is required for data={cfg.data.name} (e.g. data.{key}=...)")
+    d = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=True)
     return build_data(
         name=d["name"], layout=d["layout"], root=d["root"], num_frames=d["num_frames"],
         sampling_rate=d["sampling_rate"], fps=d["fps"], short_side=d["short_side"],

@@ -151,8 +151,12 @@ def build_data(
                   persistent_workers=num_workers > 0)
     if len(train_ds) < batch_size * world_size:
         raise ValueError(f"data.batch_size={batch_size} exceeds the {len(train_ds)} training videos")
-    train = DataLoader(train_ds, batch_size=batch_size, sampler=train_sampler, drop_last=True, **common)
-    val = DataLoader(val_ds, batch_size=val_batch_size, sampler=val_sampler, **common)
+    # Own generators: a loader without one draws its worker base seed from the global torch RNG
+    # each time an iterator starts, which a resumed run would replay differently (dropout, SBP).
+    train = DataLoader(train_ds, batch_size=batch_size, sampler=train_sampler, drop_last=True,
+                       generator=torch.Generator().manual_seed(seed), **common)
+    val = DataLoader(val_ds, batch_size=val_batch_size, sampler=val_sampler,
+                     generator=torch.Generator().manual_seed(seed), **common)
     names = train_index.class_names
     bundle = DataBundle(train, val, train_sampler, names, len(names), path)
     return bundle, bad

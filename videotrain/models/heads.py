@@ -68,13 +68,17 @@ class TransformerHead(nn.Module):
         mlp_ratio: float = 2.0,
         dropout: float = 0.0,
         max_frames: int = 64,
+        pos_init_std: float = 0.2,
     ) -> None:
         super().__init__()
         self.max_frames = max_frames
-        self.proj = nn.Linear(in_dim, d_model)
+        self.proj = nn.Sequential(nn.Linear(in_dim, d_model), nn.LayerNorm(d_model))
         self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
         self.pos = nn.Embedding(max_frames, d_model)
-        nn.init.normal_(self.pos.weight, std=0.02)
+        # Order is the only thing the embedding adds, and self-attention is blind to it
+        # otherwise; at ViT's usual std of 0.02 it is drowned by the projected features
+        # (~unit scale after the input LayerNorm) and the head learns time slowly.
+        nn.init.normal_(self.pos.weight, std=pos_init_std)
         layer = nn.TransformerEncoderLayer(
             d_model,
             num_heads,

@@ -1,0 +1,151 @@
+"""Shared fixtures: one tiny synthetic dataset per session, an isolated cache, Hydra helpers.
+
+Everything here is sized for a 2-core CPU: 16 train / 8 val videos of 8 frames at 32x32 px,
+clips of 4 frames, and a one-layer ViT of width 32 for the runs that actually train.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import videotrain.run
+from videotrain.data.synthetic import SyntheticSpec, generate
+
+# One intra-op thread, here and in the subprocesses (see `isolated_env`): on a small, shared
+# CPU, OpenMP's spinning worker threads make these tiny models 10-30x slower, not faster.
+torch.set_num_threads(1)
+
+TINY_SPEC = SyntheticSpec(train_per_class=4, val_per_class=2, num_frames=8, size=32, seed=0)
+
+# The synthetic generator's settings as `data.synthetic.*` overrides (they name the cache folder).
+TINY_SYNTHETIC_OVERRIDES = [
+    f"data.synthetic.{k}={getattr(TINY_SPEC, k)}"
+    for k in ("train_per_class", "val_per_class", "num_frames", "size", "seed")
+]
+
+# Small everything, for configs that are only composed and instantiated.
+SHRINK_OVERRIDES = [
+    "data.crop_size=32",
+    "data.short_side=32",
+    "data.num_frames=4",
+    "data.batch_size=4",
+    "data.val_batch_size=8",
+    "data.num_workers=0",
+    "logger.wandb.mode=disabled",
+    "trainer.progress=false",
+    "device=cpu",
+]
+
+# A model that trains in a fraction of a second per step on a CPU.
+TINY_MODEL_OVERRIDES = [
+    "model/backbone=vit_tiny",
+    "model.backbone.num_layers=1",
+    "model.backbone.hidden_dim=32",
+    "model.backbone.num_heads=2",
+    "model.backbone.mlp_dim=64",
+    "model/head=tconv",
+    "model.head.hidden_dim=16",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Keep the cache, wandb and torch hub out of the home folder, for us and subprocesses."""
+    mp = pytest.MonkeyPatch()
+    cache = tmp_path_factory.mktemp("videotrain_cache")
+    mp.setenv("VIDEOTRAIN_CACHE", str(cache))
+    mp.setenv("WANDB_MODE", "disabled")
+    mp.setenv("WANDB_DIR", str(tmp_path_factory.mktemp("wandb")))
+    mp.setenv("TORCH_HOME", str(tmp_path_factory.mktemp("torch_home")))
+    mp.setenv("OMP_NUM_THREADS", "1")
+    mp.setenv("MKL_NUM_THREADS", "1")
+    yield cache
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def tiny_root(isolated_env: Path) -> Path:
+    """The tiny synthetic dataset, generated once, where ``data=synthetic`` with
+    ``TINY_SYNTHETIC_OVERRIDES`` finds it. Read-only for tests: copy it to modify it."""
+    return generate(isolated_env / f"synthetic-{TINY_SPEC.digest()}", TINY_SPEC)
+
+
+@pytest.fixture
+def tiny_copy(tiny_root: Path, tmp_path: Path) -> Path:
+    """A private, writable copy of the tiny dataset."""
+    dst = tmp_path / "data"
+    shutil.copytree(tiny_root, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def compose_cfg() -> Callable[..., DictConfig]:
+    """``compose_cfg([...overrides])`` -> the composed root config (Hydra 1.3 compose API).
+
+    Memoized per override list (composition takes ~0.3 s); every call returns a fresh copy.
+    """
+    cache: dict[tuple[str, ...], DictConfig] = {}
+
+    def _compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+        key = tuple(overrides)
+        if key not in cache:
+            with initialize_config_dir(config_dir=videotrain.run.CONFIG_DIR, version_base="1.3"):
+                cache[key] = compose(config_name="config", overrides=list(key))
+        return copy.deepcopy(cache[key])
+
+    return _compose
+
+
+@pytest.fixture(scope="session")
+def run_overrides(tiny_root: Path) -> Callable[..., list[str]]:
+    """Overrides for a real (tiny) training run on ``root`` (default: the session dataset)."""
+
+    def _overrides(root: Path | None = None, **extra: object) -> list[str]:
+        ov = [
+            "data=kinetics",
+            f"data.root={root or tiny_root}",
+            "data.sampling_rate=2",
+            "data.fps=10",
+            *SHRINK_OVERRIDES,
+            *TINY_MODEL_OVERRIDES,
+            "trainer.log_every_n_steps=1",
+            "trainer.max_epochs=1",
+        ]
+        return ov + [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
+
+    return _overrides
+
+
+@pytest.fixture(scope="session")
+def run_cli() -> Callable[..., subprocess.CompletedProcess]:
+    """Run ``python -m videotrain ARGS`` as a subprocess in ``cwd``."""
+
+    def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "videotrain", *args], cwd=cwd, env=os.environ.copy(),
+            capture_output=True, text=True, timeout=timeout,
+        )
+
+    return _run
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+@pytest.fixture(scope="session")
+def metrics_rows() -> Callable[[Path], list[dict]]:
+    """The rows of ``RUN_DIR/metrics.jsonl``."""
+    return read_metrics

@@ -1,0 +1,135 @@
+"""Annotation readers on the generated tree, and the errors users see for broken files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from videotrain.data.annotations import (
+    AnnotationError,
+    folder_index,
+    kinetics_index,
+    parse_label_csv,
+)
+from videotrain.data.synthetic import CLASSES
+
+
+@pytest.mark.parametrize("split,n", [("train", 16), ("val", 8)])
+def test_kinetics_index_on_generated_tree(tiny_root: Path, split: str, n: int) -> None:
+    index = kinetics_index(tiny_root, split)
+    assert len(index) == n
+    assert index.class_names == list(CLASSES)  # from classes.txt, in its order
+    assert index.source == str(tiny_root / f"{split}.csv")
+    expected = dict(
+        (str(tiny_root / rel), int(label))
+        for rel, label in (ln.split() for ln in (tiny_root / f"{split}.csv").read_text().splitlines())
+    )
+    for path, info in index.paths:
+        assert Path(path).is_file()  # paths are resolved against ROOT
+        assert info["label"] == expected[path]
+    assert sorted(set(index.labels)) == [0, 1, 2, 3]
+
+
+def test_kinetics_index_infers_classes_without_classes_txt(tiny_copy: Path) -> None:
+    (tiny_copy / "classes.txt").unlink()
+    index = kinetics_index(tiny_copy, "train")
+    assert index.class_names == ["0", "1", "2", "3"]  # num_classes = max label + 1
+
+
+def test_kinetics_index_explicit_num_classes(tiny_copy: Path) -> None:
+    (tiny_copy / "classes.txt").unlink()
+    assert kinetics_index(tiny_copy, "train", num_classes=6).class_names == [str(i) for i in range(6)]
+
+
+def test_classes_txt_count_mismatch(tiny_root: Path) -> None:
+    with pytest.raises(AnnotationError, match=r"classes\.txt.*4 classes, expected 6"):
+        kinetics_index(tiny_root, "train", num_classes=6)
+
+
+def test_duplicate_class_names(tiny_copy: Path) -> None:
+    (tiny_copy / "classes.txt").write_text("a\nb\na\nc\n")
+    with pytest.raises(AnnotationError, match="duplicate class names"):
+        kinetics_index(tiny_copy, "train")
+
+
+def test_label_beyond_classes_txt(tiny_copy: Path) -> None:
+    with (tiny_copy / "train.csv").open("a") as f:
+        f.write("train/extra.mp4 4\n")
+    with pytest.raises(AnnotationError) as err:
+        kinetics_index(tiny_copy, "train")
+    msg = str(err.value)
+    assert "train.csv" in msg and "label 4" in msg and "num_classes=4" in msg
+
+
+def test_label_beyond_explicit_num_classes(tiny_root: Path) -> None:
+    with pytest.raises(AnnotationError, match=r"train\.csv: label 3 .* outside num_classes=3"):
+        kinetics_index(tiny_root, "train", num_classes=3)
+
+
+def test_missing_csv(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="train.csv"):
+        kinetics_index(tmp_path, "train")
+
+
+def test_folder_index_on_generated_tree(tiny_root: Path) -> None:
+    index = folder_index(tiny_root, "train")
+    assert index.class_names == sorted(CLASSES)  # sorted folder names, not classes.txt order
+    assert len(index) == 16
+    for path, info in index.paths:
+        assert Path(path).parent.name == index.class_names[info["label"]]
+    assert index.labels.count(0) == 4
+
+
+def test_folder_index_ignores_non_videos(tiny_copy: Path) -> None:
+    (tiny_copy / "val" / CLASSES[0] / "notes.txt").write_text("not a video")
+    assert len(folder_index(tiny_copy, "val")) == 8
+
+
+def test_folder_index_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="split folder not found"):
+        folder_index(tmp_path, "train")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(AnnotationError, match="no class folders"):
+        folder_index(tmp_path, "train")
+    (tmp_path / "train" / "a").mkdir()
+    with pytest.raises(AnnotationError, match="no video files"):
+        folder_index(tmp_path, "train")
+
+
+# ------------------------------------------------------------------- parse_label_csv
+
+
+def test_parse_label_csv_formats(tmp_path: Path) -> None:
+    f = tmp_path / "a.csv"
+    f.write_text("# comment\n\nx/a b.mp4 0\nx/c.mp4,2\n  y/d.mp4\t1  \n")
+    assert parse_label_csv(f) == [("x/a b.mp4", 0), ("x/c.mp4", 2), ("y/d.mp4", 1)]
+
+
+@pytest.mark.parametrize(
+    "bad_line,pattern",
+    [
+        ("foo.mp4 notanint", "not an integer"),
+        ("foo.mp4", "expected 'path label'"),
+        ("foo.mp4 -1", "negative label"),
+        (",3", "bad path"),
+    ],
+)
+def test_parse_label_csv_names_file_and_line(tmp_path: Path, bad_line: str, pattern: str) -> None:
+    f = tmp_path / "train.csv"
+    # line 4 is the bad one: a comment and a blank line still count as lines
+    f.write_text(f"a.mp4 0\n# comment\n\n{bad_line}\nb.mp4 1\n")
+    with pytest.raises(AnnotationError, match=pattern) as err:
+        parse_label_csv(f)
+    assert f"{f}:4:" in str(err.value)
+
+
+def test_parse_label_csv_empty(tmp_path: Path) -> None:
+    f = tmp_path / "val.csv"
+    f.write_text("# nothing here\n\n")
+    with pytest.raises(AnnotationError, match="no annotation lines"):
+        parse_label_csv(f)
+
+
+def test_annotation_error_is_a_value_error() -> None:
+    assert issubclass(AnnotationError, ValueError)

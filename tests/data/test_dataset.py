@@ -1,0 +1,204 @@
+"""The map-style clip dataset, transforms, the resumable sampler, and ``build_data``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from videotrain.data.annotations import kinetics_index
+from videotrain.data.dataset import SampleKey, VideoClipDataset, collate, uniform_indices
+from videotrain.data.loaders import ResumableSampler, build_data
+from videotrain.data.transforms import SpatialCrops, eval_transform, train_transform
+
+T, CROP = 4, 32
+CLIP_SECONDS = 0.8  # 8 frames at 10 fps: the whole synthetic video
+
+
+def _train_ds(root: Path, seed: int = 0) -> VideoClipDataset:
+    return VideoClipDataset(kinetics_index(root, "train"), T, CLIP_SECONDS,
+                            train_transform(40, CROP, (0.25, 1.0), hflip=True), train=True, seed=seed)
+
+
+def test_train_item_is_one_clip(tiny_root: Path) -> None:
+    item = _train_ds(tiny_root)[SampleKey(3, 0)]
+    assert item["video"].shape == (T, 3, CROP, CROP)
+    assert item["video"].dtype == torch.float32
+    assert item["label"] == kinetics_index(tiny_root, "train").labels[3]
+    assert item["index"] == 3 and item["skipped"] == []
+    assert torch.isfinite(item["video"]).all()
+
+
+@pytest.mark.parametrize("clips,crops", [(1, 1), (2, 3)])
+def test_val_item_stacks_clips_times_crops(tiny_root: Path, clips: int, crops: int) -> None:
+    ds = VideoClipDataset(kinetics_index(tiny_root, "val"), T, 0.4, eval_transform(40, CROP, crops),
+                          train=False, num_clips=clips)
+    video = ds[SampleKey(1, 0)]["video"]
+    assert video.shape == (clips * crops, T, 3, CROP, CROP)
+    if crops == 3:  # left / centre / right crops of a 40x40 frame really differ
+        assert not torch.equal(video[0], video[1]) and not torch.equal(video[1], video[2])
+    if clips == 2:  # two clips spaced in time (0.4 s windows of a 0.8 s video) differ
+        assert not torch.equal(video[0], video[crops])
+
+
+def test_same_key_same_pixels_whatever_the_global_rng(tiny_root: Path) -> None:
+    ds = _train_ds(tiny_root)
+    torch.manual_seed(1)
+    a = ds[SampleKey(5, 2)]["video"]
+    torch.manual_seed(12345)
+    _ = torch.rand(100)
+    b = _train_ds(tiny_root)[SampleKey(5, 2)]["video"]  # a fresh dataset object, too
+    assert torch.equal(a, b)
+    assert torch.equal(ds[5]["video"], ds[SampleKey(5, 0)]["video"])  # int key == epoch 0
+
+
+def test_augmentation_depends_on_epoch_and_seed(tiny_root: Path) -> None:
+    ds = _train_ds(tiny_root)
+    e0 = ds[SampleKey(5, 0)]["video"]
+    assert not torch.equal(e0, ds[SampleKey(5, 1)]["video"])
+    assert not torch.equal(e0, _train_ds(tiny_root, seed=1)[SampleKey(5, 0)]["video"])
+
+
+def test_item_does_not_disturb_global_rng(tiny_root: Path) -> None:
+    ds = _train_ds(tiny_root)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    ds[SampleKey(0, 0)]
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_collate() -> None:
+    items = [
+        {"video": torch.zeros(T, 3, 2, 2), "label": 1, "index": 0, "skipped": []},
+        {"video": torch.ones(T, 3, 2, 2), "label": 3, "index": 7, "skipped": ["x.mp4", "y.mp4"]},
+    ]
+    batch = collate(items)
+    assert batch["video"].shape == (2, T, 3, 2, 2)
+    assert batch["label"].tolist() == [1, 3] and batch["index"].tolist() == [0, 7]
+    assert batch["skipped"] == ["x.mp4", "y.mp4"]
+
+
+def test_uniform_indices() -> None:
+    assert uniform_indices(8, 4).tolist() == [0, 2, 5, 7]
+    assert uniform_indices(3, 5).tolist() == [0, 0, 1, 2, 2]  # repeats when too short
+    assert uniform_indices(1, 3).tolist() == [0, 0, 0]
+
+
+# ------------------------------------------------------------------- transforms
+
+
+def test_spatial_crops_positions() -> None:
+    clip = torch.arange(6 * 10).view(1, 1, 6, 10).float()  # (T, C, H, W) with W > H
+    crops = SpatialCrops(6, 3)(clip)
+    assert crops.shape == (3, 1, 1, 6, 6)
+    assert [int(c[0, 0, 0, 0]) for c in crops] == [0, 2, 4]  # left, centre, right columns
+    tall = clip.transpose(-1, -2).contiguous()  # H > W: crops move down
+    tall_crops = SpatialCrops(6, 3)(tall)
+    for i, y in enumerate((0, 2, 4)):
+        assert torch.equal(tall_crops[i], tall[..., y : y + 6, :])
+    assert int(SpatialCrops(4, 1)(clip)[0, 0, 0, 0, 0]) == 1 * 10 + 3  # centre crop
+    with pytest.raises(ValueError, match="data.val_crops"):
+        SpatialCrops(4, 0)
+
+
+def test_eval_transform_rejects_crop_larger_than_short_side() -> None:
+    with pytest.raises(ValueError, match="data.crop_size=64 exceeds data.short_side=32"):
+        eval_transform(32, 64)
+
+
+def test_train_transform_same_crop_for_every_frame() -> None:
+    torch.manual_seed(0)
+    frame = torch.randint(0, 255, (1, 3, 40, 40), dtype=torch.uint8)
+    out = train_transform(40, 16, (0.1, 0.3), hflip=True)(frame.repeat(4, 1, 1, 1))
+    assert out.shape == (4, 3, 16, 16)
+    for t in range(1, 4):  # identical frames in, identical frames out: one crop for the clip
+        assert torch.equal(out[0], out[t])
+
+
+# ------------------------------------------------------------------- sampler and loaders
+
+
+class _Sized:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_resumable_sampler_skips_what_was_consumed() -> None:
+    sampler = ResumableSampler(_Sized(10), shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    full = list(sampler)
+    assert sorted(k.index for k in full) == list(range(10))
+    assert all(k.epoch == 1 for k in full)
+    sampler.set_epoch(1, skip=4)
+    assert list(sampler) == full[4:] and len(sampler) == 6
+    sampler.set_epoch(2)
+    assert [k.index for k in sampler] != [k.index for k in full]  # reshuffled per epoch
+    again = ResumableSampler(_Sized(10), shuffle=True, seed=3)
+    again.set_epoch(1)
+    assert list(again) == full  # a function of (seed, epoch) only
+
+
+def test_resumable_sampler_shards_ranks() -> None:
+    keys = []
+    for rank in range(2):
+        s = ResumableSampler(_Sized(10), shuffle=True, seed=0, rank=rank, world_size=2, drop_last=True)
+        s.set_epoch(0)
+        keys.append({k.index for k in s})
+    assert len(keys[0]) == len(keys[1]) == 5 and not keys[0] & keys[1]
+
+
+def _build(root: Path | None, **kw):
+    args = dict(name="kinetics", layout="kinetics", root=root and str(root), num_frames=T, sampling_rate=2,
+                fps=10, short_side=32, crop_size=CROP, train_scale=(0.5, 1.0), hflip=False,
+                batch_size=4, val_batch_size=3, num_workers=0, val_clips=2, val_crops=1,
+                max_bad_fraction=0.1)
+    return build_data(**{**args, **kw})
+
+
+def test_build_data_batches(tiny_root: Path) -> None:
+    data, bad = _build(tiny_root)
+    assert bad == [] and data.num_classes == 4 and data.root == tiny_root
+    assert len(data.train) == 4  # 16 videos / batch 4
+    data.train_sampler.set_epoch(0)
+    batch = next(iter(data.train))
+    assert batch["video"].shape == (4, T, 3, CROP, CROP)
+    val = next(iter(data.val))
+    assert val["video"].shape == (3, 2, T, 3, CROP, CROP)  # (B, V = clips * crops, T, C, H, W)
+
+
+def test_build_data_folder_layout(tiny_root: Path) -> None:
+    data, _ = _build(tiny_root, name="folder", layout="folder")
+    assert data.class_names == sorted(data.class_names) and data.num_classes == 4
+
+
+def test_build_data_folder_class_mismatch(tiny_copy: Path) -> None:
+    (tiny_copy / "val" / "extra_class").mkdir()
+    with pytest.raises(ValueError, match="class folders differ from train"):
+        _build(tiny_copy, name="folder", layout="folder")
+
+
+def test_build_data_batch_larger_than_dataset(tiny_root: Path) -> None:
+    with pytest.raises(ValueError, match="data.batch_size=32 exceeds the 16 training videos"):
+        _build(tiny_root, batch_size=32)
+
+
+def test_build_data_bad_layout_and_root(tiny_root: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="data.layout"):
+        _build(tiny_root, layout="csv")
+    with pytest.raises(FileNotFoundError, match="data.root"):
+        _build(tmp_path / "nope")
+    with pytest.raises(ValueError, match="data.root must be set"):
+        _build(None)
+
+
+def test_val_label_beyond_train_classes(tiny_copy: Path) -> None:
+    (tiny_copy / "classes.txt").unlink()
+    csv = tiny_copy / "train.csv"  # train only has labels 0..2 -> 3 classes
+    csv.write_text("".join(ln + "\n" for ln in csv.read_text().splitlines() if not ln.endswith(" 3")))
+    with pytest.raises(ValueError, match=r"val\.csv: label 3 .* outside num_classes=3"):
+        _build(tiny_copy)

@@ -1,0 +1,350 @@
+"""Stochastic backpropagation: exactness against e2e, gradient spec, BN policy, memory, state."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import nn
+
+from videotrain.memory import EndToEnd, StochasticBackprop, encode_all_frames
+from videotrain.memory.sampling import keep_mask
+from videotrain.memory.sbp_blocks import branch_norms
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+GRANULARITIES = ("frame", "block")
+
+
+def sbp(**kw) -> StochasticBackprop:
+    return StochasticBackprop(**{"keep_ratio": 0.5, "seed": 0, "rank": 0, **kw})
+
+
+def backbone_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in model.backbone.named_buffers()}
+
+
+@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_keep_ratio_one_reproduces_e2e_exactly(kit, backbone: str, granularity: str) -> None:
+    ref, model = kit.model_pair(backbone, sbp(keep_ratio=1.0, granularity=granularity))
+    x = kit.video()
+    assert torch.equal(kit.step(ref, x), kit.step(model, x))
+    kit.assert_close_dicts(kit.grads(ref), kit.grads(model), rtol=0, atol=0)
+    for (n, a), b in zip(kit.bn_buffers(ref).items(), kit.bn_buffers(model).values(), strict=True):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize(("granularity", "keep_ratio"), [("frame", 0.25), ("block", 0.6)])
+def test_forward_and_running_stats_equal_e2e(kit, backbone, granularity, keep_ratio) -> None:
+    ref, model = kit.model_pair(backbone, sbp(keep_ratio=keep_ratio, granularity=granularity))
+    x = kit.video()
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+    ours, theirs = backbone_buffers(model), backbone_buffers(ref)
+    for n in theirs:
+        if n.endswith("num_batches_tracked"):
+            assert int(ours[n]) == int(theirs[n]) == 1, n  # updated exactly once
+        elif granularity == "frame":
+            assert torch.equal(ours[n], theirs[n]), n  # the stats pass *is* e2e's forward
+        else:  # later blocks see kept rows that differ from e2e's by float rounding only
+            torch.testing.assert_close(ours[n], theirs[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _hand_reference(kit, backbone: str, policy: str, keep: torch.Tensor, x: torch.Tensor):
+    """e2e with the dropped frames held constant: their features detached before the head
+    and (with full-batch BN) their rows detached at every BN input. Returns the model."""
+    ref, _ = kit.model_pair(backbone, EndToEnd())
+    mask = keep_mask(keep, kit.T)  # (B, T)
+    hooks = kit.detach_bn_inputs(ref.backbone, mask.flatten()) if policy == "full_batch" else []
+    if policy == "frozen":
+        for m in ref.backbone.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+    b, t = x.shape[:2]
+    feats = ref.backbone(x.flatten(0, 1)).view(b, t, -1)  # (B, T, D)
+    feats = torch.where(mask[..., None], feats, feats.detach())
+    logits = ref.head(feats, torch.arange(t).expand(b, t))
+    nn.functional.cross_entropy(logits, kit.labels()).backward()
+    for h in hooks:
+        h.remove()
+    return ref, logits.detach()
+
+
+@pytest.mark.parametrize(("backbone", "policy"), [("resnet", "full_batch"), ("resnet", "frozen"), ("vit", "full_batch")])
+def test_frame_granularity_gradient_spec(kit, backbone: str, policy: str) -> None:
+    strategy = sbp(keep_ratio=0.375, bn_policy=policy, nograd_chunk=3)
+    plain, model = kit.model_pair(backbone, strategy)
+    x = kit.video(requires_grad=True)
+    logits = kit.step(model, x)
+    keep = strategy.last_keep  # (B, n)
+    assert keep.shape == (kit.B, 3)
+
+    ref, ref_logits = _hand_reference(kit, backbone, policy, keep, x.detach())
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    ours, theirs = kit.grads(model.backbone), kit.grads(ref.backbone)
+    kit.assert_close_dicts(ours, theirs, rtol=1e-4, atol=1e-6)
+    # the head sees e2e's features, so its gradients are e2e's
+    kit.assert_close_dicts(kit.grads(model.head), kit.grads(ref.head), rtol=1e-4, atol=1e-6)
+    if policy == "full_batch":
+        # plain e2e: same head gradients, but different backbone gradients (the spec has teeth)
+        kit.step(plain, x.detach())
+        kit.assert_close_dicts(kit.grads(model.head), kit.grads(plain.head), rtol=1e-4, atol=1e-6)
+        assert any(not torch.allclose(ours[n], g, atol=1e-5) for n, g in kit.grads(plain.backbone).items())
+
+    per_frame = x.grad.abs().flatten(2).sum(2)  # (B, T)
+    mask = keep_mask(keep, kit.T)
+    assert bool((per_frame[~mask] == 0).all()), "dropped frames must get exactly zero gradient"
+    assert bool((per_frame[mask] > 0).all())
+
+
+def test_grad_scale_inverse_keep_scales_backbone_grads_only(kit) -> None:
+    _, plain = kit.model_pair("vit", sbp(keep_ratio=0.25))
+    _, scaled = kit.model_pair("vit", sbp(keep_ratio=0.25, grad_scale="inverse_keep"))
+    x = kit.video()
+    assert torch.equal(kit.step(plain, x), kit.step(scaled, x))  # forward unchanged
+    factor = {n: g * 4.0 for n, g in kit.grads(plain.backbone).items()}  # T / n = 8 / 2
+    kit.assert_close_dicts(kit.grads(scaled.backbone), factor, rtol=1e-5, atol=1e-6)
+    kit.assert_close_dicts(kit.grads(scaled.head), kit.grads(plain.head), rtol=0, atol=0)
+
+
+def _detach_dropped_branches(kit, ref: nn.Module, strategy: StochasticBackprop) -> list:
+    """Hooks on an e2e copy: in each wrapped block, dropped frames' residual branch outputs
+    are detached, and (full-batch BN) their rows are constants at the branch's BN inputs."""
+    hooks = []
+    blocks = ref.backbone.blocks()
+    for i, keep in strategy.last_block_keep.items():
+        rows = keep_mask(keep, kit.T).flatten()  # (N,)
+        blk = blocks[i]
+
+        def out_hook(_m, _args, out, rows=rows):
+            return kit.row_detach(out, rows)
+
+        def in_hook(_m, args, rows=rows):
+            return (kit.row_detach(args[0], rows),)
+
+        ends = [blk.dropout, blk.mlp] if hasattr(blk, "mlp") else [getattr(blk, "bn3", blk.bn2)]
+        hooks += [m.register_forward_hook(out_hook) for m in ends]
+        hooks += [m.register_forward_pre_hook(in_hook) for m in branch_norms(blk)]
+    return hooks
+
+
+@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+def test_block_granularity_matches_branch_detached_reference(kit, backbone: str) -> None:
+    strategy = sbp(keep_ratio=0.375, granularity="block", blocks=1.0)
+    ref, model = kit.model_pair(backbone, strategy)
+    x = kit.video()
+    logits = kit.step(model, x)
+    assert len(strategy.last_block_keep) == len(model.backbone.blocks())
+    hooks = _detach_dropped_branches(kit, ref, strategy)
+    ref_logits = kit.step(ref, x)
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=1e-4, atol=1e-6)
+
+
+def test_block_wrapped_block_zeroes_branch_grad_keeps_skip(kit) -> None:
+    """A single ResNet block with a downsample skip, called inside an SBP step."""
+    bb = kit.tiny_resnet()
+    strategy = sbp(granularity="block", blocks=[1])
+    plain_block = copy.deepcopy(bb.blocks()[1])
+    strategy.prepare(bb)
+    block = bb.blocks()[1]  # layer2[0]: BasicBlock with conv+BN downsample
+    assert block.downsample is not None
+    n = kit.B * kit.T
+    x = torch.randn(n, 64, 8, 8, requires_grad=True)  # (N, C, H, W)
+    w = torch.randn(n, 128, 4, 4)
+    kept = torch.tensor([0, 3, 4, 6, 9, 10, 13, 15])
+    mask = torch.zeros(n, dtype=torch.bool).index_fill_(0, kept, True)
+    dropped = (~mask).nonzero().squeeze(1)
+    with strategy.splitter.step(n, {block: (kept, dropped)}, None):
+        (block(x) * w).sum().backward()
+
+    # skip-only gradient: the branch detached for every frame
+    x_skip = x.detach().clone().requires_grad_(True)
+    skip_ref = copy.deepcopy(plain_block)
+    branch_out = []
+    skip_ref.bn2.register_forward_hook(lambda _m, _a, out: branch_out.append(out) or out.detach())
+    (skip_ref(x_skip) * w).sum().backward()
+    # full e2e gradient
+    x_full = x.detach().clone().requires_grad_(True)
+    (copy.deepcopy(plain_block)(x_full) * w).sum().backward()
+
+    assert torch.equal(x.grad[~mask], x_skip.grad[~mask]), "dropped frames: skip gradient only"
+    assert bool(x.grad[~mask].abs().sum(dim=(1, 2, 3)).gt(0).all()), "skip gradient intact"
+    assert not torch.allclose(x.grad[mask], x_skip.grad[mask]), "kept frames: branch too"
+    assert not torch.allclose(x_full.grad[~mask], x_skip.grad[~mask])  # the branch mattered
+
+
+@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_saved_activation_bytes_scale_with_keep_ratio(kit, backbone: str, granularity: str) -> None:
+    x = kit.video()
+    sizes = {}
+    for r in (0.25, 0.5, 0.75, 1.0):
+        strategy = sbp(keep_ratio=r, granularity=granularity, blocks=1.0)
+        bb = strategy.prepare(kit.BACKBONES[backbone]().train())
+        sizes[r] = kit.saved_bytes(lambda bb=bb, s=strategy: s.encode(bb, x), exclude=bb)
+    e2e_bb = kit.BACKBONES[backbone]().train()
+    assert sizes[1.0] == kit.saved_bytes(lambda: encode_all_frames(e2e_bb, x), exclude=e2e_bb)
+    assert sizes[0.25] < sizes[0.5] < sizes[0.75], sizes
+    if granularity == "frame":
+        for r in (0.25, 0.5, 0.75):
+            assert abs(sizes[r] / sizes[1.0] - r) <= 0.1 * r, (r, sizes)
+    else:
+        # each split branch also saves a copy of its kept input rows, which e2e shares with
+        # the previous layer, so r=0.75 can cost as much as e2e on ResNets; 0.5 must save
+        assert sizes[0.5] < sizes[1.0], sizes
+
+
+@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("granularity", ["block"])  # block wraps blocks *and* patches BN
+def test_noop_in_eval_and_under_no_grad(kit, backbone: str, granularity: str) -> None:
+    plain = kit.BACKBONES[backbone]()
+    strategy = sbp(granularity=granularity, blocks=1.0)
+    bb = strategy.prepare(copy.deepcopy(plain))
+    x = kit.video()
+    frames = x.flatten(0, 1)
+    with torch.no_grad():
+        assert torch.equal(bb.eval()(frames), plain.eval()(frames))
+        bb.train(), plain.train()
+        out = strategy.encode(bb, x)  # training mode, but no autograd: plain forward
+        assert torch.equal(out.features, encode_all_frames(plain, x).features)
+    assert strategy.sampler.draws == 0
+    kit.assert_close_dicts(kit.bn_buffers(bb), kit.bn_buffers(plain), rtol=0, atol=0)
+    # outside encode, wrapped blocks and patched BN behave like the originals, gradients too
+    y, y_ref = bb(frames), plain(frames)
+    assert torch.equal(y, y_ref)
+    y.square().sum().backward(), y_ref.square().sum().backward()
+    kit.assert_close_dicts(kit.grads(bb), kit.grads(plain), rtol=0, atol=0)
+
+
+def _bf16_grad_error(kit, backbone: str, strategy_factory, x: torch.Tensor) -> float:
+    """Relative L2 error of all gradients, bf16 autocast against fp32, same masks."""
+    y = kit.labels()[: x.shape[0]]
+    _, fp32 = kit.model_pair(backbone, strategy_factory(), head="mean")
+    _, bf16 = kit.model_pair(backbone, strategy_factory(), head="mean")
+    nn.functional.cross_entropy(fp32(x), y).backward()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        logits = bf16(x)
+    assert logits.dtype == torch.bfloat16
+    nn.functional.cross_entropy(logits.float(), y).backward()
+    ref = torch.cat([g.flatten() for g in kit.grads(fp32).values()])
+    got = torch.cat([g.flatten().float() for g in kit.grads(bf16).values()])
+    return float((got - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize(("backbone", "granularity"), [("resnet", "frame"), ("vit", "block")])
+def test_bf16_autocast_runs_and_matches_fp32(kit, backbone: str, granularity: str) -> None:
+    # CPUs without native bf16 run bf16 convolutions slowly: a (1, 4) clip for the ResNet
+    x = kit.video()[:1, :4] if backbone == "resnet" else kit.video()
+    err = _bf16_grad_error(kit, backbone, lambda: sbp(granularity=granularity), x)
+    # loose: bf16 itself moves this tiny model's gradients (a BN ResNet's by ~20% in e2e)
+    e2e_err = _bf16_grad_error(kit, backbone, EndToEnd, x)
+    assert err < max(0.1, 1.5 * e2e_err), (err, e2e_err)
+
+
+def test_frozen_policy_keeps_running_stats_and_uses_them(kit) -> None:
+    ref, model = kit.model_pair("resnet", sbp(bn_policy="frozen"))
+    before = backbone_buffers(model)
+    x = kit.video()
+    logits = kit.step(model, x)
+    kit.assert_close_dicts(backbone_buffers(model), before, rtol=0, atol=0)
+    for m in ref.backbone.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    torch.testing.assert_close(logits, ref(x).detach(), rtol=1e-5, atol=1e-5)
+    assert all(m.training for m in model.backbone.modules()), "modes restored after encode"
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_state_dict_round_trip_reproduces_next_mask(kit, granularity: str) -> None:
+    def masks(s: StochasticBackprop):
+        return s.last_keep if granularity == "frame" else s.last_block_keep
+
+    a = sbp(granularity=granularity, seed=7)
+    _, model = kit.model_pair("vit", a)
+    for i in range(2):
+        model(kit.video(i))
+    state = copy.deepcopy(a.state_dict())
+    model(kit.video(2))
+    expected = copy.deepcopy(masks(a))
+
+    b = sbp(granularity=granularity, seed=0)  # the checkpoint's seed wins
+    _, model_b = kit.model_pair("vit", b)
+    b.load_state_dict(state)
+    model_b(kit.video(2))
+    got = masks(b)
+    if granularity == "frame":
+        assert torch.equal(got, expected)
+    else:
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_describe_and_validation() -> None:
+    d = sbp(granularity="block", sampler="uniform").describe()
+    assert d["strategy"] == "sbp" and d["keep_ratio"] == 0.5
+    assert (d["granularity"], d["sampler"], d["bn_policy"], d["grad_scale"]) == (
+        "block", "uniform", "full_batch", "none")
+    for bad in ({"keep_ratio": 0.0}, {"granularity": "layer"}, {"grad_scale": "sqrt"},
+                {"bn_policy": "split"}, {"nograd_chunk": 0}, {"sampler": "stride"}):
+        with pytest.raises(ValueError):
+            sbp(**bad)
+    with pytest.raises(ValueError, match="blocks"):
+        sbp(granularity="block", blocks=[0, 9]).prepare(_tiny_resnet_for_validation())
+    with pytest.raises(TypeError, match="residual branch"):
+        s = sbp(granularity="block")
+        s.prepare(_BlocklessBackbone())
+
+
+def _tiny_resnet_for_validation() -> nn.Module:
+    from videotrain.models.backbones import resnet
+
+    return resnet(layers=[1, 1, 1, 1])
+
+
+class _BlocklessBackbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def blocks(self) -> list[nn.Module]:
+        return [self.lin]
+
+
+def test_default_blocks_are_first_two_thirds(kit) -> None:
+    s = sbp(granularity="block")
+    s.prepare(kit.tiny_resnet())
+    assert s.block_indices == [0, 1, 2]  # round(2/3 * 4)
+    s = sbp(granularity="block", blocks=[-1])
+    s.prepare(kit.tiny_vit())
+    assert s.block_indices == [1]
+
+
+def test_unprepared_backbone_is_an_error(kit) -> None:
+    with pytest.raises(RuntimeError, match="prepare"):
+        sbp().encode(kit.tiny_resnet().train(), kit.video())
+
+
+@pytest.mark.parametrize("name", ["sbp", "frame_dropout", "e2e"])
+def test_memory_configs_instantiate(name: str) -> None:
+    strategy = instantiate(OmegaConf.load(CONFIGS / "memory" / f"{name}.yaml"))
+    assert strategy.name == name
+    assert strategy.describe()["strategy"] == name
+    if name != "e2e":
+        assert strategy.keep_ratio == 0.5
+
+
+@pytest.mark.parametrize("exp", ["synthetic_sbp", "kinetics_sbp"])
+def test_exp_configs_select_sbp(exp: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=[f"+exp={exp}"])
+    assert cfg.memory._target_.endswith("StochasticBackprop")
+    assert cfg.memory.keep_ratio == 0.5

@@ -1,0 +1,105 @@
+"""scripts/summarize_sweep.py on a fabricated Hydra multirun folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "summarize_sweep.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def summarize_sweep():
+    spec = importlib.util.spec_from_file_location("summarize_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_job(root: Path, name: str, overrides: list[str], results: dict | None = None,
+             memory_cfg: dict | None = None) -> Path:
+    job = root / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if memory_cfg is not None:
+        (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"memory": memory_cfg}))
+    if results is not None:
+        (job / "results.json").write_text(json.dumps(results))
+    return job
+
+
+def results(strategy: str, top1: float, mem: float, **memory) -> dict:
+    return {"val_top1": top1, "val_top5": 1.0, "train_peak_mem_mb": mem, "step_time_s": 0.5,
+            "clips_per_s": 16.0, "memory_strategy": strategy,
+            "memory": {"strategy": strategy, **memory}, "epochs": 5}
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    root = tmp_path / "multirun" / "2024-01-01" / "12-00-00"
+    (root).mkdir(parents=True)
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    make_job(root, "0_memory=e2e", ["memory=e2e"], results("e2e", 0.90, 160.0))
+    # keep ratio from the override
+    make_job(root, "1_memory=sbp,memory.keep_ratio=0.5", ["memory=sbp", "memory.keep_ratio=0.5"],
+             results("sbp", 0.88, 80.0, keep_ratio=0.5, granularity="frame"))
+    # crashed before results.json: strategy and keep ratio still come from the overrides
+    make_job(root, "2_memory=sbp,memory.keep_ratio=0.25", ["memory=sbp", "memory.keep_ratio=0.25"],
+             memory_cfg={"_target_": "videotrain.memory.sbp.StochasticBackprop",
+                         "keep_ratio": 0.25, "granularity": "frame"})
+    return root
+
+
+def table_rows(table: str) -> list[list[str]]:
+    lines = [ln for ln in table.splitlines() if ln.startswith("|")][2:]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+
+
+def test_summary_table_and_plot(sweep: Path, summarize_sweep) -> None:
+    jobs, table = summarize_sweep.summarize(sweep)
+    assert len(jobs) == 3
+    rows = table_rows(table)
+    assert [(r[1], r[3]) for r in rows] == [("e2e", "1.00"), ("sbp", "0.25"), ("sbp", "0.50")]
+    e2e, failed, sbp = rows
+    assert e2e[4] == "0.900" and e2e[6] == "160.0" and e2e[10] == "ok"
+    assert sbp[2] == "frame" and sbp[4] == "0.880" and sbp[6] == "80.0"
+    assert failed[10].startswith("failed") and failed[4] == "–" and failed[2] == "frame"
+    md = (sweep / "summary.md").read_text()
+    assert table in md
+    png = sweep / "summary.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+
+
+def test_keep_ratio_fallbacks(tmp_path: Path, summarize_sweep) -> None:
+    make_job(tmp_path, "0_exp", ["+exp=synthetic_sbp"], results("sbp", 0.5, 50.0, keep_ratio=0.75))
+    make_job(tmp_path, "1_seed=1", ["seed=1"], results("e2e", 0.6, 100.0))
+    make_job(tmp_path, "2_seed=2", ["model/backbone=vit_tiny"], results("frame_dropout", 0.4, 40.0))
+    jobs = {j["job"]: j for j in map(lambda p: summarize_sweep.load_job(p, tmp_path),
+                                     summarize_sweep.find_jobs(tmp_path))}
+    assert jobs["0_exp"]["keep_ratio"] == 0.75  # from results["memory"]
+    assert jobs["1_seed=1"]["keep_ratio"] == 1.0  # e2e
+    assert jobs["2_seed=2"]["keep_ratio"] is None  # unknown: shown as "–", not plotted
+    _, table = summarize_sweep.summarize(tmp_path)
+    assert "varying overrides" in table  # +exp and model/backbone differ across jobs
+
+
+def test_cli_prints_table(sweep: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(sweep)], capture_output=True,
+                          text=True, env=os.environ.copy(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(table_rows(proc.stdout)) == 3
+    assert "1 failed job(s)" in proc.stderr
+
+
+def test_cli_missing_dir(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not a directory" in proc.stderr

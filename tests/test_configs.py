@@ -1,0 +1,205 @@
+"""Every Hydra config option composes, resolves and instantiates (options are discovered from
+``configs/``, so a new YAML file is tested without editing this file)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SHRINK_OVERRIDES, TINY_SYNTHETIC_OVERRIDES
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
+
+import videotrain.run as run
+from videotrain.data.loaders import build_data
+from videotrain.engine.optim import build_optimizer, warmup_cosine
+from videotrain.engine.precision import Precision
+from videotrain.engine.trainer import TrainerSettings, plan_steps
+from videotrain.memory.base import MemoryStrategy
+from videotrain.metrics.logger import WANDB_MODES
+from videotrain.models.backbones import FrameBackbone
+from videotrain.models.video import VideoClassifier
+
+CONFIG_DIR = Path(run.CONFIG_DIR)
+CPU = torch.device("cpu")
+
+
+def _groups() -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for f in sorted(CONFIG_DIR.rglob("*.yaml")):
+        group = f.parent.relative_to(CONFIG_DIR).as_posix()
+        if group != ".":
+            groups.setdefault(group, []).append(f.stem)
+    return groups
+
+
+GROUPS = _groups()
+OPTIONS = [(g, o) for g, opts in GROUPS.items() for o in opts]
+
+
+def _select(group: str, option: str) -> str:
+    return f"+{group}={option}" if group == "exp" else f"{group}={option}"
+
+
+def test_discovery_found_the_known_groups() -> None:
+    # a guard for the discovery itself: these must exist, more may be added
+    for group, option in [("data", "synthetic"), ("data", "kinetics"), ("data", "folder"),
+                          ("model/backbone", "resnet10"), ("model/head", "tconv"),
+                          ("memory", "e2e"), ("optim", "adamw"), ("sched", "cosine"),
+                          ("trainer", "default"), ("logger", "wandb"), ("exp", "synthetic_e2e")]:
+        assert option in GROUPS.get(group, []), (group, option)
+
+
+@pytest.fixture
+def tiny_cfg(compose_cfg, tiny_root: Path, isolated_env: Path):
+    """Compose with a group choice, pointing the data at the tiny session dataset."""
+
+    def _cfg(*overrides: str) -> DictConfig:
+        first = compose_cfg(list(overrides))
+        if first.data.name == "synthetic":  # generated into the cache: reuse the session tree
+            data = [f"data.root={isolated_env}", *TINY_SYNTHETIC_OVERRIDES]
+        else:
+            data = [f"data.root={tiny_root}"]
+        return compose_cfg([*overrides, *data])
+
+    return _cfg
+
+
+def _shrunk(cfg: DictConfig, *extra: str) -> DictConfig:
+    """A copy with ``SHRINK_OVERRIDES`` (plain values) applied, like command-line overrides."""
+    small = cfg.copy()
+    for item in [*SHRINK_OVERRIDES, *extra]:
+        key, value = item.split("=", 1)
+        OmegaConf.update(small, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=False)
+    return small
+
+
+def _instantiate_all(cfg: DictConfig) -> VideoClassifier:
+    """What ``videotrain.run.train`` builds before its first step, without training."""
+    settings = run.trainer_settings(cfg)
+    precision = Precision(cfg.trainer.precision, CPU)
+    assert cfg.sched.name == "cosine", "run.train accepts only sched.name=cosine"
+    data, bad = run.build_data_from_cfg(cfg, CPU)
+    assert bad == [] and data.num_classes == 4
+    model = run.build_model(cfg, data.num_classes)
+    optimizer = build_optimizer(model, **OmegaConf.to_container(cfg.optim, resolve=True))
+    _, total = plan_steps(len(data.train), settings)
+    warmup_cosine(optimizer, total, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio)
+    data.train_sampler.set_epoch(0)
+    batch = next(iter(data.train))
+    model.eval()
+    with torch.no_grad(), precision.autocast():
+        logits = model(batch["video"][:2])
+    assert logits.shape == (2, 4) and logits.float().isfinite().all()
+    return model
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_option_composes_resolves_and_instantiates(tiny_cfg, group: str, option: str) -> None:
+    cfg = tiny_cfg(_select(group, option))
+    # every interpolation resolves and nothing required is left unset (given data.root)
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert cfg.logger.wandb.mode in WANDB_MODES
+    assert str(cfg.trainer.precision) in {"32", "bf16", "16"}
+    # no network in tests: the offline error for pretrained weights is tested elsewhere
+    model = _instantiate_all(_shrunk(cfg, "model.pretrained=null"))
+    assert isinstance(model.backbone, FrameBackbone)
+    if group == "memory":
+        assert isinstance(model.strategy, MemoryStrategy)
+
+
+BACKBONE_OPTIONS = GROUPS["model/backbone"]
+HEAD_OPTIONS = GROUPS["model/head"]
+
+
+@pytest.mark.parametrize("head", HEAD_OPTIONS)
+@pytest.mark.parametrize("backbone", BACKBONE_OPTIONS)
+def test_backbone_head_pairs_build_and_run(compose_cfg, backbone: str, head: str) -> None:
+    # the two groups are independent: compose each option once, then pair them up
+    cfg = compose_cfg([f"model/backbone={backbone}", "data.crop_size=32"])
+    cfg.model.head = compose_cfg([f"model/head={head}", "data.crop_size=32"]).model.head
+    model = run.build_model(cfg, num_classes=4)
+    assert isinstance(model.backbone, FrameBackbone)
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 2, 3, 32, 32)).shape == (1, 4)
+
+
+# ------------------------------------------------------------------- keys vs signatures
+
+
+def _params(fn) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+@pytest.mark.parametrize("option", GROUPS["data"])
+def test_data_keys_are_build_data_arguments(compose_cfg, option: str) -> None:
+    keys = set(compose_cfg([f"data={option}"]).data)
+    accepted = _params(build_data) - {"seed", "rank", "world_size", "pin_memory"}
+    assert keys == accepted, f"unused: {keys - accepted}, missing: {accepted - keys}"
+
+
+@pytest.mark.parametrize("option", GROUPS["trainer"])
+def test_trainer_keys_are_trainer_settings(compose_cfg, option: str) -> None:
+    keys = set(compose_cfg([f"trainer={option}"]).trainer)
+    fields = {f.name for f in dataclasses.fields(TrainerSettings)} - {"max_bad_fraction"}
+    assert keys == fields | {"precision"}, keys ^ (fields | {"precision"})
+
+
+@pytest.mark.parametrize("option", GROUPS["optim"])
+def test_optim_keys_are_build_optimizer_arguments(compose_cfg, option: str) -> None:
+    keys = set(compose_cfg([f"optim={option}"]).optim)
+    assert keys <= _params(build_optimizer) - {"model"}
+
+
+@pytest.mark.parametrize("option", GROUPS["sched"])
+def test_sched_keys_are_schedule_arguments(compose_cfg, option: str) -> None:
+    keys = set(compose_cfg([f"sched={option}"]).sched)
+    assert keys <= {"name"} | (_params(warmup_cosine) - {"optimizer", "total_steps"})
+
+
+@pytest.mark.parametrize("option", GROUPS["logger"])
+def test_logger_keys(compose_cfg, option: str) -> None:
+    logger = compose_cfg([f"logger={option}"]).logger
+    assert set(logger) == {"wandb"} and set(logger.wandb) == {"mode", "project"}
+
+
+# ------------------------------------------------------------------- specific configs
+
+
+def test_default_config_values(compose_cfg) -> None:
+    cfg = compose_cfg()
+    assert cfg.data.name == "synthetic" and cfg.data.root is None
+    assert cfg.model.backbone.layers == [1, 1, 1, 1] and cfg.model.head._target_.endswith("TConvHead")
+    assert cfg.memory._target_ == "videotrain.memory.e2e.EndToEnd"
+    assert cfg.data.hflip is False  # a flip swaps the synthetic task's left/right classes
+
+
+@pytest.mark.parametrize("option", ["kinetics", "folder"])
+def test_real_datasets_require_root(compose_cfg, option: str, tmp_path: Path) -> None:
+    cfg = compose_cfg([f"data={option}"])
+    assert OmegaConf.is_missing(cfg.data, "root")
+    with pytest.raises(FileNotFoundError, match="data.root"):
+        run.build_data_from_cfg(cfg, CPU)
+
+
+def test_kinetics_exp_overlays(compose_cfg, tiny_root: Path) -> None:
+    cfg = compose_cfg(["+exp=kinetics_e2e", f"data.root={tiny_root}"])
+    assert cfg.data.name == "kinetics" and cfg.optim.name == "sgd"
+    assert cfg.model.backbone.depth == 50 and cfg.model.head._target_.endswith("TransformerHead")
+    assert cfg.model.pretrained == "DEFAULT" and cfg.trainer.precision == "bf16"
+
+
+def test_vit_image_size_follows_crop(compose_cfg) -> None:
+    cfg = compose_cfg(["model/backbone=vit_tiny", "data.crop_size=48"])
+    assert cfg.model.backbone.image_size == 48
+
+
+def test_unknown_key_is_named(compose_cfg) -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_cfg(["data.nonexistent_key=1"])
+    text = f"{err.value} {err.value.__cause__}"
+    assert "data.nonexistent_key" in text

@@ -1,0 +1,13 @@
+"""Cost benchmark of the memory strategies (design §3): ``python -m videotrain.bench``.
+
+Each configuration (a *row*) runs in a fresh subprocess on the same model config and the same
+synthetic batch, and reports peak training-step memory, median step time after warm-up,
+clips/s and the bytes of activations saved for backward, each also as a ratio to the e2e row
+of the same backbone in the same run. Suites are lists of row specs in ``suites.py``.
+"""
+
+from videotrain.bench.child import saved_activation_bytes, synthetic_batch
+from videotrain.bench.cli import main, run_bench
+from videotrain.bench.suites import SUITES, row
+
+__all__ = ["SUITES", "main", "row", "run_bench", "saved_activation_bytes", "synthetic_batch"]

@@ -1,0 +1,137 @@
+"""One benchmark row, measured in its own process (``python -m videotrain.bench --child SPEC``).
+
+The parent starts every row in a fresh interpreter so that one row's allocator state, caches
+and high-water mark never leak into the next. On CPU it sets ``MALLOC_MMAP_THRESHOLD_=65536``
+so large freed blocks go back to the OS and ``VmHWM`` tracks tensor memory (see
+``videotrain.metrics.memory``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def synthetic_batch(batch_size: int, frames: int, size: int, num_classes: int,
+                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same random clip batch in every row: video ``(B, T, 3, H, W)``, labels ``(B,)``."""
+    g = torch.Generator().manual_seed(seed)
+    video = torch.randn(batch_size, frames, 3, size, size, generator=g)
+    labels = torch.randint(0, num_classes, (batch_size,), generator=g)
+    return video, labels
+
+
+def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes of the unique storages autograd saves for backward in one forward of ``model``.
+
+    Parameters, buffers and the inputs themselves are not counted (they exist anyway), nor are
+    views counted twice. Deterministic, so good for tests; 0 under ``no_grad``. Every saved
+    tensor is held until the count is done, so a freed storage's address cannot be reused and
+    confused with another. Run it in training mode to see what a training step keeps.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in chain(model.parameters(), model.buffers(), inputs)}
+    held: list[torch.Tensor] = []
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # e.g. sparse or wrapper tensors
+            return t
+        ptr = storage.data_ptr()
+        if ptr and ptr not in skip:
+            held.append(t)
+            sizes[ptr] = max(sizes.get(ptr, 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*inputs)
+    del out
+    held.clear()
+    return sum(sizes.values())
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Compose the row's config, build model + AdamW, run warm-up and measured steps.
+
+    ``peak_mem_mb`` is the whole step's peak (forward, backward with the gradients it
+    allocates, AdamW update); ``fwd_bwd_peak_mb`` the peak up to the end of backward (the
+    same high-water mark read before the optimizer step). Both are increases over the memory
+    in use before the step (parameters, optimizer state, the input batch)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from videotrain.engine.optim import build_optimizer
+    from videotrain.engine.precision import Precision
+    from videotrain.metrics.memory import StepPeakMemory
+    from videotrain.run import CONFIG_DIR, build_model, resolve_device, seed_everything
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(spec["overrides"]))
+    device = resolve_device(cfg.device)
+    precision = Precision(cfg.trainer.precision, device)
+    seed_everything(cfg.seed)
+    model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    optimizer = build_optimizer(model, "adamw", lr=optim.get("lr", 1e-3),
+                                weight_decay=optim.get("weight_decay", 0.0))
+    video, labels = synthetic_batch(spec["batch_size"], spec["frames"], spec["size"],
+                                    spec["num_classes"], spec.get("seed", 0))
+    video, labels = video.to(device), labels.to(device)  # (B, T, C, H, W), (B,)
+    meter = StepPeakMemory(device)
+    scaler = precision.scaler
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+
+    def step(measured: bool = False) -> float | None:
+        with precision.autocast():
+            logits = model(video)  # (B, K)
+        scaler.scale(F.cross_entropy(logits.float(), labels)).backward()
+        fwd_bwd = meter.stop() if measured else None  # high-water mark so far, not reset
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return fwd_bwd
+
+    for _ in range(spec["warmup"]):
+        step()
+    times: list[float] = []
+    peaks: list[float] = []
+    fwd_bwd: list[float] = []
+    for _ in range(spec["steps"]):
+        meter.start()
+        t0 = time.perf_counter()
+        fb = step(measured=True)
+        times.append(time.perf_counter() - t0)
+        peak = meter.stop()
+        if peak is not None and fb is not None:
+            peaks.append(peak)
+            fwd_bwd.append(fb)
+    with precision.autocast():
+        saved = saved_activation_bytes(model, video)
+    step_time = statistics.median(times) if times else float("nan")
+    return {
+        "peak_mem_mb": max(peaks) if peaks else None,
+        "peak_mem_mb_median": statistics.median(peaks) if peaks else None,
+        "step_time_s": step_time,
+        "clips_per_s": spec["batch_size"] / step_time if times else None,
+        "fwd_bwd_peak_mb": max(fwd_bwd) if fwd_bwd else None,
+        "saved_act_mb": saved / 2**20,
+        "step_times_s": times,
+        "peak_mems_mb": peaks,
+        "memory": model.strategy.describe(),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "device": str(device),
+        "precision": precision.key,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }

@@ -1,0 +1,141 @@
+"""Ratios against e2e, the markdown table, the JSON file and the plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from videotrain.bench.suites import ROW_FIELDS
+
+# (column title, row key, format) of the markdown table
+COLUMNS = [
+    ("backbone", "backbone", "{}"),
+    ("strategy", "strategy", "{}"),
+    ("granularity", "granularity", "{}"),
+    ("policy", "policy", "{}"),
+    ("keep", "keep_ratio", "{:.2f}"),
+    ("peak MB", "peak_mem_mb", "{:.1f}"),
+    ("mem ×e2e", "mem_ratio", "{:.2f}"),
+    ("fwd+bwd MB", "fwd_bwd_peak_mb", "{:.1f}"),
+    ("step s", "step_time_s", "{:.3f}"),
+    ("time ×e2e", "time_ratio", "{:.2f}"),
+    ("clips/s", "clips_per_s", "{:.2f}"),
+    ("saved act MB", "saved_act_mb", "{:.1f}"),
+    ("act ×e2e", "act_ratio", "{:.2f}"),
+]
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``mem_ratio``, ``time_ratio``, ``act_ratio`` against the e2e row of the same backbone
+    (None where that row failed or is missing)."""
+    refs = {r["backbone"]: r for r in rows if r["strategy"] == "e2e" and not r.get("error")}
+    for r in rows:
+        ref = refs.get(r["backbone"])
+        for ratio, key in (("mem_ratio", "peak_mem_mb"), ("time_ratio", "step_time_s"),
+                           ("act_ratio", "saved_act_mb")):
+            num, den = r.get(key), ref.get(key) if ref else None
+            r[ratio] = num / den if num is not None and den else None
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "–"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    columns = list(COLUMNS)
+    if any(r.get("budget_frac") is not None for r in rows):
+        columns.insert(5, ("budget", "budget_frac", "{:g}"))
+    lines = ["| " + " | ".join(c[0] for c in columns) + " | status |",
+             "|" + "---|" * (len(columns) + 1)]
+    for r in rows:
+        status = "ok"
+        if r.get("error"):
+            status = "FAILED: " + r["error"].strip().splitlines()[-1][:160].replace("|", "\\|")
+        lines.append("| " + " | ".join(_cell(r.get(k), f) for _, k, f in columns)
+                     + f" | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def _series(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("error") or r.get("mem_ratio") is None:
+            continue
+        label = "/".join(str(r[k]) for k in ("backbone", "strategy", "granularity", "policy")
+                         if r.get(k))
+        if r.get("budget_frac") is not None:
+            label += f"/b{r['budget_frac']:g}"
+        groups.setdefault(label, []).append(r)
+    return groups
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Three panels: memory ratio and time ratio against keep ratio (one line per
+    backbone/strategy/granularity/policy), and time ratio against memory ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    groups = _series(rows)
+    for i, (label, rs) in enumerate(sorted(groups.items())):
+        rs = sorted(rs, key=lambda r: r["keep_ratio"])
+        color = f"C{i % 10}"
+        style = dict(color=color, label=label, marker="*" if rs[0]["strategy"] == "e2e" else "o",
+                     markersize=11 if rs[0]["strategy"] == "e2e" else 6,
+                     linestyle="--" if rs[0]["backbone"].startswith("vit") else "-")
+        keeps = [r["keep_ratio"] for r in rs]
+        axes[0].plot(keeps, [r["mem_ratio"] for r in rs], **style)
+        if rs[0].get("time_ratio") is not None:
+            axes[1].plot(keeps, [r["time_ratio"] for r in rs], **style)
+            axes[2].plot([r["mem_ratio"] for r in rs], [r["time_ratio"] for r in rs], **style)
+    for ax, (x, y) in zip(axes, [("keep ratio", "peak memory / e2e"),
+                                 ("keep ratio", "step time / e2e"),
+                                 ("peak memory / e2e", "step time / e2e")], strict=True):
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(bottom=0)
+    axes[2].axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    axes[0].set_title("memory")
+    axes[1].set_title("time")
+    axes[2].set_title("trade-off")
+    if groups:
+        axes[2].legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def public_row(r: dict[str, Any]) -> dict[str, Any]:
+    """The row as written to bench.json: reported fields first, then the details."""
+    first = ["name", *ROW_FIELDS, "budget_frac", "peak_mem_mb", "step_time_s", "clips_per_s",
+             "saved_act_mb", "mem_ratio", "time_ratio", "act_ratio", "fwd_bwd_peak_mb"]
+    out = {k: r.get(k) for k in first}
+    out.update({k: v for k, v in r.items() if k not in out})
+    return out
+
+
+def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """``bench.json``, ``bench.md`` and ``bench.png`` in ``out_dir``; returns the table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows)
+    (out_dir / "bench.json").write_text(
+        json.dumps({"rows": [public_row(r) for r in rows], "meta": meta}, indent=2) + "\n")
+    s = meta["setting"]
+    title = (f"{meta['device']} · torch {meta['torch']} · B={s['batch_size']} T={s['frames']} "
+             f"{s['size']}px · {' '.join(s['extra_overrides'])}")
+    header = f"# videotrain bench\n\n{title}\n\n"
+    (out_dir / "bench.md").write_text(header + table)
+    plot(rows, out_dir / "bench.png", title)
+    return table

@@ -1,0 +1,81 @@
+"""``memory=frame_dropout``: train on a random subset of frames; the rest are never computed.
+
+This is the "Frame Dropout" baseline the SBP paper compares against (as used in VATT). Each
+training clip keeps ``n_keep = clamp(round(r*T), 1, T)`` frames; the dropped frames cost no
+forward, no backward and no memory. The head sees ``(B, n_keep, D)`` features together with
+their *true* frame positions, so position-aware heads (transformer, LSTM) know where in the clip
+each feature came from. Evaluation uses all frames (the model never calls ``encode`` there).
+
+How it differs from SBP: SBP still runs the forward pass on every frame, so the head sees the
+whole clip during training and only the backbone's backward is subsampled. Frame dropout also
+changes what the head sees (a train/test gap for temporal heads), but saves the forward too.
+
+BatchNorm needs no policy here: there is one backbone pass per step over the kept frames, so
+batch statistics are those of the kept frames (that *is* frame dropout) and running statistics
+update once. At ``keep_ratio=1`` the strategy is plain e2e, exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from videotrain.memory.base import FrameFeatures, encode_all_frames
+from videotrain.memory.sampling import FrameSampler, n_keep
+
+
+def gather_frames(video: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``video (B, T, ...)``, kept indices ``idx (B, n)`` -> kept frames ``(B, n, ...)``."""
+    batch = torch.arange(video.shape[0], device=video.device)[:, None]  # (B, 1)
+    return video[batch, idx]
+
+
+class FrameDropout:
+    """Keep a random subset of frames per clip in training; see the module docstring.
+
+    ``rank`` defaults to the ``RANK`` environment variable, so DDP ranks draw different masks.
+    """
+
+    name = "frame_dropout"
+
+    def __init__(
+        self, keep_ratio: float = 0.5, sampler: str = "random", seed: int = 0, rank: int | None = None
+    ) -> None:
+        n_keep(keep_ratio, 1)  # validates the ratio
+        self.keep_ratio = float(keep_ratio)
+        self.sampler = FrameSampler(sampler, seed, rank)
+        self.last_keep: torch.Tensor | None = None  # (B, n) of the last step, for inspection
+
+    def prepare(self, backbone: nn.Module) -> nn.Module:
+        return backbone  # nothing to wrap: dropped frames are simply not computed
+
+    def encode(self, backbone: nn.Module, video: torch.Tensor) -> FrameFeatures:
+        """``video (B, T, C, H, W) -> features (B, n, D)`` at their positions ``(B, n)``."""
+        if not (torch.is_grad_enabled() and backbone.training):
+            return encode_all_frames(backbone, video)
+        b, t = video.shape[:2]
+        keep = n_keep(self.keep_ratio, t)
+        if keep == t:
+            return encode_all_frames(backbone, video)  # r=1: exactly e2e
+        idx = self.sampler.sample(b, t, keep, video.device)  # (B, n) sorted
+        self.last_keep = idx
+        kept = gather_frames(video, idx)  # (B, n, C, H, W)
+        feats = backbone(kept.flatten(0, 1))  # (B*n, D)
+        return FrameFeatures(feats.view(b, keep, -1), idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "keep_ratio": self.keep_ratio,
+            "sampler": self.sampler.kind,
+            "seed": self.sampler.seed,
+        }

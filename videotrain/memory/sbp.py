@@ -1,0 +1,215 @@
+"""``memory=sbp``: Stochastic Backpropagation (Cheng et al., CVPR 2022; Fang et al., NeurIPS 2022).
+
+The forward pass covers every frame; the backward pass runs through the backbone for a random
+subset of ``n_keep = clamp(round(r*T), 1, T)`` frames per clip, and the activations of the
+other frames are never stored. Training memory for the backbone therefore scales with ``r``.
+
+Granularity
+-----------
+``frame`` (tree model): kept frames run through the backbone with autograd, dropped frames
+under ``no_grad`` (in chunks of ``nograd_chunk`` frames when no BN statistics are needed), and
+both are scattered into one ``(B, T, D)`` tensor; positions are all frames. No recompute in
+backward. Specification: the head's gradients equal e2e's; the backbone's gradients equal e2e's
+with the dropped frames held constant (for BN-free backbones: e2e with the dropped frames'
+*features* detached); the input gradient is exactly zero on dropped frames.
+
+``block`` (graph model): inside each selected residual block (default: the first 2/3 of
+``backbone.blocks()``), the residual *branch* runs with autograd for a per-block random subset
+of frames and under ``no_grad`` for the rest, while the skip path carries gradient for every
+frame. See ``videotrain.memory.sbp_blocks`` for how branches are found.
+
+BatchNorm policy (``bn_policy``)
+--------------------------------
+Two separate forwards (kept, dropped) would give two different batch statistics and update
+running statistics twice. The policies:
+
+``full_batch`` (default): forward output equals e2e's and running statistics update exactly
+once per step. The split unit (the whole backbone for ``frame``, a residual branch for
+``block``) first runs once under ``no_grad`` over *all* frames with BN's own training forward,
+which is e2e's forward: it updates the running statistics (once) and each BN records its
+full-batch mean and biased variance; the dropped frames' outputs come from this pass. The kept
+frames then rerun with autograd, and every BN normalizes them with the recorded statistics
+(forward equal to e2e's up to float rounding). Its backward is e2e's BN backward with the
+dropped frames held constant: gradients flow through the kept frames' share of the batch mean
+and variance, not through the dropped frames' share (their activations do not exist). So with
+BN the gradient differs from "e2e with the dropped *features* detached", which would also
+differentiate the dropped frames' activations through the statistics. Cost: one extra
+``no_grad`` forward of the kept frames (F(1+r) forward instead of F), and the no_grad pass is
+not chunked (exact statistics need every frame at every layer), so its transient is that of a
+plain no_grad forward over all B*T frames. Not supported with SyncBatchNorm.
+
+``frozen``: BN layers run in eval mode inside ``encode`` (running statistics normalize and are
+never updated), the official code's choice for pretrained backbones. Every frame is then
+independent, the dropped frames run in chunks, and nothing is recomputed. Note that the
+forward equals e2e's only against an e2e run with frozen BN too.
+
+LayerNorm models (ViT) need no policy. At ``keep_ratio=1`` ``encode`` is plain e2e
+(``encode_all_frames``), so it reproduces e2e exactly (under ``frozen``: e2e with frozen BN).
+
+Everything is a no-op in eval mode and under ``no_grad``; bf16 autocast works (no recompute
+replays anything). ``grad_scale=inverse_keep`` multiplies the kept frames' (block: kept
+branches') gradient by ``T/n_keep`` without changing the forward value; off by default, as in
+the paper's code.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from videotrain.memory.base import FrameFeatures, all_positions, encode_all_frames
+from videotrain.memory.sampling import SAMPLERS, FrameSampler, flat_rows, n_keep
+from videotrain.memory.sbp_blocks import BlockSplitter, select_blocks
+from videotrain.memory.sbp_split import (
+    BN_POLICIES,
+    FullBatchNorm,
+    frozen_batchnorm,
+    has_train_batchnorm,
+    split_forward,
+)
+
+GRANULARITIES = ("frame", "block")
+GRAD_SCALES = ("none", "inverse_keep")
+
+
+class StochasticBackprop:
+    """SBP memory strategy. See the module docstring for the options and the BN policy."""
+
+    name = "sbp"
+
+    def __init__(
+        self,
+        keep_ratio: float = 0.5,
+        sampler: str = "random",
+        granularity: str = "frame",
+        nograd_chunk: int = 8,
+        grad_scale: str = "none",
+        blocks: float | list[int] | None = None,
+        bn_policy: str = "full_batch",
+        seed: int = 0,
+        rank: int | None = None,
+    ) -> None:
+        n_keep(keep_ratio, 1)  # validates the ratio
+        for key, value, allowed in (
+            ("sampler", sampler, SAMPLERS),
+            ("granularity", granularity, GRANULARITIES),
+            ("grad_scale", grad_scale, GRAD_SCALES),
+            ("bn_policy", bn_policy, BN_POLICIES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"memory.{key} must be one of {', '.join(allowed)}; got {value!r}")
+        if nograd_chunk < 1:
+            raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
+        self.keep_ratio = float(keep_ratio)
+        self.granularity = granularity
+        self.nograd_chunk = int(nograd_chunk)
+        self.grad_scale = grad_scale
+        self.blocks_spec = blocks if blocks is None or isinstance(blocks, int | float) else list(blocks)
+        self.bn_policy = bn_policy
+        self.sampler = FrameSampler(sampler, seed, rank)
+        self.norm = FullBatchNorm()
+        self.splitter = BlockSplitter(self.norm, self.nograd_chunk)
+        self.block_indices: list[int] = []  # resolved by prepare() for granularity=block
+        self._wrapped: list[nn.Module] = []
+        # the masks of the last SBP step, for inspection and tests: frame -> (B, n) kept frame
+        # indices; block -> {block index: (B, n)}
+        self.last_keep: torch.Tensor | None = None
+        self.last_block_keep: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ setup
+    def prepare(self, backbone: nn.Module) -> nn.Module:
+        """Patch BN layers (``full_batch``) and wrap the selected blocks (``block``), in place."""
+        if self.bn_policy == "full_batch":
+            self.norm.patch(backbone)
+        if self.granularity == "block":
+            if not callable(getattr(backbone, "blocks", None)):
+                raise TypeError("memory.granularity=block needs a backbone with .blocks()")
+            all_blocks = backbone.blocks()
+            self.block_indices = select_blocks(len(all_blocks), self.blocks_spec)
+            self._wrapped = [all_blocks[i] for i in self.block_indices]
+            self.splitter.wrap(self._wrapped)
+        return backbone
+
+    # ------------------------------------------------------------------ training forward
+    def encode(self, backbone: nn.Module, video: torch.Tensor) -> FrameFeatures:
+        """``video (B, T, C, H, W) -> features (B, T, D)`` at positions ``(B, T)``."""
+        if not (torch.is_grad_enabled() and backbone.training):
+            return encode_all_frames(backbone, video)  # eval / no_grad: plain forward
+        self._check_prepared(backbone)
+        freeze = frozen_batchnorm(backbone) if self.bn_policy == "frozen" else nullcontext()
+        with freeze:
+            b, t = video.shape[:2]
+            keep = n_keep(self.keep_ratio, t)
+            if keep == t:
+                return encode_all_frames(backbone, video)  # r=1: exactly e2e
+            scale = t / keep if self.grad_scale == "inverse_keep" else None
+            if self.granularity == "frame":
+                return self._encode_frames(backbone, video, keep, scale)
+            return self._encode_blocks(backbone, video, keep, scale)
+
+    def _encode_frames(
+        self, backbone: nn.Module, video: torch.Tensor, keep: int, scale: float | None
+    ) -> FrameFeatures:
+        b, t = video.shape[:2]
+        idx = self.sampler.sample(b, t, keep, video.device)  # (B, n)
+        keep_rows, drop_rows = flat_rows(idx, t)  # (B*n,), (B*(T-n),)
+        self.last_keep = idx
+        feats = split_forward(
+            backbone,
+            video.flatten(0, 1),  # (B*T, C, H, W)
+            keep_rows,
+            drop_rows,
+            self.norm,
+            needs_stats=has_train_batchnorm(backbone.modules()),
+            chunk=self.nograd_chunk,
+            scale=scale,
+        )  # (B*T, D)
+        return FrameFeatures(feats.view(b, t, -1), all_positions(video))
+
+    def _encode_blocks(
+        self, backbone: nn.Module, video: torch.Tensor, keep: int, scale: float | None
+    ) -> FrameFeatures:
+        b, t = video.shape[:2]
+        rows: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last_block_keep = {}
+        for i, blk in zip(self.block_indices, self._wrapped, strict=True):
+            idx = self.sampler.sample(b, t, keep, video.device)  # (B, n), one draw per block
+            rows[blk] = flat_rows(idx, t)
+            self.last_block_keep[i] = idx
+        with self.splitter.step(b * t, rows, scale):
+            return encode_all_frames(backbone, video)  # wrapped blocks split their branches
+
+    def _check_prepared(self, backbone: nn.Module) -> None:
+        if self.bn_policy == "full_batch" and any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) and not hasattr(m, "_sbp_bn")
+            for m in backbone.modules()
+        ):
+            raise RuntimeError("StochasticBackprop.encode: call strategy.prepare(backbone) first")
+        if self.granularity == "block" and not any(
+            getattr(m, "_sbp_block", (None,))[0] is self.splitter for m in backbone.modules()
+        ):
+            raise RuntimeError("StochasticBackprop.encode: call strategy.prepare(backbone) first")
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "keep_ratio": self.keep_ratio,
+            "granularity": self.granularity,
+            "sampler": self.sampler.kind,
+            "nograd_chunk": self.nograd_chunk,
+            "grad_scale": self.grad_scale,
+            "bn_policy": self.bn_policy,
+            "blocks": self.block_indices if self.granularity == "block" else None,
+            "seed": self.sampler.seed,
+        }

@@ -1,0 +1,170 @@
+"""Block granularity of SBP (the paper's "graph model"): split residual *branches* by frame.
+
+Inside every selected residual block, the branch runs with autograd for a per-block random
+subset of frames and under ``no_grad`` for the rest, while the skip path carries gradient for
+every frame. Only the kept frames' branch activations are stored.
+
+Blocks come from the backbone contract (``backbone.blocks()``); what a strategy must know is
+where the residual branch is. That knowledge lives in small *adapters* that re-express a
+block's forward as ``skip + branch(fn, x)``, where ``branch`` is the SBP split. They match
+blocks by attribute names (duck typing), not by torchvision class:
+
+* ResNet blocks (torchvision ``BasicBlock``/``Bottleneck``: ``conv1, bn1, conv2, bn2[, conv3,
+  bn3], relu, downsample``): ``relu(branch(x) + (downsample(x) or x))``.
+* Transformer encoder blocks (torchvision ``EncoderBlock``: ``ln_1, self_attention, dropout,
+  ln_2, mlp``): ``x = x + dropout(attn(ln_1(x)))``; ``x + mlp(ln_2(x))``, two split branches
+  sharing the block's frame subset.
+* Any block defining ``sbp_forward(x, branch)`` (the extension point for new backbones).
+
+Wrapping patches ``forward`` on the block *instance*: parameters and ``state_dict`` keys do
+not change, and outside an SBP step (eval, ``no_grad``, or not inside ``encode``) the block
+runs its original forward unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import MethodType
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from videotrain.memory.sbp_split import FullBatchNorm, has_train_batchnorm, split_forward
+
+# branch(fn, x) -> fn(x) for all N frames, with autograd only through the kept frames
+Branch = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+Adapter = Callable[[nn.Module, torch.Tensor, Branch], torch.Tensor]
+
+_RESNET_ATTRS = ("conv1", "bn1", "conv2", "bn2", "relu", "downsample")
+_VIT_ATTRS = ("ln_1", "self_attention", "dropout", "ln_2", "mlp")
+
+
+def resnet_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+    """torchvision BasicBlock/Bottleneck with a split branch. ``x (N, C, H, W)``."""
+
+    def residual(z: torch.Tensor) -> torch.Tensor:  # conv1 .. bn2 (BasicBlock) / bn3
+        out = block.relu(block.bn1(block.conv1(z)))
+        out = block.bn2(block.conv2(out))
+        if hasattr(block, "conv3"):  # Bottleneck
+            out = block.bn3(block.conv3(block.relu(out)))
+        return out
+
+    identity = x if block.downsample is None else block.downsample(x)  # every frame, with grad
+    return block.relu(branch(residual, x) + identity)  # (N, C', H', W')
+
+
+def vit_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+    """torchvision EncoderBlock with both residual branches split. ``x (N, S, D)``."""
+
+    def attention(z: torch.Tensor) -> torch.Tensor:
+        h = block.ln_1(z)
+        h, _ = block.self_attention(h, h, h, need_weights=False)
+        return block.dropout(h)
+
+    def mlp(z: torch.Tensor) -> torch.Tensor:
+        return block.mlp(block.ln_2(z))
+
+    x = branch(attention, x) + x  # same operand order as EncoderBlock: dropout(attn) + input
+    return x + branch(mlp, x)
+
+
+def _custom_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+    return block.sbp_forward(x, branch)
+
+
+def block_adapter(block: nn.Module) -> Adapter:
+    """The adapter that knows where ``block``'s residual branches are."""
+    if callable(getattr(block, "sbp_forward", None)):
+        return _custom_block_forward
+    if all(hasattr(block, a) for a in _RESNET_ATTRS):
+        return resnet_block_forward
+    if all(hasattr(block, a) for a in _VIT_ATTRS):
+        return vit_block_forward
+    raise TypeError(
+        f"memory.granularity=block: do not know the residual branch of {type(block).__name__}. "
+        f"Supported: ResNet blocks ({', '.join(_RESNET_ATTRS)}), transformer encoder blocks "
+        f"({', '.join(_VIT_ATTRS)}), or a block defining sbp_forward(x, branch)."
+    )
+
+
+def branch_norms(block: nn.Module) -> list[nn.Module]:
+    """BN layers on the residual branch (everything in the block except its downsample)."""
+    skip = getattr(block, "downsample", None)
+    skip_ids = {id(m) for m in skip.modules()} if isinstance(skip, nn.Module) else set()
+    return [m for m in block.modules() if isinstance(m, _BatchNorm) and id(m) not in skip_ids]
+
+
+def select_blocks(num_blocks: int, blocks: float | int | list[int] | None) -> list[int]:
+    """Indices into ``backbone.blocks()``: ``None`` = first 2/3 (the paper's best practice),
+    a number in (0, 1] = that leading fraction, a list = those indices (negatives allowed)."""
+    if num_blocks < 1:
+        raise ValueError("memory.granularity=block: backbone.blocks() is empty")
+    if blocks is None or isinstance(blocks, int | float):
+        frac = 2 / 3 if blocks is None else float(blocks)
+        if not 0.0 < frac <= 1.0:
+            raise ValueError(f"memory.blocks as a fraction must be in (0, 1], got {blocks}")
+        return list(range(max(1, round(frac * num_blocks))))
+    picked = sorted({int(i) % num_blocks for i in blocks if -num_blocks <= int(i) < num_blocks})
+    if len(picked) != len(list(blocks)) or not picked:
+        raise ValueError(
+            f"memory.blocks={list(blocks)}: indices must be distinct and within "
+            f"[-{num_blocks}, {num_blocks}) for a backbone with {num_blocks} blocks"
+        )
+    return picked
+
+
+class BlockSplitter:
+    """Wraps residual blocks and, during one SBP step, tells each its kept/dropped rows."""
+
+    def __init__(self, norm: FullBatchNorm, chunk: int) -> None:
+        self.norm = norm
+        self.chunk = chunk
+        self.rows: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.total_rows = 0  # N = B*T of the current step
+        self.scale: float | None = None
+
+    def wrap(self, blocks: list[nn.Module]) -> None:
+        for blk in blocks:
+            if hasattr(blk, "_sbp_block"):
+                continue
+            blk._sbp_block = (self, blk.forward, block_adapter(blk), branch_norms(blk))
+            blk.forward = MethodType(_patched_block_forward, blk)
+
+    @contextmanager
+    def step(
+        self,
+        total_rows: int,
+        rows: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]],
+        scale: float | None,
+    ) -> Iterator[None]:
+        """Activate SBP in the wrapped blocks: ``rows[block] = (kept rows, dropped rows)``."""
+        self.rows, self.total_rows, self.scale = rows, total_rows, scale
+        try:
+            yield
+        finally:
+            self.rows, self.scale = None, None
+
+    def forward(self, block: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
+        _, orig, adapter, bns = block._sbp_block
+        rows = None if self.rows is None else self.rows.get(block)
+        if rows is None or not torch.is_grad_enabled() or len(args) != 1 or kwargs:
+            return orig(*args, **kwargs)  # outside an SBP step: the original block, exactly
+        x = args[0]
+        if x.shape[0] != self.total_rows:
+            raise RuntimeError(
+                f"block-level SBP expects the backbone to keep frames on the leading dim "
+                f"(N = B*T = {self.total_rows}); {type(block).__name__} got {tuple(x.shape)}"
+            )
+        keep, drop = rows
+        needs_stats = has_train_batchnorm(bns)
+
+        def branch(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+            return split_forward(fn, z, keep, drop, self.norm, needs_stats, self.chunk, self.scale)
+
+        return adapter(block, x, branch)
+
+
+def _patched_block_forward(self: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
+    return self._sbp_block[0].forward(self, *args, **kwargs)

@@ -1,0 +1,236 @@
+"""The SBP split primitive and its BatchNorm machinery (shared by both SBP granularities).
+
+``split_forward(fn, x, ...)`` computes ``fn(x)`` for all ``N = B*T`` frames of ``x`` but
+records an autograd graph for the kept rows only: the dropped rows run under ``no_grad`` and
+their activations are never stored. Frame granularity calls it with ``fn = backbone``; block
+granularity calls it with ``fn`` = one residual branch.
+
+BatchNorm couples frames through batch statistics, so two separate forwards (kept, dropped)
+would normalize with two different statistics. ``bn_policy=full_batch`` fixes this per split
+unit (see ``videotrain.memory.sbp`` for the user-facing description):
+
+1. **record**: ``fn`` runs once under ``no_grad`` over *all* rows with the BN layers' own
+   training-mode forward. This is exactly e2e's forward: batch statistics over all frames,
+   running statistics updated once. Every BN also records its batch ``(mean, biased var)``.
+   The dropped rows' outputs are taken from this pass.
+2. **apply**: ``fn`` reruns on the kept rows with autograd. Each BN normalizes with the
+   recorded full-batch statistics through ``_FullBatchStatsBN``, whose backward is e2e's BN
+   backward with the dropped rows held constant (their contribution to the mean and variance
+   is a constant; the 1/count factors use the full count). Running statistics are not touched.
+
+Without train-mode BN (LayerNorm ViTs, ``bn_policy=frozen``) there is nothing to record: the
+dropped rows run under ``no_grad`` in chunks of ``chunk`` frames and the kept rows run once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+BN_POLICIES = ("full_batch", "frozen")
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity in the forward pass; multiplies the incoming gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class _FullBatchStatsBN(torch.autograd.Function):
+    """BatchNorm of a subset of rows with statistics recorded over the full batch.
+
+    Forward: ``(x - mean) / sqrt(var + eps) * w + b`` with the recorded ``mean``, ``var``.
+    Backward (``xhat`` normalized input, ``g`` output grad, sums over the rows present and
+    the spatial positions, ``M = count`` elements per channel in the *full* batch)::
+
+        dx = w * invstd * (g - sum(g) / M - xhat * sum(g * xhat) / M)
+
+    which is e2e's BN backward when the absent rows are constants (their ``g`` is zero). With
+    all rows present it is exactly e2e's BN backward. Only ``x`` is saved, like native BN.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+        mean: torch.Tensor, var: torch.Tensor, eps: float, count: int,
+    ) -> torch.Tensor:
+        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)  # (n, C, *)
+        ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + eps))
+        ctx.count, ctx.has_bias = count, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        shape = (1, -1) + (1,) * (x.dim() - 2)  # broadcast (C,) over (n, C, *)
+        dims = [0, *range(2, x.dim())]
+        g = grad.float()
+        xhat = (x.float() - mean.view(shape)) * invstd.view(shape)
+        sum_g, sum_gx = g.sum(dims), (g * xhat).sum(dims)  # (C,), (C,)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            scale = invstd if weight is None else invstd * weight.float()
+            centered = g - (sum_g / ctx.count).view(shape) - xhat * (sum_gx / ctx.count).view(shape)
+            gx = (centered * scale.view(shape)).to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            gw = sum_gx.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = sum_g.to(grad.dtype if weight is None else weight.dtype)
+        return gx, gw, gb, None, None, None, None
+
+
+class FullBatchNorm:
+    """Owns the record/apply phases of the BN layers it patched (``bn_policy=full_batch``).
+
+    ``patch`` replaces ``forward`` on each BN *instance* (the class, parameters and
+    ``state_dict`` keys are unchanged, so e2e and SBP checkpoints are interchangeable).
+    Outside a phase, or for a BN in eval mode, the patched forward is the original one.
+    """
+
+    def __init__(self) -> None:
+        self.phase: str | None = None  # None | "record" | "apply"
+        self.total_rows = 0  # rows (frames) of the full batch, during "apply"
+        self.stats: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # bn -> mean, var
+
+    def patch(self, module: nn.Module) -> None:
+        for bn in module.modules():
+            if not isinstance(bn, _BatchNorm) or hasattr(bn, "_sbp_bn"):
+                continue
+            if isinstance(bn, nn.SyncBatchNorm):
+                raise ValueError(
+                    "memory.bn_policy=full_batch records per-process batch statistics and does "
+                    "not support SyncBatchNorm; use memory.bn_policy=frozen or plain BatchNorm"
+                )
+            bn._sbp_bn = (self, bn.forward)  # owner, original forward
+            bn.forward = MethodType(_patched_bn_forward, bn)
+
+    @contextmanager
+    def record(self) -> Iterator[None]:
+        """Training-mode BN layers record their full-batch statistics (call under no_grad)."""
+        if self.phase is not None:
+            raise RuntimeError(f"nested SBP BatchNorm phases ({self.phase!r} -> 'record')")
+        self.phase = "record"
+        try:
+            yield
+        finally:
+            self.phase = None
+
+    @contextmanager
+    def apply(self, total_rows: int) -> Iterator[None]:
+        """Training-mode BN layers normalize with the recorded statistics."""
+        if self.phase is not None:
+            raise RuntimeError(f"nested SBP BatchNorm phases ({self.phase!r} -> 'apply')")
+        self.phase, self.total_rows = "apply", total_rows
+        try:
+            yield
+        finally:
+            self.phase = None
+
+    def clear(self) -> None:
+        self.stats.clear()
+
+    def forward(self, bn: _BatchNorm, orig: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if self.phase is None or not bn.training:
+            return orig(x)
+        if self.phase == "record":
+            if bn in self.stats:
+                raise RuntimeError(
+                    f"{type(bn).__name__} ran twice in one forward; bn_policy=full_batch needs "
+                    "each BN layer called once per frame batch (use bn_policy=frozen)"
+                )
+            dims = [0, *range(2, x.dim())]
+            var, mean = torch.var_mean(x.detach().float(), dim=dims, correction=0)  # (C,), (C,)
+            self.stats[bn] = (mean, var)
+            return F.batch_norm(x, mean, var, bn.weight, bn.bias, False, 0.0, bn.eps)  # native training BN: batch stats over all rows, running stats once
+        if bn not in self.stats:
+            raise RuntimeError(f"no recorded full-batch statistics for {type(bn).__name__}")
+        mean, var = self.stats[bn]
+        count = self.total_rows * (x[0, 0].numel() if x.dim() > 2 else 1)  # elements / channel
+        return _FullBatchStatsBN.apply(x, bn.weight, bn.bias, mean, var, bn.eps, count)
+
+
+def _patched_bn_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    owner, orig = self._sbp_bn
+    return owner.forward(self, orig, x)
+
+
+def has_train_batchnorm(modules: Iterator[nn.Module] | list[nn.Module]) -> bool:
+    return any(isinstance(m, _BatchNorm) and m.training for m in modules)
+
+
+@contextmanager
+def frozen_batchnorm(module: nn.Module) -> Iterator[None]:
+    """``bn_policy=frozen``: BN layers in eval mode (running stats used, never updated)."""
+    bns = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training]
+    for m in bns:
+        m.train(False)
+    try:
+        yield
+    finally:
+        for m in bns:
+            m.train(True)
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a fresh copy when it is a view. A view made under ``no_grad`` may not
+    be written in place with grad on, and a view such as ViT's class token ``tokens[:, 0]``
+    would keep its whole base alive."""
+    if t._is_view() or t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def split_forward(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    keep_rows: torch.Tensor,
+    drop_rows: torch.Tensor,
+    norm: FullBatchNorm,
+    needs_stats: bool,
+    chunk: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``fn(x)`` for all rows of ``x (N, ...)``, with autograd only through ``keep_rows``.
+
+    ``needs_stats``: ``fn`` contains training-mode BN patched by ``norm`` (record/apply, see
+    the module docstring); otherwise dropped rows run under ``no_grad`` in ``chunk``-row
+    pieces. ``scale`` multiplies the kept rows' gradient (``grad_scale=inverse_keep``).
+    Returns ``(N, ...)``; dropped rows carry no graph, kept rows the graph of one pass.
+    """
+    out: torch.Tensor | None = None
+    if needs_stats:
+        try:
+            with torch.no_grad(), norm.record():
+                out = _compact(fn(x))  # (N, ...): e2e's forward; dropped rows are final
+            with norm.apply(total_rows=x.shape[0]):
+                kept = fn(x.index_select(0, keep_rows))  # (n, ...) with autograd
+        finally:
+            norm.clear()
+    else:
+        with torch.no_grad():  # dropped rows first: nothing is stored yet, transient only
+            for rows in drop_rows.split(max(1, chunk)):
+                y = fn(x.index_select(0, rows))  # (chunk, ...)
+                if out is None:
+                    out = y.new_empty((x.shape[0], *y.shape[1:]))
+                out.index_copy_(0, rows, y)
+        kept = fn(x.index_select(0, keep_rows))  # (n, ...) with autograd
+    if scale is not None and scale != 1.0:
+        kept = ScaleGrad.apply(kept, scale)
+    if out is None:  # nothing dropped
+        return kept
+    # in place into a tensor without history: the result's graph holds only the kept rows
+    return out.index_copy_(0, keep_rows, kept.to(out.dtype))
