@@ -348,3 +348,18 @@ def test_exp_configs_select_sbp(exp: str) -> None:
         cfg = compose("config", overrides=[f"+exp={exp}"])
     assert cfg.memory._target_.endswith("StochasticBackprop")
     assert cfg.memory.keep_ratio == 0.5
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_prepared_model_deepcopies_and_pickles(kit, tmp_path: Path, granularity: str) -> None:
+    """EMA copies and ``torch.save(model)`` keep working: patches are plain picklable objects
+    and a copy's patched modules follow the copy's own strategy."""
+    _, model = kit.model_pair("resnet", sbp(granularity=granularity, keep_ratio=0.25))
+    x = kit.video()
+    twin = copy.deepcopy(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    out = model(x)
+    assert torch.equal(twin(x), out)
+    torch.testing.assert_close(loaded(x), out)
+    assert twin.strategy.sampler.draws == model.strategy.sampler.draws == loaded.strategy.sampler.draws

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import MethodType
 
 import torch
 from torch import nn
@@ -127,10 +126,8 @@ class BlockSplitter:
 
     def wrap(self, blocks: list[nn.Module]) -> None:
         for blk in blocks:
-            if hasattr(blk, "_sbp_block"):
-                continue
-            blk._sbp_block = (self, blk.forward, block_adapter(blk), branch_norms(blk))
-            blk.forward = MethodType(_patched_block_forward, blk)
+            if not isinstance(blk.__dict__.get("forward"), PatchedBlock):
+                blk.forward = PatchedBlock(self, blk)
 
     @contextmanager
     def step(
@@ -146,11 +143,11 @@ class BlockSplitter:
         finally:
             self.rows, self.scale = None, None
 
-    def forward(self, block: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
-        _, orig, adapter, bns = block._sbp_block
+    def forward(self, patch: PatchedBlock, *args: object, **kwargs: object) -> torch.Tensor:
+        block = patch.block
         rows = None if self.rows is None else self.rows.get(block)
         if rows is None or not torch.is_grad_enabled() or len(args) != 1 or kwargs:
-            return orig(*args, **kwargs)  # outside an SBP step: the original block, exactly
+            return patch.original(*args, **kwargs)  # outside an SBP step: the original block
         x = args[0]
         if x.shape[0] != self.total_rows:
             raise RuntimeError(
@@ -158,13 +155,27 @@ class BlockSplitter:
                 f"(N = B*T = {self.total_rows}); {type(block).__name__} got {tuple(x.shape)}"
             )
         keep, drop = rows
-        needs_stats = has_train_batchnorm(bns)
+        needs_stats = has_train_batchnorm(patch.norms)
 
         def branch(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor) -> torch.Tensor:
             return split_forward(fn, z, keep, drop, self.norm, needs_stats, self.chunk, self.scale)
 
-        return adapter(block, x, branch)
+        return patch.adapter(block, x, branch)
 
 
-def _patched_block_forward(self: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
-    return self._sbp_block[0].forward(self, *args, **kwargs)
+class PatchedBlock:
+    """Replaces ``forward`` on one block instance; a plain object so the model still pickles."""
+
+    def __init__(self, owner: BlockSplitter, block: nn.Module) -> None:
+        self.owner, self.block = owner, block
+        self.adapter = block_adapter(block)
+        self.norms = branch_norms(block)
+        self.orig = block.__dict__.get("forward")  # None: the class's forward
+
+    def original(self, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.orig is not None:
+            return self.orig(*args, **kwargs)
+        return type(self.block).forward(self.block, *args, **kwargs)
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.owner.forward(self, *args, **kwargs)

@@ -108,15 +108,14 @@ class FullBatchNorm:
 
     def patch(self, module: nn.Module) -> None:
         for bn in module.modules():
-            if not isinstance(bn, _BatchNorm) or hasattr(bn, "_sbp_bn"):
+            if not isinstance(bn, _BatchNorm) or isinstance(bn.__dict__.get("forward"), PatchedBN):
                 continue
             if isinstance(bn, nn.SyncBatchNorm):
                 raise ValueError(
                     "memory.bn_policy=full_batch records per-process batch statistics and does "
                     "not support SyncBatchNorm; use memory.bn_policy=frozen or plain BatchNorm"
                 )
-            bn._sbp_bn = (self, bn.forward)  # owner, original forward
-            bn.forward = MethodType(_patched_bn_forward, bn)
+            bn.forward = PatchedBN(self, bn)
 
     @contextmanager
     def record(self) -> Iterator[None]:
@@ -155,7 +154,7 @@ class FullBatchNorm:
             dims = [0, *range(2, x.dim())]
             var, mean = torch.var_mean(x.detach().float(), dim=dims, correction=0)  # (C,), (C,)
             self.stats[bn] = (mean, var)
-            return F.batch_norm(x, mean, var, bn.weight, bn.bias, False, 0.0, bn.eps)  # native training BN: batch stats over all rows, running stats once
+            return orig(x)  # native training BN: batch stats over all rows, running stats once
         if bn not in self.stats:
             raise RuntimeError(f"no recorded full-batch statistics for {type(bn).__name__}")
         mean, var = self.stats[bn]
@@ -163,9 +162,23 @@ class FullBatchNorm:
         return _FullBatchStatsBN.apply(x, bn.weight, bn.bias, mean, var, bn.eps, count)
 
 
-def _patched_bn_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
-    owner, orig = self._sbp_bn
-    return owner.forward(self, orig, x)
+class PatchedBN:
+    """Replaces ``forward`` on one BN instance; a plain object so the model still pickles.
+
+    An instance-level ``forward`` set by someone else before us is kept and called through.
+    """
+
+    def __init__(self, owner: FullBatchNorm, bn: _BatchNorm) -> None:
+        self.owner, self.bn = owner, bn
+        self.orig = bn.__dict__.get("forward")  # None: the class's forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        orig = self.orig or MethodType(type(self.bn).forward, self.bn)
+        return self.owner.forward(self.bn, orig, x)
+
+
+def is_patched_bn(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), PatchedBN)
 
 
 def has_train_batchnorm(modules: Iterator[nn.Module] | list[nn.Module]) -> bool:
