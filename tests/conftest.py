@@ -60,6 +60,28 @@ TINY_MODEL_OVERRIDES = [
 ]
 
 
+# Constants are handed out as fixtures: `from conftest import ...` is ambiguous once a
+# sub-folder has its own conftest.py (pytest re-imports each as the module `conftest`).
+@pytest.fixture(scope="session")
+def tiny_spec() -> SyntheticSpec:
+    return TINY_SPEC
+
+
+@pytest.fixture(scope="session")
+def tiny_synthetic_overrides() -> list[str]:
+    return list(TINY_SYNTHETIC_OVERRIDES)
+
+
+@pytest.fixture(scope="session")
+def shrink_overrides() -> list[str]:
+    return list(SHRINK_OVERRIDES)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_overrides() -> list[str]:
+    return list(TINY_MODEL_OVERRIDES)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Keep the cache, wandb and torch hub out of the home folder, for us and subprocesses."""

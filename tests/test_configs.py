@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHRINK_OVERRIDES, TINY_SYNTHETIC_OVERRIDES
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
@@ -54,13 +54,15 @@ def test_discovery_found_the_known_groups() -> None:
 
 
 @pytest.fixture
-def tiny_cfg(compose_cfg, tiny_root: Path, isolated_env: Path):
+def tiny_cfg(compose_cfg, tiny_root: Path, isolated_env: Path, tiny_synthetic_overrides):
     """Compose with a group choice, pointing the data at the tiny session dataset."""
 
     def _cfg(*overrides: str) -> DictConfig:
-        first = compose_cfg(list(overrides))
+        # which dataset? only an experiment file needs composing to find out
+        exp = any(o.startswith("+exp=") for o in overrides)
+        first = compose_cfg(list(overrides) if exp else [o for o in overrides if o.startswith("data=")])
         if first.data.name == "synthetic":  # generated into the cache: reuse the session tree
-            data = [f"data.root={isolated_env}", *TINY_SYNTHETIC_OVERRIDES]
+            data = [f"data.root={isolated_env}", *tiny_synthetic_overrides]
         else:
             data = [f"data.root={tiny_root}"]
         return compose_cfg([*overrides, *data])
@@ -68,10 +70,10 @@ def tiny_cfg(compose_cfg, tiny_root: Path, isolated_env: Path):
     return _cfg
 
 
-def _shrunk(cfg: DictConfig, *extra: str) -> DictConfig:
-    """A copy with ``SHRINK_OVERRIDES`` (plain values) applied, like command-line overrides."""
-    small = cfg.copy()
-    for item in [*SHRINK_OVERRIDES, *extra]:
+def _shrunk(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """A copy with plain-value ``key=value`` overrides applied, like command-line overrides."""
+    small = copy.deepcopy(cfg)
+    for item in overrides:
         key, value = item.split("=", 1)
         OmegaConf.update(small, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=False)
     return small
@@ -98,14 +100,15 @@ def _instantiate_all(cfg: DictConfig) -> VideoClassifier:
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_resolves_and_instantiates(tiny_cfg, group: str, option: str) -> None:
+def test_option_composes_resolves_and_instantiates(tiny_cfg, shrink_overrides, group: str,
+                                                   option: str) -> None:
     cfg = tiny_cfg(_select(group, option))
     # every interpolation resolves and nothing required is left unset (given data.root)
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert cfg.logger.wandb.mode in WANDB_MODES
     assert str(cfg.trainer.precision) in {"32", "bf16", "16"}
     # no network in tests: the offline error for pretrained weights is tested elsewhere
-    model = _instantiate_all(_shrunk(cfg, "model.pretrained=null"))
+    model = _instantiate_all(_shrunk(cfg, [*shrink_overrides, "model.pretrained=null"]))
     assert isinstance(model.backbone, FrameBackbone)
     if group == "memory":
         assert isinstance(model.strategy, MemoryStrategy)
@@ -179,10 +182,10 @@ def test_default_config_values(compose_cfg) -> None:
 
 
 @pytest.mark.parametrize("option", ["kinetics", "folder"])
-def test_real_datasets_require_root(compose_cfg, option: str, tmp_path: Path) -> None:
+def test_real_datasets_require_root(compose_cfg, option: str) -> None:
     cfg = compose_cfg([f"data={option}"])
     assert OmegaConf.is_missing(cfg.data, "root")
-    with pytest.raises(FileNotFoundError, match="data.root"):
+    with pytest.raises(ValueError, match=rf"data.root is required for data={option}"):
         run.build_data_from_cfg(cfg, CPU)
 
 

@@ -69,6 +69,15 @@ def test_item_does_not_disturb_global_rng(tiny_root: Path) -> None:
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_item_gives_up_when_every_video_is_broken(tiny_copy: Path) -> None:
+    for f in (tiny_copy / "train").rglob("*.mp4"):
+        f.write_bytes(b"broken")
+    ds = VideoClipDataset(kinetics_index(tiny_copy, "train"), T, CLIP_SECONDS,
+                          train_transform(32, CROP), train=True, max_retries=3)
+    with pytest.raises(RuntimeError, match=r"train\.csv: 4 videos in a row failed to decode; last: "):
+        ds[SampleKey(0, 0)]
+
+
 def test_collate() -> None:
     items = [
         {"video": torch.zeros(T, 3, 2, 2), "label": 1, "index": 0, "skipped": []},
@@ -169,6 +178,16 @@ def test_build_data_batches(tiny_root: Path) -> None:
     assert batch["video"].shape == (4, T, 3, CROP, CROP)
     val = next(iter(data.val))
     assert val["video"].shape == (3, 2, T, 3, CROP, CROP)  # (B, V = clips * crops, T, C, H, W)
+
+
+def test_batches_do_not_depend_on_worker_count(tiny_root: Path) -> None:
+    batches = []
+    for workers in (0, 2):
+        data, _ = _build(tiny_root, num_workers=workers)
+        data.train_sampler.set_epoch(1, skip=4)  # a resumed epoch, too
+        batches.append(next(iter(data.train)))
+    assert torch.equal(batches[0]["index"], batches[1]["index"])
+    assert torch.equal(batches[0]["video"], batches[1]["video"])
 
 
 def test_build_data_folder_layout(tiny_root: Path) -> None:

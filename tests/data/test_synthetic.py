@@ -9,7 +9,6 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from conftest import TINY_SPEC
 
 from videotrain.data.synthetic import (
     CLASSES,
@@ -20,10 +19,10 @@ from videotrain.data.synthetic import (
 )
 
 
-def test_generated_tree_layout(tiny_root: Path) -> None:
+def test_generated_tree_layout(tiny_root: Path, tiny_spec: SyntheticSpec) -> None:
     assert (tiny_root / "classes.txt").read_text().split() == list(CLASSES)
-    assert json.loads((tiny_root / "spec.json").read_text()) == asdict(TINY_SPEC)
-    for split, per_class in (("train", TINY_SPEC.train_per_class), ("val", TINY_SPEC.val_per_class)):
+    assert json.loads((tiny_root / "spec.json").read_text()) == asdict(tiny_spec)
+    for split, per_class in (("train", tiny_spec.train_per_class), ("val", tiny_spec.val_per_class)):
         lines = (tiny_root / f"{split}.csv").read_text().splitlines()
         assert len(lines) == per_class * len(CLASSES)
         for line in lines:
@@ -35,12 +34,12 @@ def test_generated_tree_layout(tiny_root: Path) -> None:
     assert not list(tiny_root.parent.glob(tiny_root.name + ".tmp*"))
 
 
-def test_generated_video_decodes_to_spec(tiny_root: Path) -> None:
+def test_generated_video_decodes_to_spec(tiny_root: Path, tiny_spec: SyntheticSpec) -> None:
     path = tiny_root / "train" / CLASSES[0] / f"{CLASSES[0]}_0000.mp4"
     with av.open(str(path)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    assert len(frames) == TINY_SPEC.num_frames
-    assert frames[0].shape == (TINY_SPEC.size, TINY_SPEC.size, 3)
+    assert len(frames) == tiny_spec.num_frames
+    assert frames[0].shape == (tiny_spec.size, tiny_spec.size, 3)
 
 
 def test_render_clip_is_deterministic_per_seed() -> None:
@@ -79,10 +78,11 @@ def test_digest_names_the_spec() -> None:
     assert SyntheticSpec().digest() != replace(SyntheticSpec(), seed=1).digest()
 
 
-def test_ensure_synthetic_reuses_the_cache(tiny_root: Path, isolated_env: Path) -> None:
+def test_ensure_synthetic_reuses_the_cache(tiny_root: Path, isolated_env: Path,
+                                           tiny_spec: SyntheticSpec) -> None:
     assert default_cache_root() == isolated_env
     before = (tiny_root / "train.csv").stat().st_mtime_ns
-    root = ensure_synthetic(None, **{k: getattr(TINY_SPEC, k) for k in
+    root = ensure_synthetic(None, **{k: getattr(tiny_spec, k) for k in
                                      ("train_per_class", "val_per_class", "num_frames", "size", "seed")})
     assert root == tiny_root
     assert (tiny_root / "train.csv").stat().st_mtime_ns == before  # not regenerated

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from torch import nn
 
 from videotrain.memory import EndToEnd, StochasticBackprop, encode_all_frames
@@ -333,8 +332,14 @@ def test_unprepared_backbone_is_an_error(kit) -> None:
 
 @pytest.mark.parametrize("name", ["sbp", "frame_dropout", "e2e"])
 def test_memory_configs_instantiate(name: str) -> None:
-    strategy = instantiate(OmegaConf.load(CONFIGS / "memory" / f"{name}.yaml"))
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=[f"memory={name}", "seed=7"])
+    strategy = instantiate(cfg.memory)
     assert strategy.name == name
+    if name != "e2e":
+        assert strategy.describe()["seed"] == 7  # the mask seed follows the run seed
     assert strategy.describe()["strategy"] == name
     if name != "e2e":
         assert strategy.keep_ratio == 0.5

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from urllib.error import URLError
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from torch import nn
 from videotrain.engine.precision import Precision
 from videotrain.memory.base import FrameFeatures, MemoryStrategy, encode_all_frames
 from videotrain.memory.e2e import EndToEnd
-from videotrain.models import backbones
-from videotrain.models.backbones import FrameBackbone, PretrainedWeightsUnavailable, resnet, vit
+from videotrain.models.backbones import FrameBackbone, resnet, vit
 from videotrain.models.heads import LSTMHead, MeanHead, TConvHead, TransformerHead
 from videotrain.models.video import VideoClassifier
 
@@ -91,31 +89,11 @@ def test_backbone_contract(backbone_cache, name: str) -> None:
 
 
 def test_backbone_argument_errors() -> None:
+    # (model.pretrained errors are covered in test_pretrained.py)
     with pytest.raises(ValueError, match="model.backbone.layers"):
         resnet(layers=[1, 1, 1])
     with pytest.raises(ValueError, match="model.backbone.depth"):
         resnet(depth=20)
-    with pytest.raises(ValueError, match="model.pretrained"):
-        resnet(layers=[1, 1, 1, 1], pretrained="DEFAULT")
-    with pytest.raises(ValueError, match="model.pretrained"):
-        vit(image_size=32, patch_size=8, num_layers=1, num_heads=1, hidden_dim=8, mlp_dim=8,
-            pretrained=True)
-    with pytest.raises(ValueError, match=r"model.pretrained='NOPE' .*IMAGENET1K_V1"):
-        resnet(depth=18, pretrained="NOPE")
-
-
-def test_pretrained_offline_error_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchvision.models._api as tv_api
-
-    def offline(*args, **kwargs):
-        raise URLError("no network in this test")
-
-    monkeypatch.setattr(tv_api, "load_state_dict_from_url", offline)
-    with pytest.raises(PretrainedWeightsUnavailable) as err:
-        backbones.resnet(depth=18, pretrained="DEFAULT")
-    msg = str(err.value)
-    assert "model.pretrained='DEFAULT'" in msg and "model.pretrained=null" in msg
-    assert "resnet18-" in msg  # the file name to copy by hand
 
 
 # ------------------------------------------------------------------- heads and positions

@@ -79,6 +79,7 @@ class TrainState:
     step_times: list[float] = field(default_factory=list)
     peaks: list[float] = field(default_factory=list)
     last_val: dict[str, float] = field(default_factory=dict)
+    val_step: int = -1  # the step last_val was computed at
 
 
 class Trainer:
@@ -103,6 +104,8 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.state = TrainState(skipped=set(preflight_bad or []))
         self.meter = StepPeakMemory(device)
+        self._split_paths: dict[str, set[str]] = {}  # per split, for its own bad fraction
+        self._pending_rng: dict | None = None
         self.steps_per_epoch, self.total_steps = plan_steps(len(data.train), settings)
         # samples per epoch that feed full optimizer steps; a tail smaller than grad_accum
         # micro-batches is dropped rather than leaking half-accumulated gradients
@@ -132,6 +135,7 @@ class Trainer:
                 "step_times": st.step_times,
                 "peaks": st.peaks,
                 "last_val": st.last_val,
+                "val_step": st.val_step,
             },
             self.ckpt_dir / ckpt.LAST,
         )
@@ -146,20 +150,29 @@ class Trainer:
         self.scheduler.load_state_dict(blob["scheduler"])
         self.precision.scaler.load_state_dict(blob["scaler"])
         self.strategy.load_state_dict(blob["strategy"])
-        ckpt.set_rng_state(blob["rng"])
         st = self.state
+        if blob["consumed"]:
+            # mid-epoch: applied once the epoch's DataLoader iterator exists, because creating
+            # it draws from the global RNG, which the uninterrupted run did before this point
+            self._pending_rng = blob["rng"]
+        else:
+            ckpt.set_rng_state(blob["rng"])
         st.step, st.epoch, st.consumed = blob["step"], blob["epoch"], blob["consumed"]
         st.skipped |= set(blob["skipped"])
         st.step_times, st.peaks, st.last_val = blob["step_times"], blob["peaks"], blob["last_val"]
+        st.val_step = blob.get("val_step", -1)
         self.logger.truncate_after(st.step)
         log.info("resumed from %s at step %d (epoch %d)", path, st.step, st.epoch)
         return True
 
     # ---------------------------------------------------------------- loop
-    def _note_skipped(self, paths: list[str], total: int, source: str) -> None:
+    def _note_skipped(self, paths: list[str], dataset, source: str) -> None:
         if paths:
             self.state.skipped.update(paths)
-            check_bad_fraction(len(self.state.skipped), total, source, self.s.max_bad_fraction)
+            if source not in self._split_paths:  # bad videos of the other split don't count
+                self._split_paths[source] = {p for p, _ in dataset.index.paths}
+            num_bad = len(self.state.skipped & self._split_paths[source])
+            check_bad_fraction(num_bad, len(dataset), source, self.s.max_bad_fraction)
 
     def _loss(self, video: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
@@ -189,12 +202,16 @@ class Trainer:
         micro, loss_sum, data_time = 0, 0.0, 0.0
         bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
                    desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
+        batches = iter(self.data.train)
+        if self._pending_rng is not None:
+            ckpt.set_rng_state(self._pending_rng)
+            self._pending_rng = None
         t_data = time.perf_counter()
-        for batch in self.data.train:
+        for batch in batches:
             if st.consumed >= self.epoch_samples:
                 break
             data_time += time.perf_counter() - t_data
-            self._note_skipped(batch["skipped"], len(self.data.train.dataset), "train split")
+            self._note_skipped(batch["skipped"], self.data.train.dataset, "train split")
             if micro == 0:
                 self.meter.start()
                 t_step = time.perf_counter()
@@ -238,8 +255,9 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         metrics = evaluate(self.model, self.data.val, self.precision, self.device,
                            progress=self.s.progress and self.is_main,
-                           on_skipped=lambda p: self._note_skipped(p, len(self.data.val.dataset), "val split"))
+                           on_skipped=lambda p: self._note_skipped(p, self.data.val.dataset, "val split"))
         self.state.last_val = metrics
+        self.state.val_step = self.state.step
         self.logger.log({**metrics, "epoch": self.state.epoch}, self.state.step)
         if self.is_main:
             log.info("step %d epoch %d: val top1 %.3f top5 %.3f (clip top1 %.3f)", self.state.step,
@@ -249,7 +267,6 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         st, s = self.state, self.s
         self.maybe_resume()
-        validated_at = None
         while st.step < self.total_steps and st.epoch < s.max_epochs:
             finished = self.train_epoch()
             if finished:
@@ -257,10 +274,10 @@ class Trainer:
                 st.consumed = 0
             if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
                 self.validate()
-                validated_at = st.step
             self.save()
-        if validated_at != st.step or not st.last_val:
+        if st.val_step != st.step:  # e.g. resumed from a mid-epoch checkpoint at the last step
             self.validate()
+            self.save()
         return self.results()
 
     def results(self) -> dict[str, Any]:

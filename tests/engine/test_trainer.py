@@ -1,0 +1,201 @@
+"""The training loop: step planning, schedule, optimizer groups, and exact resume.
+
+Resume is checked two ways: in-process, by making an optimizer step raise right after a
+checkpoint (deterministic, runs by default), and for real, by SIGKILLing ``python -m
+videotrain`` once ``last.ckpt`` exists and re-running the same command (``-m slow``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import videotrain.run as run
+from videotrain.engine.optim import build_optimizer, param_groups, warmup_cosine
+from videotrain.engine.trainer import Trainer, TrainerSettings, plan_steps
+
+# ------------------------------------------------------------------- planning and schedule
+
+
+def test_plan_steps() -> None:
+    assert plan_steps(10, TrainerSettings(max_epochs=2, grad_accum=3)) == (3, 6)
+    assert plan_steps(10, TrainerSettings(max_epochs=2, max_steps=4)) == (10, 4)
+    assert plan_steps(10, TrainerSettings(max_epochs=1, max_steps=50)) == (10, 10)
+    with pytest.raises(ValueError, match="fewer than trainer.grad_accum=4"):
+        plan_steps(3, TrainerSettings(grad_accum=4))
+
+
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [({"grad_accum": 0}, "trainer.grad_accum"), ({"max_epochs": 0}, "trainer.max_epochs"),
+     ({"max_steps": 0}, "trainer.max_steps"), ({"label_smoothing": 1.0}, "trainer.label_smoothing")],
+)
+def test_settings_validation_names_the_key(kwargs: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        TrainerSettings(**kwargs)
+
+
+def test_warmup_cosine_schedule() -> None:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = warmup_cosine(opt, total_steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(12):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])  # linear warmup, then the peak
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:], strict=False))  # then decays ...
+    assert lrs[6] == pytest.approx(0.1 + 0.9 * 0.5)  # ... through the cosine midpoint ...
+    assert lrs[10] == lrs[11] == pytest.approx(0.1)  # ... to min_lr_ratio, and stays there
+
+
+def test_param_groups_and_optimizer_choice() -> None:
+    head = nn.Module()  # named like TransformerHead's class token and position embedding
+    head.cls = nn.Parameter(torch.zeros(1, 1, 4))
+    head.pos = nn.Embedding(8, 4)
+    model = nn.ModuleDict({"lin": nn.Linear(3, 4), "norm": nn.LayerNorm(4), "head": head})
+    decay, no_decay = param_groups(model, 0.05)
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 3])]  # only the matrix decays
+    assert len(no_decay["params"]) == 5  # bias, norm weight and bias, cls token, positions
+    assert isinstance(build_optimizer(model, "adamw", 1e-3, 0.05), torch.optim.AdamW)
+    sgd = build_optimizer(model, "sgd", 0.1, momentum=0.9)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["nesterov"]
+    with pytest.raises(ValueError, match="optim.name must be 'adamw' or 'sgd', got 'foo'"):
+        build_optimizer(model, "foo", 0.1)
+
+
+# ------------------------------------------------------------------- in-process runs
+
+
+def _train_losses(rows: list[dict]) -> list[tuple[int, float]]:
+    return [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
+
+
+def _assert_same_losses(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> None:
+    assert [s for s, _ in b] == [s for s, _ in a], "steps differ"
+    assert all(n == 1 for n in Counter(s for s, _ in b).values()), "a step was logged twice"
+    for (step, la), (_, lb) in zip(a, b, strict=True):
+        assert abs(la - lb) <= 1e-5 * abs(la), f"step {step}: {la} vs {lb}"
+
+
+RESUME_EXTRA = dict(trainer__max_epochs=2, trainer__checkpoint_every_n_steps=2,
+                    # dropout makes the model consume the global RNG, which resume must restore
+                    model__head__dropout=0.5)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(run_overrides, compose_cfg, tmp_path_factory) -> tuple[list[str], Path, dict]:
+    overrides = run_overrides(**RESUME_EXTRA)
+    out = tmp_path_factory.mktemp("uninterrupted")
+    results = run.train(compose_cfg(overrides), out)
+    return overrides, out, results
+
+
+def test_run_outputs(uninterrupted, metrics_rows) -> None:
+    _, out, results = uninterrupted
+    assert results["steps"] == 8 and results["epochs"] == 2  # 16 videos / batch 4, 2 epochs
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["steps"] == 8 and saved["class_names"] == results["class_names"]
+    rows = metrics_rows(out)
+    assert [s for s, _ in _train_losses(rows)] == list(range(1, 9))
+    assert [r["step"] for r in rows if "val_top1" in r] == [4, 8]  # once per epoch
+    assert (out / "checkpoints" / "last.ckpt").exists() and (out / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("crash_at_step", [3, 6], ids=["mid-epoch", "after-epoch-boundary"])
+def test_resume_after_crash_matches_uninterrupted(
+    uninterrupted, compose_cfg, metrics_rows, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, crash_at_step: int,
+) -> None:
+    overrides, out_a, results_a = uninterrupted
+    cfg = compose_cfg(overrides)
+    out_b = tmp_path / "run"
+    real_step = Trainer._optimizer_step
+
+    def crash(self):
+        if self.state.step == crash_at_step - 1:
+            raise RuntimeError("simulated crash")
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "_optimizer_step", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run.train(cfg, out_b)
+    assert not (out_b / "results.json").exists()
+    monkeypatch.setattr(Trainer, "_optimizer_step", real_step)
+
+    calls = []
+    real_loss = Trainer._loss
+    monkeypatch.setattr(Trainer, "_loss", lambda self, v, y: calls.append(1) or real_loss(self, v, y))
+    with caplog.at_level(logging.INFO, logger="videotrain.engine.trainer"):
+        results_b = run.train(cfg, out_b)
+    # the last checkpoint before the crash was at an even step: only the rest was retrained
+    resumed_from = (crash_at_step - 1) // 2 * 2
+    assert f"at step {resumed_from}" in caplog.text and "resumed from" in caplog.text
+    assert len(calls) == 8 - resumed_from
+    _assert_same_losses(_train_losses(metrics_rows(out_a)), _train_losses(metrics_rows(out_b)))
+    for key in ("val_top1", "val_loss", "steps", "epochs"):
+        assert results_b[key] == pytest.approx(results_a[key], rel=1e-5), key
+
+
+def test_grad_accum_and_max_steps(run_overrides, compose_cfg, metrics_rows, tmp_path: Path) -> None:
+    cfg = compose_cfg(run_overrides(trainer__grad_accum=2, trainer__max_epochs=3,
+                                    trainer__max_steps=3, data__batch_size=2))
+    results = run.train(cfg, tmp_path)
+    # 16 videos / batch 2 = 8 micro-batches = 4 optimizer steps per epoch; max_steps stops at 3
+    assert results["steps"] == 3 and results["epochs"] == 0
+    assert results["clips_per_s"] > 0 and results["step_time_s"] > 0
+    rows = metrics_rows(tmp_path)
+    assert [s for s, _ in _train_losses(rows)] == [1, 2, 3]
+    assert [r["step"] for r in rows if "val_top1" in r] == [3]  # validated where it stopped
+    assert [r["lr"] for r in rows if "lr" in r] == sorted(r["lr"] for r in rows if "lr" in r)
+
+
+# ------------------------------------------------------------------- the real thing: SIGKILL
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_uninterrupted(run_overrides, metrics_rows,
+                                                    tmp_path: Path) -> None:
+    def command(run_dir: Path) -> list[str]:
+        args = run_overrides(**{**RESUME_EXTRA, "trainer__max_epochs": 3})
+        return [sys.executable, "-m", "videotrain", *args, f"hydra.run.dir={run_dir}"]
+
+    def finish(run_dir: Path) -> None:
+        done = subprocess.run(command(run_dir), cwd=tmp_path, capture_output=True, text=True,
+                              timeout=600, env=os.environ.copy())
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    finish(run_a)
+
+    proc = subprocess.Popen(command(run_b), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=os.environ.copy())
+    ckpt = run_b / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert ckpt.exists() and not (run_b / "results.json").exists()
+
+    finish(run_b)
+    _assert_same_losses(_train_losses(metrics_rows(run_a)), _train_losses(metrics_rows(run_b)))
+    assert len(_train_losses(metrics_rows(run_b))) == 12  # 3 epochs x 4 steps
+    assert [p.name for p in run_b.glob("**/results.json")] == ["results.json"]
+    a = json.loads((run_a / "results.json").read_text())
+    b = json.loads((run_b / "results.json").read_text())
+    for key in ("val_top1", "val_loss", "steps", "epochs"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5), key

@@ -1,0 +1,100 @@
+"""``python -m videotrain``: one real end-to-end run, and the errors a user sees for bad
+overrides (on the CLI for two of them, in-process for the rest)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import videotrain.run as run
+
+
+def test_end_to_end_cli_from_any_directory(run_cli, tiny_root: Path, tiny_synthetic_overrides,
+                                           shrink_overrides, tiny_model_overrides, metrics_rows,
+                                           tmp_path: Path) -> None:
+    # the default data group (synthetic) finds the session dataset in $VIDEOTRAIN_CACHE
+    args = [*tiny_synthetic_overrides, *shrink_overrides, *tiny_model_overrides,
+            "trainer.max_epochs=1", "trainer.log_every_n_steps=1"]
+    cwd = tmp_path / "somewhere"
+    cwd.mkdir()
+    done = run_cli(args, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs = list(cwd.glob("outputs/*/*/results.json"))  # Hydra's default run dir, under cwd
+    assert len(outputs) == 1, list(cwd.rglob("*"))
+    run_dir = outputs[0].parent
+    results = json.loads(outputs[0].read_text())
+
+    for key in ("val_top1", "val_top5"):
+        assert 0.0 <= results[key] <= 1.0, (key, results[key])
+    assert results["val_top5"] == 1.0  # 4 classes: the label is always in the top 5
+    peak = results["train_peak_mem_mb"]
+    if os.access("/proc/self/clear_refs", os.W_OK):  # the CPU meter can measure here
+        assert isinstance(peak, float) and peak >= 0  # (a tiny model may reuse freed memory)
+    else:  # it reports nothing rather than a wrong number
+        assert peak is None
+    assert results["step_time_s"] > 0 and results["clips_per_s"] > 0
+    assert results["memory_strategy"] == "e2e"
+    assert results["skipped_videos"] == 0 and results["epochs"] == 1 and results["steps"] == 4
+    assert results["class_names"] == (tiny_root / "classes.txt").read_text().split()
+
+    assert (run_dir / "config.yaml").exists()
+    rows = metrics_rows(run_dir)
+    assert [r["step"] for r in rows if "train_loss" in r] == [1, 2, 3, 4]  # one line per step
+    val = [r for r in rows if "val_top1" in r]
+    assert len(val) == 1 and val[0]["val_top1"] == results["val_top1"]
+
+
+def test_cli_unknown_key_fails_naming_it(run_cli, tmp_path: Path) -> None:
+    done = run_cli(["data.nonexistent_key=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert done.returncode != 0
+    assert "data.nonexistent_key" in done.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+@pytest.mark.slow  # the same messages are checked in-process below; this adds the exit code
+def test_cli_bad_value_fails_naming_it(run_cli, run_overrides, tmp_path: Path) -> None:
+    done = run_cli([*run_overrides(), "trainer.precision=64", f"hydra.run.dir={tmp_path}"],
+                   cwd=tmp_path)
+    assert done.returncode != 0
+    assert "trainer.precision must be one of" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.precision=64", "trainer.precision must be one of 32, bf16, 16; got 64"),
+        ("trainer.precision=16", "trainer.precision=16 needs CUDA"),
+        ("optim.name=foo", "optim.name must be 'adamw' or 'sgd', got 'foo'"),
+        ("trainer.grad_accum=0", "trainer.grad_accum must be >= 1"),
+        ("trainer.max_epochs=0", "trainer.max_epochs must be >= 1"),
+        ("sched.name=step", "sched.name must be 'cosine'"),
+        ("logger.wandb.mode=sometimes", "logger.wandb.mode must be one of"),
+        ("data.layout=csv", "data.layout must be 'kinetics' or 'folder'"),
+        ("data.batch_size=64", "data.batch_size=64 exceeds the 16 training videos"),
+        ("data.crop_size=64", "data.crop_size=64 exceeds data.short_side=32"),
+    ],
+)
+def test_bad_value_fails_naming_the_key(override: str, message: str, run_overrides, compose_cfg,
+                                        tmp_path: Path) -> None:
+    cfg = compose_cfg([*run_overrides(), override])
+    with pytest.raises(ValueError) as err:
+        run.train(cfg, tmp_path)
+    assert message in str(err.value)
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_cli_too_many_bad_videos_exits_nonzero(run_cli, run_overrides, tiny_copy: Path,
+                                               tmp_path: Path) -> None:
+    for rel in ["train/right_then_up/right_then_up_0000.mp4",
+                "train/left_then_down/left_then_down_0002.mp4"]:
+        (tiny_copy / rel).write_bytes(b"")
+    done = run_cli([*run_overrides(root=tiny_copy), f"hydra.run.dir={tmp_path / 'run'}"],
+                   cwd=tmp_path)
+    assert done.returncode != 0
+    output = done.stdout + done.stderr  # Hydra logs to stdout, errors go to stderr
+    assert "BadDataError" in output and "data.max_bad_fraction=0.1" in output
+    assert "right_then_up_0000.mp4" in output  # the warning names the file
