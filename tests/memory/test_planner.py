@@ -1,0 +1,131 @@
+"""The recomputation planner on small random DAGs: exact DP == brute force over lower-set chains."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from videotrain.memory.graph import Graph, articulation_points, lower_sets
+from videotrain.memory.planner import (
+    InfeasibleBudget,
+    approximate_family,
+    brute_force,
+    dp,
+    evaluate,
+    min_peak,
+    plan,
+    sqrt_plan,
+)
+
+
+def random_dag(n: int, seed: int, p: float = 0.3) -> Graph:
+    rng = random.Random(seed)
+    preds = []
+    for v in range(n):
+        ps = [u for u in range(v) if rng.random() < p]
+        if v and not ps:
+            ps = [v - 1]
+        preds.append(ps)
+    mem = [float(rng.randint(1, 6)) for _ in range(n)]
+    cost = [float(rng.randint(1, 5)) for _ in range(n)]
+    return Graph([f"v{i}" for i in range(n)], preds, mem, cost)
+
+
+def chain(n: int) -> Graph:
+    return Graph([f"v{i}" for i in range(n)], [[i - 1] if i else [] for i in range(n)], [1.0] * n, [1.0] * n)
+
+
+def brute_lower_sets(g: Graph) -> set[int]:
+    return {s for s in range(1 << g.n) if g.is_lower(s)}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lower_sets_match_brute_force(seed: int) -> None:
+    g = random_dag(8, seed)
+    assert set(lower_sets(g)) == brute_lower_sets(g)
+    assert all(g.is_lower(s) for s in approximate_family(g))
+
+
+def test_chain_has_n_plus_1_lower_sets_and_cap() -> None:
+    assert len(lower_sets(chain(10))) == 11
+    assert lower_sets(random_dag(12, 0, p=0.05), cap=5) is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_exact_dp_equals_brute_force(seed: int) -> None:
+    g = random_dag(6, seed)
+    sets = lower_sets(g)
+    top = evaluate(g, [g.full])[0]
+    smallest = min_peak(g, sets)
+    # the smallest feasible budget is the least peak over all chains
+    chains_peaks = [
+        evaluate(g, [*c, g.full])[0]
+        for r in range(len(sets))
+        for c in itertools.combinations([s for s in sets if s not in (0, g.full)], r)
+        if all(b & a == a for a, b in itertools.pairwise(c))
+    ]
+    assert smallest == pytest.approx(min(chains_peaks))
+    for budget in {smallest, (smallest + top) / 2, top, smallest - 0.5}:
+        want = brute_force(g, budget)
+        got = dp(g, budget, sets)
+        if want is None:
+            assert got is None
+        else:
+            assert got is not None and got.overhead == pytest.approx(want)
+            assert got.peak <= budget + 1e-9
+            assert evaluate(g, got.chain) == (got.peak, got.overhead)
+
+
+def test_no_budget_pressure_means_no_recompute() -> None:
+    g = random_dag(7, 3)
+    p, _, exact = plan(g, budget=1e12)
+    assert exact and p.overhead == 0 and p.chain == [g.full]
+
+
+def test_infeasible_budget_names_the_smallest() -> None:
+    g = random_dag(7, 4)
+    smallest = min_peak(g, lower_sets(g))
+    with pytest.raises(InfeasibleBudget, match="smallest feasible budget") as err:
+        plan(g, budget=smallest * 0.5)
+    assert err.value.min_budget == pytest.approx(smallest)
+
+
+def test_memory_objective_reaches_the_smallest_peak() -> None:
+    g = random_dag(8, 5)
+    p, smallest, _ = plan(g, budget=None, objective="memory")
+    assert p.peak == pytest.approx(smallest)
+    fast, _, _ = plan(g, budget=evaluate(g, [g.full])[0], objective="time")
+    assert fast.overhead <= p.overhead
+
+
+def test_sqrt_plan_on_a_chain_cuts_about_sqrt_n_segments() -> None:
+    g = chain(16)
+    assert articulation_points(g) == list(range(15))
+    p = sqrt_plan(g)
+    assert len(p.chain) == 4 and p.chain[-1] == g.full
+    assert p.peak < evaluate(g, [g.full])[0]
+
+
+def test_articulation_points_skip_parallel_branches() -> None:
+    # 0 -> {1, 2} -> 3 -> 4: only 0 and 3 cut every path
+    g = Graph(list("abcde"), [[], [0], [0], [1, 2], [3]], [1.0] * 5, [1.0] * 5)
+    assert articulation_points(g) == [0, 3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_approximate_family_is_never_better_than_exact(seed: int) -> None:
+    g = random_dag(9, seed, p=0.2)
+    exact, approx = lower_sets(g), approximate_family(g)
+    assert set(approx) <= set(exact)
+    budget = (min_peak(g, exact) + evaluate(g, [g.full])[0]) / 2
+    best, rough = dp(g, budget, exact), dp(g, budget, approx)
+    assert best is not None
+    assert rough is None or rough.overhead >= best.overhead - 1e-9
+
+
+def test_cap_switches_to_the_approximate_family() -> None:
+    g = random_dag(10, 1, p=0.15)
+    p, _, exact = plan(g, budget=None, cap=3)
+    assert not exact and p.chain[-1] == g.full

@@ -1,0 +1,107 @@
+"""Recomputation plan viewer: ``python -m videotrain.plan [hydra overrides]``.
+
+Builds the configured model (``videotrain.run.build_model``) and plans the backbone for the
+training input ``(data.batch_size * data.num_frames, 3, data.crop_size, data.crop_size)``
+without running any activations (shape propagation uses fake tensors). Prints the segments, the
+predicted push-aware peak, the predicted recompute overhead, the e2e peak and the smallest
+feasible budget, and writes ``plan.json`` (``--out``). Why a separate tool: choosing
+``memory.budget_mb`` needs those numbers before a run, and an infeasible budget should be
+found here rather than at the first training step.
+
+With ``memory`` other than ``checkpoint`` the viewer plans ``memory.policy=optimal`` with no
+budget (the smallest feasible), for reference. ``memory.policy=blocks`` is reported as the
+graph's e2e figures only (block checkpointing is not a graph plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from videotrain.memory.checkpoint import Recompute
+from videotrain.memory.planner import InfeasibleBudget
+
+
+def compose_cfg(overrides: list[str]) -> DictConfig:
+    from videotrain.run import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def strategy_from(cfg: DictConfig) -> Recompute:
+    mem = OmegaConf.to_container(cfg.memory, resolve=True)
+    assert isinstance(mem, dict)
+    if str(mem.get("_target_", "")).endswith("Recompute"):
+        keys = ("policy", "budget_mb", "budget_frac", "objective", "lower_set_cap", "segments")
+        opts = {k: mem[k] for k in keys if k in mem}
+        if opts.get("policy") == "blocks":
+            opts["policy"] = "optimal"
+            opts["budget_mb"] = opts["budget_frac"] = None
+        return Recompute(**opts)
+    return Recompute("optimal")
+
+
+def make_report(cfg: DictConfig) -> dict[str, Any]:
+    """The plan report for ``cfg`` (raises ``InfeasibleBudget`` with the smallest budget)."""
+    from videotrain.run import build_model
+
+    num_classes = int(cfg.data.get("num_classes") or 2)
+    model = build_model(cfg, num_classes).train()
+    d = cfg.data
+    frames = torch.zeros(int(d.batch_size) * int(d.num_frames), 3, int(d.crop_size), int(d.crop_size))
+    strategy = strategy_from(cfg)
+    with torch.no_grad():
+        _, _, _, report = strategy.make_plan(model.backbone, frames)  # (B*T, C, H, W)
+    report.pop("_index")
+    report["configured_policy"] = OmegaConf.select(cfg, "memory.policy")
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    mib = 2**20
+    lines = [
+        f"policy {report['policy']}  input {tuple(report['input_shape'])}  "
+        f"{report['vertices']} tensors, {report['lower_sets']} lower sets"
+        f"{'' if report['exact_family'] else ' (approximate family)'}",
+        f"e2e peak            {report['e2e_peak_bytes'] / mib:10.2f} MiB",
+        f"predicted peak      {report['predicted_peak_bytes'] / mib:10.2f} MiB",
+        f"predicted overhead  {report['overhead_frac_of_forward']:10.1%} of a forward",
+    ]
+    if report["smallest_feasible_bytes"] is not None:
+        lines.append(f"smallest budget     {report['smallest_feasible_bytes'] / mib:10.2f} MiB")
+    for i, seg in enumerate(report["segments"]):
+        kept = seg["kept"] if isinstance(seg["kept"], str) else ", ".join(seg["kept"])
+        lines.append(
+            f"  segment {i:2d}: {len(seg['nodes']):3d} tensors {seg['bytes'] / mib:8.2f} MiB  "
+            f"{seg['nodes'][0]} .. {seg['nodes'][-1]}  keeps: {kept}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m videotrain.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="plan.json", help="where to write the JSON report")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. memory=checkpoint")
+    args = parser.parse_args(argv)
+    cfg = compose_cfg(list(args.overrides))
+    try:
+        report = make_report(cfg)
+    except InfeasibleBudget as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(render(report))
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
