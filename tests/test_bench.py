@@ -44,12 +44,15 @@ def test_saved_activation_bytes_e2e_vs_no_grad() -> None:
         assert saved_activation_bytes(model, video) == 0
 
 
-@pytest.mark.parametrize("strategy", [StochasticBackprop(0.5), StochasticBackprop(0.5, granularity="block"),
-                                      FrameDropout(0.5)], ids=["sbp_frame", "sbp_block", "dropout"])
-def test_saved_activation_bytes_shrink_with_keep_ratio(strategy) -> None:
+@pytest.mark.parametrize(("strategy", "at_most"), [
+    (StochasticBackprop(0.5), 0.8),
+    (StochasticBackprop(0.5, granularity="block"), 1.0),  # only the first blocks' branches split
+    (FrameDropout(0.5), 0.8),
+], ids=["sbp_frame", "sbp_block", "dropout"])
+def test_saved_activation_bytes_shrink_with_keep_ratio(strategy, at_most: float) -> None:
     video, _ = synthetic_batch(2, 8, 32, 4)
     e2e = saved_activation_bytes(tiny_model(EndToEnd()).train(), video)
-    assert 0 < saved_activation_bytes(tiny_model(strategy).train(), video) < 0.8 * e2e
+    assert 0 < saved_activation_bytes(tiny_model(strategy).train(), video) < at_most * e2e
 
 
 def test_synthetic_batch_is_fixed() -> None:
@@ -88,14 +91,14 @@ def test_resolve_overrides_filter_and_reference() -> None:
 
 # ---------------------------------------------------------------------- end to end
 def test_bench_tiny(tmp_path: Path) -> None:
-    rows = [row("resnet10", "e2e"), row("resnet10", "sbp", 0.5, "frame"),
-            row("resnet10", "no_such_strategy")]
+    """Two rows, each in its own subprocess: fields, ratios, bench.json/.md/.png."""
     out = tmp_path / "bench"
-    results, meta, table = run_bench(rows=rows, out=out, log=lambda *a, **k: None, **TINY)
+    _, _, table = run_bench(suite="default", only=["sbp-frame-0.5"], out=out,
+                            extra_overrides=["model/backbone=resnet10"],
+                            log=lambda *a, **k: None, **TINY)
     data = json.loads((out / "bench.json").read_text())
-    assert [r["name"] for r in data["rows"]] == ["resnet10/e2e", "resnet10/sbp-frame-0.5",
-                                                 "resnet10/no_such_strategy-1"]
-    e2e, sbp, bad = data["rows"]
+    assert [r["name"] for r in data["rows"]] == ["resnet10/e2e", "resnet10/sbp-frame-0.5"]
+    e2e, sbp = data["rows"]
     for r in (e2e, sbp):
         assert ROW_KEYS <= set(r) and not r.get("error"), r.get("error")
         assert r["peak_mem_mb"] > 0 and r["step_time_s"] > 0 and r["saved_act_mb"] > 0
@@ -105,15 +108,14 @@ def test_bench_tiny(tmp_path: Path) -> None:
     assert sbp["keep_ratio"] == 0.5 and sbp["granularity"] == "frame"
     assert sbp["saved_act_mb"] < e2e["saved_act_mb"]
     assert sbp["mem_ratio"] == pytest.approx(sbp["peak_mem_mb"] / e2e["peak_mem_mb"])
-    assert "no_such_strategy" in bad["error"] and bad["peak_mem_mb"] is None
     assert data["meta"]["setting"]["frames"] == 4 and data["meta"]["torch"] == torch.__version__
     md = (out / "bench.md").read_text()
-    assert table in md and md.count("| resnet10 |") == 3 and "FAILED" in md
+    assert table in md and md.count("| resnet10 |") == 2 and "FAILED" not in md
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_cli_failed_row_exits_nonzero(tmp_path: Path) -> None:
-    """A row whose config does not compose is recorded, and the bench exits non-zero."""
+    """A row whose config does not compose is recorded (not raised), and the CLI exits 1."""
     cmd = [sys.executable, "-m", "videotrain.bench", "--only", "e2e", "--batch-size", "1",
            "--frames", "2", "--size", "32", "--steps", "1", "--warmup", "0", "--device", "cpu",
            "--out", str(tmp_path), "model/backbone=resnet10", "memory.no_such_key=1"]

@@ -57,6 +57,22 @@ def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
     return sum(sizes.values())
 
 
+def step_stats(times: list[float], peaks: list[float], fwd_bwd: list[float],
+               batch_size: int) -> dict[str, Any]:
+    """Per-step measurements -> the reported figures (median time, max peak)."""
+    step_time = statistics.median(times) if times else None
+    return {
+        "peak_mem_mb": max(peaks) if peaks else None,
+        "peak_mem_mb_median": statistics.median(peaks) if peaks else None,
+        "fwd_bwd_peak_mb": max(fwd_bwd) if fwd_bwd else None,
+        "step_time_s": step_time,
+        "clips_per_s": batch_size / step_time if step_time else None,
+        "step_times_s": times,
+        "peak_mems_mb": peaks,
+        "fwd_bwd_mems_mb": fwd_bwd,
+    }
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Compose the row's config, build model + AdamW, run warm-up and measured steps.
 
@@ -118,16 +134,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             fwd_bwd.append(fb)
     with precision.autocast():
         saved = saved_activation_bytes(model, video)
-    step_time = statistics.median(times) if times else float("nan")
     return {
-        "peak_mem_mb": max(peaks) if peaks else None,
-        "peak_mem_mb_median": statistics.median(peaks) if peaks else None,
-        "step_time_s": step_time,
-        "clips_per_s": spec["batch_size"] / step_time if times else None,
-        "fwd_bwd_peak_mb": max(fwd_bwd) if fwd_bwd else None,
+        **step_stats(times, peaks, fwd_bwd, spec["batch_size"]),
         "saved_act_mb": saved / 2**20,
-        "step_times_s": times,
-        "peak_mems_mb": peaks,
         "memory": model.strategy.describe(),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "device": str(device),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from videotrain.bench import report
+from videotrain.bench.child import step_stats
 from videotrain.bench.suites import SUITES, resolve
 
 DEFAULT_HEAD = "transformer"
@@ -110,12 +111,31 @@ def machine_info(device: str) -> dict[str, Any]:
     return info
 
 
+def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
+            batch_size: int) -> dict[str, Any]:
+    """One table row from a row's runs (one per round): steps pooled, the first error kept."""
+    failed = [r for r in runs if r.get("error")]
+    res = dict(failed[0] if failed else runs[0])
+    if not failed and len(runs) > 1:
+        pooled = {k: [x for r in runs for x in r[k]]
+                  for k in ("step_times_s", "peak_mems_mb", "fwd_bwd_mems_mb")}
+        res.update(step_stats(pooled["step_times_s"], pooled["peak_mems_mb"],
+                              pooled["fwd_bwd_mems_mb"], batch_size))
+    res["wall_s"] = sum(r.get("wall_s", 0.0) for r in runs)
+    res["rounds"] = len(runs)
+    row = {**spec, **res, "device": res.get("device", device)}
+    for key in ("strategy", "keep_ratio", "granularity", "policy"):
+        if res.get("memory", {}).get(key) is not None:  # what was actually built
+            row[key] = res["memory"][key]
+    return row
+
+
 def run_bench(
     suite: str = "default", out: str | Path | None = None, steps: int = 5, warmup: int = 2,
     device: str = "auto", batch_size: int = 2, frames: int = 16, size: int = 112,
     num_classes: int = 10, extra_overrides: list[str] | None = None, only: list[str] | None = None,
     rows: list[dict[str, Any]] | None = None, timeout: float = 1800, threads: int | None = None,
-    log=print,
+    rounds: int = 1, log=print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run ``suite`` (or the given row specs). Returns (rows, meta, markdown table)."""
     if suite not in SUITES and rows is None:
@@ -128,26 +148,28 @@ def run_bench(
         raise ValueError(f"no rows left after --only {only}")
     setting = {"suite": suite, "batch_size": batch_size, "frames": frames, "size": size,
                "steps": steps, "warmup": warmup, "num_classes": num_classes, "head": DEFAULT_HEAD,
-               "extra_overrides": extra, "only": only, "threads": threads}
-    results = []
-    for i, spec in enumerate(specs, 1):
-        child_spec = {"overrides": spec["overrides"], "steps": steps, "warmup": warmup,
-                      "batch_size": batch_size, "frames": frames, "size": size,
-                      "num_classes": num_classes, "device": device, "seed": 0,
-                      "threads": threads}
-        res = run_child(child_spec, timeout)
-        row = {**spec, **res, "device": res.get("device", device)}
-        for key in ("strategy", "keep_ratio", "granularity", "policy"):
-            if res.get("memory", {}).get(key) is not None:  # what was actually built
-                row[key] = res["memory"][key]
-        results.append(row)
-        if row.get("error"):
-            log(f"[{i}/{len(specs)}] {spec['name']}: FAILED ({row['error'].splitlines()[-1]})",
-                file=sys.stderr)
-        else:
-            log(f"[{i}/{len(specs)}] {spec['name']}: peak {row['peak_mem_mb']:.1f} MB, "
-                f"step {row['step_time_s']:.3f} s, saved {row['saved_act_mb']:.1f} MB "
-                f"({row['wall_s']:.0f} s)", file=sys.stderr)
+               "extra_overrides": extra, "only": only, "threads": threads,
+               "rounds": rounds}
+    per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
+    for rnd in range(rounds):  # round-robin, so slow drifts of machine load hit every row
+        for i, spec in enumerate(specs):
+            if any(r.get("error") for r in per_row[i]):
+                continue  # a failed row is not retried
+            child_spec = {"overrides": spec["overrides"], "steps": steps, "warmup": warmup,
+                          "batch_size": batch_size, "frames": frames, "size": size,
+                          "num_classes": num_classes, "device": device, "seed": 0,
+                          "threads": threads}
+            res = run_child(child_spec, timeout)
+            per_row[i].append(res)
+            tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
+            if res.get("error"):
+                log(f"{tag} {spec['name']}: FAILED ({res['error'].splitlines()[-1]})",
+                    file=sys.stderr)
+            else:
+                log(f"{tag} {spec['name']}: peak {res['peak_mem_mb']:.1f} MB, step "
+                    f"{res['step_time_s']:.3f} s, saved {res['saved_act_mb']:.1f} MB "
+                    f"({res['wall_s']:.0f} s)", file=sys.stderr)
+    results = [combine(spec, runs, device, batch_size) for spec, runs in zip(specs, per_row, strict=True)]
     report.add_ratios(results)
     machine = machine_info(device)
     meta = {"device": device, "torch": machine["torch"], "setting": setting,
@@ -177,13 +199,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--only", help="comma-separated globs on row names, e.g. 'e2e,sbp-frame-*' "
                                   "(an e2e reference row is always kept)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the rows round-robin this many times, pooling their steps (each "
+                        "round is a fresh subprocess per row); smooths drifting machine load")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     p.add_argument("--threads", type=int, help="torch.set_num_threads in each row (default: torch's)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1, --warmup >= 0")
     return args
 
 
@@ -195,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         suite=args.suite, out=args.out, steps=args.steps, warmup=args.warmup, device=args.device,
         batch_size=args.batch_size, frames=args.frames, size=args.size,
         num_classes=args.num_classes, extra_overrides=args.overrides, timeout=args.timeout,
-        threads=args.threads,
+        threads=args.threads, rounds=args.rounds,
         only=[s.strip() for s in args.only.split(",") if s.strip()] if args.only else None,
     )
     print(table, end="")

@@ -83,7 +83,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
     groups = _series(rows)
     for i, (label, rs) in enumerate(sorted(groups.items())):
         rs = sorted(rs, key=lambda r: r["keep_ratio"])
@@ -109,7 +109,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     axes[1].set_title("time")
     axes[2].set_title("trade-off")
     if groups:
-        axes[2].legend(fontsize=7, loc="best")
+        axes[2].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -133,8 +133,10 @@ def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> st
     (out_dir / "bench.json").write_text(
         json.dumps({"rows": [public_row(r) for r in rows], "meta": meta}, indent=2) + "\n")
     s = meta["setting"]
-    title = (f"{meta['device']} · torch {meta['torch']} · B={s['batch_size']} T={s['frames']} "
-             f"{s['size']}px · {' '.join(s['extra_overrides'])}")
+    title = " · ".join(x for x in (
+        meta["device"], f"torch {meta['torch']}", f"B={s['batch_size']} T={s['frames']} "
+        f"{s['size']}px, {s['steps']} steps x {s.get('rounds', 1)} round(s)",
+        " ".join(s["extra_overrides"])) if x)
     header = f"# videotrain bench\n\n{title}\n\n"
     (out_dir / "bench.md").write_text(header + table)
     plot(rows, out_dir / "bench.png", title)
