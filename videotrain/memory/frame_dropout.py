@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from videotrain.memory.base import FrameFeatures, encode_all_frames
-from videotrain.memory.sampling import FrameSampler, n_keep
+from videotrain.memory.sampling import FrameSampler, SamplerStateMixin, n_keep
 
 
 def gather_frames(video: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def gather_frames(video: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return video[batch, idx]
 
 
-class FrameDropout:
+class FrameDropout(SamplerStateMixin):
     """Keep a random subset of frames per clip in training; see the module docstring.
 
     ``rank`` defaults to the ``RANK`` environment variable, so DDP ranks draw different masks.
@@ -64,13 +64,6 @@ class FrameDropout:
         kept = gather_frames(video, idx)  # (B, n, C, H, W)
         feats = backbone(kept.flatten(0, 1))  # (B*n, D)
         return FrameFeatures(feats.view(b, keep, -1), idx)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "sampler" in state:
-            self.sampler.load_state_dict(state["sampler"])
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -112,6 +112,19 @@ class FrameSampler:
         self.draws = int(state["draws"])
 
 
+class SamplerStateMixin:
+    """Checkpoint state of a strategy whose only state is its ``FrameSampler`` (``self.sampler``)."""
+
+    sampler: FrameSampler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
+
+
 def keep_mask(keep_idx: torch.Tensor, num_frames: int) -> torch.Tensor:
     """Boolean ``(B, T)`` mask from kept indices ``(B, n)``."""
     mask = torch.zeros(keep_idx.shape[0], num_frames, dtype=torch.bool, device=keep_idx.device)

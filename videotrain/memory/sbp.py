@@ -67,7 +67,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from videotrain.memory.base import FrameFeatures, all_positions, encode_all_frames
-from videotrain.memory.sampling import SAMPLERS, FrameSampler, flat_rows, n_keep
+from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
 from videotrain.memory.sbp_blocks import BlockSplitter, PatchedBlock, select_blocks
 from videotrain.memory.sbp_split import (
     BN_POLICIES,
@@ -82,7 +82,7 @@ GRANULARITIES = ("frame", "block")
 GRAD_SCALES = ("none", "inverse_keep")
 
 
-class StochasticBackprop:
+class StochasticBackprop(SamplerStateMixin):
     """SBP memory strategy. See the module docstring for the options and the BN policy."""
 
     name = "sbp"
@@ -201,14 +201,7 @@ class StochasticBackprop:
         if not (bn_ok and blocks_ok):
             raise RuntimeError("StochasticBackprop.encode: call strategy.prepare(backbone) first")
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "sampler" in state:
-            self.sampler.load_state_dict(state["sampler"])
-
+    # ------------------------------------------------------------------ report (state: SamplerStateMixin)
     def describe(self) -> dict[str, Any]:
         return {
             "strategy": self.name,
