@@ -76,10 +76,12 @@ def step_stats(times: list[float], peaks: list[float], fwd_bwd: list[float],
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Compose the row's config, build model + AdamW, run warm-up and measured steps.
 
-    ``peak_mem_mb`` is the whole step's peak (forward, backward with the gradients it
-    allocates, AdamW update); ``fwd_bwd_peak_mb`` the peak up to the end of backward (the
-    same high-water mark read before the optimizer step). Both are increases over the memory
-    in use before the step (parameters, optimizer state, the input batch)."""
+    ``peak_mem_mb`` is the whole step's peak (forward, backward, AdamW update);
+    ``fwd_bwd_peak_mb`` the peak up to the end of backward (the same high-water mark read
+    before the optimizer step). Both are increases over the memory held between steps:
+    parameters, optimizer state, the input batch and, unless ``free_grads``, the parameter
+    gradients (zeroed in place, as design.md's reference figures assume). What remains is what
+    a memory strategy controls: stored activations and the transients of the step."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -113,7 +115,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         fwd_bwd = meter.stop() if measured else None  # high-water mark so far, not reset
         scaler.step(optimizer)
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=bool(spec.get("free_grads", False)))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return fwd_bwd

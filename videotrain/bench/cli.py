@@ -135,7 +135,7 @@ def run_bench(
     device: str = "auto", batch_size: int = 2, frames: int = 16, size: int = 112,
     num_classes: int = 10, extra_overrides: list[str] | None = None, only: list[str] | None = None,
     rows: list[dict[str, Any]] | None = None, timeout: float = 1800, threads: int | None = None,
-    rounds: int = 1, log=print,
+    rounds: int = 1, free_grads: bool = False, log=print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run ``suite`` (or the given row specs). Returns (rows, meta, markdown table)."""
     if suite not in SUITES and rows is None:
@@ -149,7 +149,7 @@ def run_bench(
     setting = {"suite": suite, "batch_size": batch_size, "frames": frames, "size": size,
                "steps": steps, "warmup": warmup, "num_classes": num_classes, "head": DEFAULT_HEAD,
                "extra_overrides": extra, "only": only, "threads": threads,
-               "rounds": rounds}
+               "rounds": rounds, "free_grads": free_grads}
     per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
     for rnd in range(rounds):  # round-robin, so slow drifts of machine load hit every row
         for i, spec in enumerate(specs):
@@ -158,7 +158,7 @@ def run_bench(
             child_spec = {"overrides": spec["overrides"], "steps": steps, "warmup": warmup,
                           "batch_size": batch_size, "frames": frames, "size": size,
                           "num_classes": num_classes, "device": device, "seed": 0,
-                          "threads": threads}
+                          "threads": threads, "free_grads": free_grads}
             res = run_child(child_spec, timeout)
             per_row[i].append(res)
             tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
@@ -204,6 +204,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "round is a fresh subprocess per row); smooths drifting machine load")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     p.add_argument("--threads", type=int, help="torch.set_num_threads in each row (default: torch's)")
+    p.add_argument("--free-grads", action="store_true",
+                   help="free parameter gradients after each step (zero_grad(set_to_none=True)), "
+                   "so the step peak also counts the gradients backward allocates; by default "
+                   "they persist between steps like the weights and optimizer state")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         suite=args.suite, out=args.out, steps=args.steps, warmup=args.warmup, device=args.device,
         batch_size=args.batch_size, frames=args.frames, size=args.size,
         num_classes=args.num_classes, extra_overrides=args.overrides, timeout=args.timeout,
-        threads=args.threads, rounds=args.rounds,
+        threads=args.threads, rounds=args.rounds, free_grads=args.free_grads,
         only=[s.strip() for s in args.only.split(",") if s.strip()] if args.only else None,
     )
     print(table, end="")

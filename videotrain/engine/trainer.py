@@ -188,7 +188,9 @@ class Trainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.grad_clip))
         scaler.step(self.optimizer)
         scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        # gradients stay allocated between steps (like weights and optimizer state), so the
+        # per-step peak measures what the memory strategy controls: activations and transients
+        self.optimizer.zero_grad(set_to_none=False)
         self.scheduler.step()
         return grad_norm
 
