@@ -105,7 +105,6 @@ class Trainer:
         self.state = TrainState(skipped=set(preflight_bad or []))
         self.meter = StepPeakMemory(device)
         self._split_paths: dict[str, set[str]] = {}  # per split, for its own bad fraction
-        self._pending_rng: dict | None = None
         self.steps_per_epoch, self.total_steps = plan_steps(len(data.train), settings)
         # samples per epoch that feed full optimizer steps; a tail smaller than grad_accum
         # micro-batches is dropped rather than leaking half-accumulated gradients
@@ -150,13 +149,10 @@ class Trainer:
         self.scheduler.load_state_dict(blob["scheduler"])
         self.precision.scaler.load_state_dict(blob["scaler"])
         self.strategy.load_state_dict(blob["strategy"])
+        # the loaders draw worker seeds from their own generators, not the global RNG, so the
+        # restored state is exactly where the uninterrupted run was at this step
+        ckpt.set_rng_state(blob["rng"])
         st = self.state
-        if blob["consumed"]:
-            # mid-epoch: applied once the epoch's DataLoader iterator exists, because creating
-            # it draws from the global RNG, which the uninterrupted run did before this point
-            self._pending_rng = blob["rng"]
-        else:
-            ckpt.set_rng_state(blob["rng"])
         st.step, st.epoch, st.consumed = blob["step"], blob["epoch"], blob["consumed"]
         st.skipped |= set(blob["skipped"])
         st.step_times, st.peaks, st.last_val = blob["step_times"], blob["peaks"], blob["last_val"]
@@ -204,12 +200,8 @@ class Trainer:
         micro, loss_sum, data_time = 0, 0.0, 0.0
         bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
                    desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
-        batches = iter(self.data.train)
-        if self._pending_rng is not None:
-            ckpt.set_rng_state(self._pending_rng)
-            self._pending_rng = None
         t_data = time.perf_counter()
-        for batch in batches:
+        for batch in self.data.train:
             if st.consumed >= self.epoch_samples:
                 break
             data_time += time.perf_counter() - t_data
