@@ -14,13 +14,13 @@ SMALL = ["data.batch_size=1", "data.num_frames=2", "data.crop_size=32", "memory=
 
 def test_plan_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    assert main(["--out", str(out), *SMALL, "memory.policy=optimal", "memory.budget_frac=0.5"]) == 0
+    assert main(["--out", str(out), *SMALL, "memory.policy=optimal", "memory.budget_frac=0.8"]) == 0
     text = capsys.readouterr().out
     for word in ("predicted peak", "predicted overhead", "e2e peak", "smallest budget", "segment  0"):
         assert word in text
     report = json.loads(out.read_text())
     assert report["input_shape"] == [2, 3, 32, 32]
-    assert report["predicted_peak_bytes"] <= 0.5 * report["e2e_peak_bytes"]
+    assert report["predicted_peak_bytes"] <= 0.8 * report["e2e_peak_bytes"]
     assert report["smallest_feasible_bytes"] <= report["predicted_peak_bytes"]
     assert sum(len(s["nodes"]) for s in report["segments"]) == report["vertices"]
 

@@ -3,7 +3,7 @@
 Builds the configured model (``videotrain.run.build_model``) and plans the backbone for the
 training input ``(data.batch_size * data.num_frames, 3, data.crop_size, data.crop_size)``
 without running any activations (shape propagation uses fake tensors). Prints the segments, the
-predicted push-aware peak, the predicted recompute overhead, the e2e peak and the smallest
+predicted peak, the predicted recompute overhead, the e2e peak and the smallest
 feasible budget, and writes ``plan.json`` (``--out``). Why a separate tool: choosing
 ``memory.budget_mb`` needs those numbers before a run, and an infeasible budget should be
 found here rather than at the first training step.

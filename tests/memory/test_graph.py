@@ -28,8 +28,15 @@ def test_chain_trace_sizes_and_order() -> None:
     gm, g, index = trace(model, torch.randn(2, 3, 8, 8))
     assert g.names == ["conv", "bn", "relu", "view", "mean"]
     assert g.preds == [[], [0], [1], [2], [3]]
-    assert g.mem[0] == 2 * 4 * 8 * 8 * 4  # conv output float32 bytes
-    assert g.mem[1] > g.mem[0]  # BN also saves its batch statistics
+    out = 2 * 4 * 8 * 8 * 4  # conv output, float32 bytes
+    assert g.mem[:3] == [out, out, out]
+    # what autograd keeps: the conv output (BN's input), BN's batch statistics only (its output
+    # feeds an out-of-place ReLU, which saves its result instead), the ReLU result
+    assert g.saved[0] == out and g.keeps[0]
+    assert 0 < g.saved[1] < out and not g.keeps[1]
+    assert g.saved[2] == out and g.keeps[2]
+    assert g.saved[3] == 0  # a view of the ReLU result: not counted twice
+    assert g.grad_alias[3] and not g.grad_alias[0]  # a view's backward hands on a view
     assert len(lower_sets(g)) == g.n + 1
     assert articulation_points(g) == [0, 1, 2, 3]
     assert set(index) == set(g.names)

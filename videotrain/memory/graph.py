@@ -25,24 +25,45 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
-from torch.utils._pytree import tree_flatten
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 _INPLACE_FUNCS = {operator.iadd: operator.add, operator.imul: operator.mul, operator.isub: operator.sub}
 
 
 @dataclass
 class Graph:
-    """A DAG in topological order: ``preds[i]`` are vertex indices ``< i``; sizes in bytes."""
+    """A DAG in topological order: ``preds[i]`` are vertex indices ``< i``; sizes in bytes.
+
+    ``mem[v]`` is the size of ``v``'s output (what a kept boundary and its gradient cost);
+    ``saved[v]`` what autograd keeps for ``v`` until its backward: the output if some backward
+    uses it (and it is not a view of a tensor already counted) plus internals such as BN
+    statistics or dropout masks. ``saved`` defaults to ``mem`` (every output kept: conservative).
+    """
 
     names: list[str]
     preds: list[list[int]]
     mem: list[float]
     cost: list[float]
+    saved: list[float] | None = None
+    keeps: list[bool] | None = None  # output held by autograd (counted in saved); default all
+    work_fwd: list[float] | None = None  # bytes an op allocates and frees inside its forward
+    work_bwd: list[float] | None = None  # ... inside its backward (beyond its input gradients)
+    grad_alias: list[bool] | None = None  # backward hands its inputs views of its own gradient
     succ_mask: list[int] = field(init=False)
     pred_mask: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         n = len(self.names)
+        if self.saved is None:
+            self.saved = list(self.mem)
+        if self.keeps is None:
+            self.keeps = [True] * n
+        self.work_fwd = self.work_fwd or [0.0] * n
+        self.work_bwd = self.work_bwd or [0.0] * n
+        self.grad_alias = self.grad_alias or [False] * n
+        self.peak_cache: dict[tuple[int, int], float] = {}
         self.pred_mask = [sum(1 << p for p in ps) for ps in self.preds]
         self.succ_mask = [0] * n
         for v, ps in enumerate(self.preds):
@@ -65,6 +86,9 @@ class Graph:
 
     def mem_of(self, s: int) -> float:
         return sum(self.mem[v] for v in self.members(s))
+
+    def saved_of(self, s: int) -> float:
+        return sum(self.saved[v] for v in self.members(s))
 
     def cost_of(self, s: int) -> float:
         return sum(self.cost[v] for v in self.members(s))
@@ -162,27 +186,73 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 class _SavedProp(ShapeProp):
-    """ShapeProp that also records, per node, the bytes autograd saves that are neither the
-    node's inputs, parameters nor output (LayerNorm/BN statistics, attention internals of a
-    leaf ``MultiheadAttention``, dropout masks). Why: those live as long as the node's output
-    does, so the planner must charge them to the node or its peak is not an upper bound."""
+    """ShapeProp that also records what autograd saves at each node. Per node:
+    ``extra_saved_bytes``, the saved bytes that are neither the node's inputs, parameters nor
+    output (LayerNorm/BN statistics, attention internals of a leaf ``MultiheadAttention``,
+    dropout masks), which live until the node's backward; ``output_saved``, set on a node when
+    its own backward or a consumer's saves its output (a conv saves its input, a ReLU its
+    result; a BN output feeding a ReLU is freed in forward); ``alias``, set when the output
+    shares storage with an input (a view), so its bytes are not counted twice. Why: the planner
+    charges a vertex only what autograd really keeps, or its peak is several times too high."""
+
+    _lifted: list[torch.Tensor] | None = None
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple:
+        """Inputs as fresh leaves that require grad, so one node's backward can run alone."""
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        if self._lifted is None:
+            return args, kwargs
+
+        def lift(t: object) -> object:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                leaf = t.detach().requires_grad_()
+                self._lifted.append(leaf)
+                return leaf
+            return t
+
+        return tree_map(lift, (args, kwargs))
 
     def run_node(self, n: fx.Node) -> object:
+        if not n.op.startswith("call_"):
+            return super().run_node(n)
         packed: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             packed.append(t)
             return t
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            result = super().run_node(n)
-        known = set()
-        for obj in (*tree_flatten((n.args, n.kwargs))[0], result):
-            for t in tree_flatten(obj)[0]:
-                if isinstance(t, fx.Node):
-                    t = self.env.get(t)
-                if isinstance(t, torch.Tensor):
-                    known.add(_storage_key(t))
+        self._lifted = []
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    LiveBytes() as fwd:
+                result = super().run_node(n)
+        finally:
+            leaves, self._lifted = self._lifted, None
+        n.meta["work_fwd"] = fwd.transient()
+        n.meta["work_bwd"], n.meta["grad_alias"] = self._backward_work(n, result, leaves)
+        packed_keys = {_storage_key(t) for t in packed}
+        known, input_keys = set(), set()
+        for arg in tree_flatten((n.args, n.kwargs))[0]:
+            t = self.env.get(arg) if isinstance(arg, fx.Node) else arg
+            for leaf in tree_flatten(t)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    input_keys.add(_storage_key(leaf))
+            if isinstance(arg, fx.Node) and any(
+                isinstance(leaf, torch.Tensor) and _storage_key(leaf) in packed_keys
+                for leaf in tree_flatten(t)[0]
+            ):
+                arg.meta["output_saved"] = True
+        known |= input_keys
+        out_keys = {_storage_key(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)}
+        known |= out_keys
+        if out_keys & packed_keys:
+            n.meta["output_saved"] = True
+        n.meta["alias"] = bool(out_keys) and out_keys <= input_keys
+        n.meta["alias_of"] = [
+            a for a in n.all_input_nodes
+            if any(isinstance(t, torch.Tensor) and _storage_key(t) in out_keys
+                   for t in tree_flatten(self.env.get(a))[0])
+        ] if n.meta["alias"] else []
         if n.op == "call_module":
             root = getattr(self, "fake_module", None) or self.module
             known |= {_storage_key(p) for p in root.get_submodule(str(n.target)).parameters()}
@@ -193,7 +263,56 @@ class _SavedProp(ShapeProp):
             if t.dim() > 0 and not (t.is_leaf and t.requires_grad)
         }
         n.meta["extra_saved_bytes"] = sum(b for k, b in extra.items() if k not in known)
-        return result
+        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, result)
+
+    def _backward_work(self, n: fx.Node, result: object, leaves: list[torch.Tensor]) -> tuple[float, bool]:
+        """(bytes the node's backward allocates and frees again, e.g. attention internals;
+        whether the input gradients it returns share storage with its output gradient, as for
+        add, cat and views: that storage then lives as long as any of those gradients)."""
+        outs = [t for t in tree_flatten(result)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        if not outs:
+            return 0.0, False
+        params = []
+        if n.op == "call_module":
+            params = [p for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
+        targets = [t for t in (*leaves, *params) if t.requires_grad]
+        grad_outs = [torch.ones_like(o) for o in outs]
+        with LiveBytes() as bwd:
+            grads = torch.autograd.grad(outs, targets, grad_outs, allow_unused=True)
+        work = bwd.transient()  # while the gradients are alive: they are not transient
+        out_keys = {_storage_key(g) for g in grad_outs}
+        alias = any(g is not None and _storage_key(g) in out_keys for g in grads[: len(leaves)])
+        del grads
+        return work, alias
+
+
+class LiveBytes(TorchDispatchMode):
+    """Storages created by the ops run under it; ``transient()`` is the peak of those that are
+    freed again before the end (workspace, internals), i.e. what outputs do not account for.
+    Dispatch modes are thread-local: on CUDA the backward runs on the autograd device thread and
+    is not seen (its internals are then not charged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.timeline: list[list[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in self.refs or self.refs[ref.cdata][0].expired():
+                    self.refs[ref.cdata] = (ref, storage.nbytes())
+        self.timeline.append([k for k, (r, _) in self.refs.items() if not r.expired()])
+        return out
+
+    def transient(self) -> float:
+        end = {k for k, (r, _) in self.refs.items() if not r.expired()}
+        return float(max((sum(self.refs[k][1] for k in live if k not in end)
+                          for live in self.timeline), default=0))
 
 
 def make_out_of_place(gm: fx.GraphModule) -> fx.GraphModule:
@@ -217,22 +336,27 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
     """fx-trace ``backbone``, make it out of place, propagate shapes for ``example (N,C,H,W)``.
 
     Returns the traced module (sharing parameters and buffers with ``backbone``), the tensor DAG,
-    and a map from fx node name to vertex index. Shape propagation runs under a fake-tensor mode,
-    so BN running statistics are not touched and no real activations are allocated.
+    and a map from fx node name to vertex index. Shape propagation runs the real kernels on the
+    example, one node at a time (each node's forward and backward alone, outputs detached), so
+    what autograd saves and what ops allocate internally are those of the device and dtype that
+    will train; its memory is that of a ``no_grad`` forward. BN running statistics and the RNG
+    are restored afterwards.
     """
     gm = make_out_of_place(fx.symbolic_trace(backbone))
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        _SavedProp(gm, fake_mode=mode).propagate(mode.from_tensor(example))
-    except Exception:  # fall back to a real forward on a copy of the BN state
-        state = {k: v.clone() for k, v in gm.state_dict().items()}
-        with torch.no_grad():  # _SavedProp re-enables grad per node
-            _SavedProp(gm).propagate(example)
-        gm.load_state_dict(state)
+    state = {k: v.clone() for k, v in gm.state_dict().items()}
+    devices = [example.device] if example.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():  # grad on per node inside
+        _SavedProp(gm).propagate(example.detach())
+    gm.load_state_dict(state)  # BN running statistics as they were; the RNG too (fork_rng)
+    for node in reversed(gm.graph.nodes):  # a saved view keeps its base's storage alive
+        if node.meta.get("output_saved"):
+            for base in node.meta.get("alias_of", []):
+                base.meta["output_saved"] = True
     index: dict[str, int] = {}
-    names, preds, mem, cost = [], [], [], []
+    names, preds, mem, cost, saved, keeps = [], [], [], [], [], []
+    work_fwd: list[float] = []
+    work_bwd: list[float] = []
+    grad_alias: list[bool] = []
     tensor_preds: dict[str, set[int]] = {}  # node -> vertex preds, through contracted non-tensor nodes
     for node in gm.graph.nodes:
         ps: set[int] = set()
@@ -243,8 +367,14 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
             out_bytes = _meta_bytes(node.meta["tensor_meta"])
             names.append(node.name)
             preds.append(sorted(ps))
-            mem.append(float(out_bytes + node.meta.get("extra_saved_bytes", 0)))
+            mem.append(float(out_bytes))
+            kept = node.meta.get("output_saved", False) and not node.meta.get("alias", False)
+            saved.append(float(out_bytes * kept + node.meta.get("extra_saved_bytes", 0)))
+            keeps.append(bool(kept))
+            work_fwd.append(float(node.meta.get("work_fwd", 0.0)))
+            work_bwd.append(float(node.meta.get("work_bwd", 0.0)))
+            grad_alias.append(bool(node.meta.get("grad_alias", False)))
             cost.append(_flops(node, gm, out_bytes))
         else:
             tensor_preds[node.name] = ps
-    return gm, Graph(names, preds, mem, cost), index
+    return gm, Graph(names, preds, mem, cost, saved, keeps, work_fwd, work_bwd, grad_alias), index

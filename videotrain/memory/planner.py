@@ -4,11 +4,25 @@ A plan is a chain of lower sets ``0 = L0 < L1 < ... < Lk = V`` (bitmasks over ``
 vertices). Block ``Vi = Li \\ L(i-1)`` is computed in order; every block but the last keeps only
 its boundary ``Wi`` (vertices with a successor outside ``Li``) and is recomputed in backward.
 
-Cost model (why push-aware): PyTorch autograd *pushes* gradients into a block's earlier inputs
-at once, so the paper's pull-style per-block peak can be exceeded; we use
+Cost model. The paper charges block ``i`` ``sum_{j<i} M(Wj) + 2 M(Vi)`` (every tensor of the
+block and its gradient, pulled). Under PyTorch autograd that is both too low and too high: too
+low because autograd *pushes* gradients into earlier blocks' tensors at once (they wait there
+until their block runs), too high because autograd keeps only the tensors some backward needs
+(``Graph.saved``: a BN output that feeds a ReLU is freed in forward) and frees each vertex's
+saved tensors and gradient as soon as its backward has run. So we simulate the block instead:
 
-    peak_i = sum_{j<i} M(Wj) + 2 M(Vi) + M(∂(L(i-1)))        (push-aware)
+    peak_i   = sum_{j<i} M(Wj) + block_peak(L(i-1), L(i))
+    block_peak = max(recompute scan, backward scan)
+      recompute (or forward) scan, p ascending in Vi:
+          grads already pushed into L(i)  +  saved bytes of Vi up to p
+          + outputs not kept by autograd that still have a consumer to run (boundary: all)
+      backward scan, p descending in Vi:
+          saved bytes of Vi up to p  +  live gradients: those pushed into L(i) from later
+          blocks, those of Vi's vertices with a consumer already run, p's and p's inputs'
     overhead = sum_{i<k} T(Vi) - T(Wi)                          (the last block is never recomputed)
+
+This is an upper bound of the measured peak of activations and activation gradients on the test
+models (parameter gradients are not activations and are left out) and within 25% of it.
 
 The exact DP keeps, per lower set, the Pareto front of (overhead, retained memory); a
 transition is admissible only if its block's peak fits the budget, so pruning dominated pairs
@@ -24,6 +38,10 @@ import random
 from dataclasses import dataclass
 
 from videotrain.memory.graph import Graph, articulation_points, lower_sets
+
+# Scalars the model does not track (the loss and its gradient, step counters): a few bytes that
+# would otherwise let a measured peak exceed an exact prediction.
+SCALAR_SLACK = 4096.0
 
 
 class InfeasibleBudget(ValueError):
@@ -41,7 +59,7 @@ class InfeasibleBudget(ValueError):
 @dataclass
 class Plan:
     chain: list[int]  # lower sets L1..Lk (bitmasks), Lk = V
-    peak: float  # predicted push-aware peak, bytes
+    peak: float  # predicted peak, bytes
     overhead: float  # predicted recompute cost, in the graph's cost units
 
     def blocks(self) -> list[int]:
@@ -52,13 +70,88 @@ class Plan:
         return out
 
 
+class _Gradients:
+    """Live activation gradients grouped by storage: add, cat and views hand their inputs views
+    of their own gradient, so one storage can hold several vertices' gradients."""
+
+    def __init__(self, g: Graph) -> None:
+        self.group: dict[int, tuple[str, int]] = {}  # vertex -> storage key
+        self.refs: dict[tuple[str, int], list[float]] = {}  # key -> [bytes, holders]
+        self.bytes = 0.0
+
+    def join(self, v: int, key: tuple[str, int], nbytes: float) -> None:
+        entry = self.refs.setdefault(key, [nbytes, 0])
+        if entry[1] == 0:
+            entry[0] = max(entry[0], nbytes)
+            self.bytes += entry[0]
+        entry[1] += 1
+        self.group[v] = key
+
+    def leave(self, v: int) -> None:
+        entry = self.refs[self.group.pop(v)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+
+
+def block_peak(g: Graph, lower: int, upper: int) -> float:
+    """Peak of recomputing (or first computing) and back-propagating block ``upper \\ lower``,
+    on top of the boundaries retained from earlier blocks; see the module docstring. Cached."""
+    key = (lower, upper)
+    if key in g.peak_cache:
+        return g.peak_cache[key]
+    block = upper & ~lower
+    verts = list(g.members(block))  # ascending = topological
+    grads = _Gradients(g)
+    for v in g.members(g.boundary(upper, upper)):  # pushed into L(upper) by later blocks
+        later = g.succ_mask[v] & ~upper
+        c = later.bit_length() - 1
+        if later & (later - 1) == 0 and g.grad_alias[c]:
+            grads.join(v, ("view", c), g.mem[c])  # a view of the consumer's gradient
+        else:
+            grads.join(v, ("own", v), g.mem[v])  # accumulated from several: its own storage
+    peak, saved = 0.0, 0.0
+    transient: dict[int, float] = {}  # outputs autograd does not keep -> bytes, until last use
+    last_use = {}
+    for v in verts:
+        later = g.succ_mask[v]
+        if later & ~upper or not later:  # feeds a later block (or is the output): kept to the end
+            last_use[v] = g.n
+        else:
+            last_use[v] = (later & block).bit_length() - 1
+    for p in verts:  # recompute (or first forward) of the block, pushed gradients waiting
+        saved += g.saved[p]
+        if not g.keeps[p]:
+            transient[p] = g.mem[p]
+        peak = max(peak, grads.bytes + saved + sum(transient.values()) + g.work_fwd[p])
+        for u in [u for u in transient if last_use[u] <= p]:
+            del transient[u]
+    for p in reversed(verts):  # backward through the block
+        if p not in grads.group:  # the output: its gradient comes from the head
+            grads.join(p, ("own", p), g.mem[p])
+        for u in g.members(g.pred_mask[p]):
+            if u in grads.group:  # accumulated: a new tensor replaces the old one
+                grads.leave(u)
+                grads.join(u, ("own", u), g.mem[u])
+            elif g.grad_alias[p]:
+                grads.join(u, grads.group[p], 0.0)
+            else:
+                grads.join(u, ("own", u), g.mem[u])
+        peak = max(peak, saved + grads.bytes + g.work_bwd[p])
+        grads.leave(p)
+        saved -= g.saved[p]
+    peak += SCALAR_SLACK
+    g.peak_cache[key] = peak
+    return peak
+
+
 def evaluate(g: Graph, chain: list[int]) -> tuple[float, float]:
-    """(push-aware peak, overhead) of a chain of lower sets ending at V."""
+    """(predicted peak, overhead) of a chain of lower sets ending at V."""
     retained = peak = overhead = 0.0
     prev = 0
     for i, s in enumerate(chain):
         block = s & ~prev
-        peak = max(peak, retained + 2 * g.mem_of(block) + g.mem_of(g.boundary(prev, prev)))
+        peak = max(peak, retained + block_peak(g, prev, s))
         w = g.boundary(block, s)
         if i < len(chain) - 1:
             overhead += g.cost_of(block) - g.cost_of(w)
@@ -89,11 +182,10 @@ def family(g: Graph, cap: int = 500) -> tuple[list[int], bool]:
 
 
 def dp(g: Graph, budget: float, sets: list[int], buckets: int | None = None) -> Plan | None:
-    """Least-overhead chain within ``sets`` whose push-aware peak fits ``budget`` (None: none)."""
+    """Least-overhead chain within ``sets`` whose predicted peak fits ``budget`` (None: none)."""
     quantum = (sum(g.cost) / buckets) if buckets else 0.0
     # front[L]: {overhead key: (retained, overhead, previous L, previous key)}
     front: dict[int, dict[float, tuple[float, float, int, float]]] = {0: {0.0: (0.0, 0.0, -1, 0.0)}}
-    bnd = {s: g.mem_of(g.boundary(s, s)) for s in sets}
     for a in sets:
         if a not in front or a == g.full:
             continue
@@ -103,12 +195,12 @@ def dp(g: Graph, budget: float, sets: list[int], buckets: int | None = None) -> 
             if b & a != a or b == a:
                 continue
             block = b & ~a
-            m_block = g.mem_of(block)
+            bp = block_peak(g, a, b)
             w = g.boundary(block, b)
             extra = 0.0 if b == g.full else g.cost_of(block) - g.cost_of(w)
             m_w = g.mem_of(w)
             for key, (ret, over, _, _) in pareto:
-                if ret + 2 * m_block + bnd[a] > budget:
+                if ret + bp > budget:
                     continue
                 o = over + extra
                 k = round(o / quantum) * quantum if quantum else o
@@ -138,12 +230,11 @@ def _prune(states: dict[float, tuple[float, float, int, float]]) -> None:
 
 
 def min_peak(g: Graph, sets: list[int]) -> float:
-    """Smallest push-aware peak of any chain in ``sets`` (the smallest feasible budget).
+    """Smallest predicted peak of any chain in ``sets`` (the smallest feasible budget).
 
     Exact DP with Pareto pruning on (peak so far, retained): future block peaks depend on the
     past only through the retained memory, so a pair dominated in both is never needed.
     """
-    bnd = {s: g.mem_of(g.boundary(s, s)) for s in sets}
     front: dict[int, list[tuple[float, float]]] = {0: [(0.0, 0.0)]}
     for a in sets:
         if a not in front or a == g.full:
@@ -156,11 +247,8 @@ def min_peak(g: Graph, sets: list[int]) -> float:
         for b in sets:
             if b & a != a or b == a:
                 continue
-            block = b & ~a
-            m_block, m_w = g.mem_of(block), g.mem_of(g.boundary(block, b))
-            front.setdefault(b, []).extend(
-                (max(peak, ret + 2 * m_block + bnd[a]), ret + m_w) for peak, ret in kept
-            )
+            bp, m_w = block_peak(g, a, b), g.mem_of(g.boundary(b & ~a, b))
+            front.setdefault(b, []).extend((max(peak, ret + bp), ret + m_w) for peak, ret in kept)
     return min(peak for peak, _ in front[g.full])
 
 
