@@ -36,9 +36,8 @@ the prediction upper-bounds the measurement and is within 25% of it on every tes
 plan: resnet18 (8 frames, 32 px) 1.00-1.02x, a U-Net-like net with long skips 1.00-1.09x, a
 small ViT 1.15-1.23x (attention internals are charged at their largest).
 
-Not done: composition with ``sbp``. SBP's ``full_batch``/``frozen`` BN policies are context
-managers active only during the forward; a recompute in backward would run outside them (BN in
-plain train mode, different values), so SBP itself would have to re-enter them on recompute.
+Composition with ``sbp``: ``memory=sbp memory.checkpoint=POLICY`` checkpoints SBP's kept-frame
+path with these policies (``kept_path``); see ``videotrain.memory.sbp``.
 """
 
 from __future__ import annotations
@@ -150,6 +149,15 @@ class Recompute(StatelessStrategy):
             self._runners[key] = build_runner(gm, g, chosen, index)
             self.last_report = report
         return self._runners[key]
+
+    def kept_path(self, backbone: nn.Module, frames: torch.Tensor) -> Any:
+        """The checkpointed function for ``frames (N, C, H, W)`` of this shape (SBP's kept
+        frames): the backbone itself for ``blocks`` (its blocks are wrapped), else the plan's
+        split graph. Planned outside any SBP BN phase, on a detached copy of the rows."""
+        if self.policy == "blocks":
+            return backbone
+        with torch.no_grad():
+            return self._runner(backbone, frames.detach())
 
     # ------------------------------------------------------------------ training forward
     def encode(self, backbone: nn.Module, video: torch.Tensor) -> FrameFeatures:

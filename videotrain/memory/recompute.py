@@ -15,12 +15,18 @@ running buffers for its backward, and an in-place copy back would bump their ver
 and fail the backward's version check. In train mode BN normalizes with the batch statistics,
 so the clones never change the recomputed values. RNG (dropout) and autocast state are
 replayed by torch.utils.checkpoint itself (``preserve_rng_state=True``).
+
+Other forward-time state must be replayed too when a strategy composes with recomputation: SBP
+normalizes its kept frames with recorded full-batch BN statistics (or freezes BN) only while
+its forward runs, and a recompute in backward happens after that. Such a strategy registers a
+provider with :func:`replay_on_recompute` around its forward; every checkpointed call made
+meanwhile snapshots the state then and re-enters it around its recompute.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -53,15 +59,36 @@ def isolated_bn_stats(bns: list[_BatchNorm]) -> Iterator[None]:
             setattr(bn, name, buf)
 
 
+# A provider is called at forward time and returns a factory of the context to re-enter on
+# recompute (a snapshot of the state it needs).
+ReplayProvider = Callable[[], Callable[[], AbstractContextManager[Any]]]
+_replay_providers: list[ReplayProvider] = []
+
+
+@contextmanager
+def replay_on_recompute(provider: ReplayProvider) -> Iterator[None]:
+    """Checkpointed calls made in the body re-enter ``provider()``'s context on recompute."""
+    _replay_providers.append(provider)
+    try:
+        yield
+    finally:
+        _replay_providers.remove(provider)
+
+
 def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` under non-reentrant checkpoint; recomputes leave BN stats alone."""
+    """``fn(*args, **kwargs)`` under non-reentrant checkpoint; recomputes leave BN stats alone
+    and re-enter the forward-time contexts registered with :func:`replay_on_recompute`."""
     calls = [0]
+    replays = [provider() for provider in _replay_providers]  # snapshots, taken now
 
     def run(*a: Any, **kw: Any) -> Any:
         calls[0] += 1
-        if calls[0] == 1 or not bns:
+        if calls[0] == 1 or not (bns or replays):
             return fn(*a, **kw)
-        with isolated_bn_stats(bns):  # a recompute in backward
+        with ExitStack() as stack:  # a recompute in backward
+            for replay in replays:
+                stack.enter_context(replay())
+            stack.enter_context(isolated_bn_stats(bns))
             return fn(*a, **kw)
 
     return checkpoint(run, *args, use_reentrant=False, **kwargs)

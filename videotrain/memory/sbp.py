@@ -51,8 +51,14 @@ forward equals e2e's only against an e2e run with frozen BN too.
 LayerNorm models (ViT) need no policy. At ``keep_ratio=1`` ``encode`` is plain e2e
 (``encode_all_frames``), so it reproduces e2e exactly (under ``frozen``: e2e with frozen BN).
 
-Everything is a no-op in eval mode and under ``no_grad``; bf16 autocast works (no recompute
-replays anything). ``grad_scale=inverse_keep`` multiplies the kept frames' (block: kept
+Composition with recomputation (``checkpoint=blocks|sqrt|optimal``, frame granularity): the
+kept frames' backbone pass is checkpointed with ``memory=checkpoint``'s policy (for
+``optimal``, ``checkpoint_budget_frac`` of that path's predicted e2e peak; null: the smallest
+feasible). Gradients, logits and BN statistics equal plain SBP's: the recompute in backward
+re-enters the BN policy's forward state (``recompute.replay_on_recompute``).
+
+Everything is a no-op in eval mode and under ``no_grad``; bf16 autocast works (recompute
+replays the autocast state). ``grad_scale=inverse_keep`` multiplies the kept frames' (block: kept
 branches') gradient by ``T/n_keep`` without changing the forward value; off by default, as in
 the paper's code.
 """
@@ -67,6 +73,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from videotrain.memory.base import FrameFeatures, all_positions, encode_all_frames
+from videotrain.memory.checkpoint import Recompute
+from videotrain.memory.recompute import replay_on_recompute
 from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
 from videotrain.memory.sbp_blocks import BlockSplitter, PatchedBlock, select_blocks
 from videotrain.memory.sbp_split import (
@@ -98,6 +106,8 @@ class StochasticBackprop(SamplerStateMixin):
         bn_policy: str = "full_batch",
         seed: int = 0,
         rank: int | None = None,
+        checkpoint: str | None = None,
+        checkpoint_budget_frac: float | None = None,
     ) -> None:
         n_keep(keep_ratio, 1)  # validates the ratio
         for key, value, allowed in (
@@ -110,6 +120,14 @@ class StochasticBackprop(SamplerStateMixin):
                 raise ValueError(f"memory.{key} must be one of {', '.join(allowed)}; got {value!r}")
         if nograd_chunk < 1:
             raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
+        if checkpoint is not None and granularity != "frame":
+            raise ValueError("memory.checkpoint composes with memory.granularity=frame only "
+                             f"(got granularity={granularity!r})")
+        if checkpoint_budget_frac is not None and checkpoint != "optimal":
+            raise ValueError("memory.checkpoint_budget_frac needs memory.checkpoint=optimal")
+        # the kept-frame path's recomputation (memory=checkpoint's policies), or None
+        self.recompute = None if checkpoint is None else Recompute(
+            checkpoint, budget_frac=checkpoint_budget_frac)
         self.keep_ratio = float(keep_ratio)
         self.granularity = granularity
         self.nograd_chunk = int(nograd_chunk)
@@ -131,6 +149,8 @@ class StochasticBackprop(SamplerStateMixin):
         """Patch BN layers (``full_batch``) and wrap the selected blocks (``block``), in place."""
         if self.bn_policy == "full_batch":
             self.norm.patch(backbone)
+        if self.recompute is not None:
+            self.recompute.prepare(backbone)  # policy=blocks wraps the blocks' forward
         if self.granularity == "block":
             if not callable(getattr(backbone, "blocks", None)):
                 raise TypeError("memory.granularity=block needs a backbone with .blocks()")
@@ -146,12 +166,17 @@ class StochasticBackprop(SamplerStateMixin):
         if not (torch.is_grad_enabled() and backbone.training):
             return encode_all_frames(backbone, video)  # eval / no_grad: plain forward
         self._check_prepared(backbone)
-        freeze = frozen_batchnorm(backbone) if self.bn_policy == "frozen" else nullcontext()
-        with freeze:
+        freeze, replay = nullcontext(), nullcontext()
+        if self.bn_policy == "frozen":
+            freeze = frozen_batchnorm(backbone)
+            replay = replay_on_recompute(lambda: lambda: frozen_batchnorm(backbone))
+        with freeze, replay:
             b, t = video.shape[:2]
             keep = n_keep(self.keep_ratio, t)
-            if keep == t:
-                return encode_all_frames(backbone, video)  # r=1: exactly e2e
+            if keep == t:  # r=1: exactly e2e (checkpointed, when composed)
+                if self.recompute is not None:
+                    return self.recompute.encode(backbone, video)
+                return encode_all_frames(backbone, video)
             scale = t / keep if self.grad_scale == "inverse_keep" else None
             if self.granularity == "frame":
                 return self._encode_frames(backbone, video, keep, scale)
@@ -164,6 +189,9 @@ class StochasticBackprop(SamplerStateMixin):
         idx = self.sampler.sample(b, t, keep, video.device)  # (B, n)
         keep_rows, drop_rows = flat_rows(idx, t)  # (B*n,), (B*(T-n),)
         self.last_keep = idx
+        kept_fn = None
+        if self.recompute is not None:  # checkpoint the kept path (traced for its shape)
+            kept_fn = self.recompute.kept_path(backbone, video.flatten(0, 1)[: b * keep])
         feats = split_forward(
             backbone,
             video.flatten(0, 1),  # (B*T, C, H, W)
@@ -173,6 +201,7 @@ class StochasticBackprop(SamplerStateMixin):
             needs_stats=has_train_batchnorm(backbone.modules()),
             chunk=self.nograd_chunk,
             scale=scale,
+            kept_fn=kept_fn,
         )  # (B*T, D)
         return FrameFeatures(feats.view(b, t, -1), all_positions(video))
 
@@ -213,4 +242,5 @@ class StochasticBackprop(SamplerStateMixin):
             "bn_policy": self.bn_policy,
             "blocks": self.block_indices if self.granularity == "block" else None,
             "seed": self.sampler.seed,
+            "checkpoint": None if self.recompute is None else self.recompute.policy,
         }

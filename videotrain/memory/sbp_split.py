@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from videotrain.memory.recompute import replay_on_recompute
+
 BN_POLICIES = ("full_batch", "frozen")
 
 
@@ -140,7 +142,24 @@ class FullBatchNorm:
             self.phase = None
 
     def clear(self) -> None:
-        self.stats.clear()
+        self.stats = {}  # a fresh dict: replay snapshots keep theirs
+
+    def snapshot(self) -> Callable[[], Any]:
+        """The current phase and statistics, as a factory of a context that restores them
+        (``recompute.replay_on_recompute``: a checkpointed kept-frame path recomputes in
+        backward, after the forward's phase has ended)."""
+        state = (self.phase, dict(self.stats), self.total_rows)
+
+        @contextmanager
+        def replay() -> Iterator[None]:
+            before = (self.phase, self.stats, self.total_rows)
+            self.phase, self.stats, self.total_rows = state[0], dict(state[1]), state[2]
+            try:
+                yield
+            finally:
+                self.phase, self.stats, self.total_rows = before
+
+        return replay
 
     def forward(self, bn: _BatchNorm, orig: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if self.phase is None or not bn.training:
@@ -216,12 +235,15 @@ def split_forward(
     needs_stats: bool,
     chunk: int,
     scale: float | None = None,
+    kept_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``fn(x)`` for all rows of ``x (N, ...)``, with autograd only through ``keep_rows``.
 
     ``needs_stats``: ``fn`` contains training-mode BN patched by ``norm`` (record/apply, see
     the module docstring); otherwise dropped rows run under ``no_grad`` in ``chunk``-row
     pieces. ``scale`` multiplies the kept rows' gradient (``grad_scale=inverse_keep``).
+    ``kept_fn`` (default ``fn``) computes the kept rows: the same function, checkpointed when
+    SBP composes with recomputation; its recomputes re-enter the apply phase.
     Returns ``(N, ...)``; dropped rows carry no graph, kept rows the graph of one pass.
     """
     out: torch.Tensor | None = None
@@ -229,8 +251,8 @@ def split_forward(
         try:
             with torch.no_grad(), norm.record():
                 out = _compact(fn(x))  # (N, ...): e2e's forward; dropped rows are final
-            with norm.apply(total_rows=x.shape[0]):
-                kept = fn(x.index_select(0, keep_rows))  # (n, ...) with autograd
+            with norm.apply(total_rows=x.shape[0]), replay_on_recompute(norm.snapshot):
+                kept = (kept_fn or fn)(x.index_select(0, keep_rows))  # (n, ...) with autograd
         finally:
             norm.clear()
     else:
@@ -240,7 +262,7 @@ def split_forward(
                 if out is None:
                     out = y.new_empty((x.shape[0], *y.shape[1:]))
                 out.index_copy_(0, rows, y)
-        kept = fn(x.index_select(0, keep_rows))  # (n, ...) with autograd
+        kept = (kept_fn or fn)(x.index_select(0, keep_rows))  # (n, ...) with autograd
     if scale is not None and scale != 1.0:
         kept = ScaleGrad.apply(kept, scale)
     if out is None:  # nothing dropped
