@@ -209,3 +209,48 @@ def test_unknown_key_is_named(compose_cfg) -> None:
         compose_cfg(["data.nonexistent_key=1"])
     text = f"{err.value} {err.value.__cause__}"
     assert "data.nonexistent_key" in text
+
+
+# ------------------------------------------------------------------- Hydra's own groups
+
+
+def _with_hydra(overrides: list[str]) -> DictConfig:
+    """The composed config including the ``hydra`` node (launcher, sweeper, run dirs)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+LAUNCHERS = [*GROUPS.get("hydra/launcher", []), "submitit_local", "submitit_slurm"]
+
+
+@pytest.mark.parametrize("option", LAUNCHERS)
+def test_launchers_compose_and_instantiate(option: str) -> None:
+    from hydra.utils import instantiate
+
+    cfg = _with_hydra([f"hydra/launcher={option}", "hydra.launcher.partition=gpu"]
+                      if option != "submitit_local" else [f"hydra/launcher={option}"])
+    launcher = instantiate(cfg.hydra.launcher)  # the plugin's launcher object (submits nothing)
+    params = launcher.params
+    assert {"nodes", "gpus_per_node", "tasks_per_node", "timeout_min"} <= set(params)
+    if option == "slurm":  # our preset: one task (= one DDP rank) per GPU
+        assert params["tasks_per_node"] == params["gpus_per_node"] == 8
+        assert params["partition"] == "gpu" and params["timeout_min"] == 1440
+        assert type(launcher).__name__ == "SlurmLauncher"
+
+
+def test_keep_ratio_sweep_config() -> None:
+    cfg = _with_hydra(["+sweep=keep_ratio"])
+    params = cfg.hydra.sweeper.params
+    assert params["memory"] == "sbp"
+    assert [float(v) for v in params["memory.keep_ratio"].split(",")] == [0.25, 0.5, 0.75, 1.0]
+    first = (CONFIG_DIR / "sweep" / "keep_ratio.yaml").read_text().splitlines()[0]
+    assert first == "# @package _global_"
+    assert cfg.memory._target_.endswith("EndToEnd")  # the job config itself is unchanged
+
+
+def test_run_dirs_use_one_launch_time() -> None:
+    cfg = _with_hydra([])
+    assert "${launch_time:" in OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+    assert "sweep" in cfg.hydra.job.config.override_dirname.exclude_keys

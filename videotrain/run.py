@@ -8,6 +8,7 @@ rank 0 writes ``config.yaml``, ``metrics.jsonl``, checkpoints, ``results.json`` 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -38,6 +39,20 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 # `${launch_time:%H-%M-%S}` in hydra.run.dir / hydra.sweep.dir: Hydra's `${now:...}`, except
 # that all DDP ranks agree on it (rank 0's clock), so they share one output directory.
 OmegaConf.register_new_resolver("launch_time", distributed.launch_time, use_cache=True, replace=True)
+
+
+def job_dirname(overrides: str, limit: int = 160) -> str:
+    """A multirun job's folder name from its overrides (``hydra.job.override_dirname``): kept
+    as is up to ``limit`` characters, else cut and suffixed with a hash of the whole, so that
+    long override lists stay under the filesystem's 255-byte name limit and stay distinct."""
+    name = overrides.replace("/", "_")  # `model/backbone=x` must not become a sub-folder
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return f"{name[:limit - 11]}~{digest}"
+
+
+OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)
 
 
 def resolve_device(name: str, ctx: DistContext = DistContext()) -> torch.device:
