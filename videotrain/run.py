@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from videotrain.data.loaders import DataBundle, build_data
 from videotrain.engine import distributed
-from videotrain.engine.distributed import Comm, DistContext
+from videotrain.engine.distributed import SINGLE_PROCESS, Comm, DistContext
 from videotrain.engine.optim import build_optimizer, scaled_lr, warmup_cosine
 from videotrain.engine.precision import Precision
 from videotrain.engine.trainer import Trainer, TrainerSettings, plan_steps
@@ -55,7 +55,7 @@ def job_dirname(overrides: str, limit: int = 160) -> str:
 OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)
 
 
-def resolve_device(name: str, ctx: DistContext = DistContext()) -> torch.device:
+def resolve_device(name: str, ctx: DistContext = SINGLE_PROCESS) -> torch.device:
     return distributed.resolve_device(name, ctx)
 
 

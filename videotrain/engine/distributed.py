@@ -51,6 +51,9 @@ class DistContext:
         return self.world_size > 1
 
 
+SINGLE_PROCESS = DistContext()
+
+
 def env_context() -> DistContext:
     """The context torchrun (or ``export_submitit_env``) described in the environment."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -100,7 +103,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def resolve_device(name: str, ctx: DistContext = DistContext()) -> torch.device:
+def resolve_device(name: str, ctx: DistContext = SINGLE_PROCESS) -> torch.device:
     """``device=auto|cpu|cuda|cuda:N``. Under DDP each process takes ``cuda:LOCAL_RANK`` (modulo
     the visible devices, for clusters that show each task only its own GPU)."""
     if name == "cpu":
@@ -150,7 +153,7 @@ def launch_time(pattern: str) -> str:
 class Comm:
     """The collectives the trainer needs, as plain-Python calls; identities with one process."""
 
-    def __init__(self, ctx: DistContext = DistContext()) -> None:
+    def __init__(self, ctx: DistContext = SINGLE_PROCESS) -> None:
         self.ctx = ctx
         self.active = ctx.enabled and dist.is_available() and dist.is_initialized()
 
