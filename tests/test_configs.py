@@ -37,11 +37,12 @@ def _groups() -> dict[str, list[str]]:
 
 
 GROUPS = _groups()
-OPTIONS = [(g, o) for g, opts in GROUPS.items() for o in opts]
+# hydra/* groups configure Hydra itself (launchers), not the job: tested on their own below
+OPTIONS = [(g, o) for g, opts in GROUPS.items() for o in opts if not g.startswith("hydra/")]
 
 
 def _select(group: str, option: str) -> str:
-    return f"+{group}={option}" if group == "exp" else f"{group}={option}"
+    return f"+{group}={option}" if group in ("exp", "sweep") else f"{group}={option}"
 
 
 def test_discovery_found_the_known_groups() -> None:
@@ -87,7 +88,7 @@ def _instantiate_all(cfg: DictConfig) -> VideoClassifier:
     data, bad = run.build_data_from_cfg(cfg, CPU)
     assert bad == [] and data.num_classes == 4
     model = run.build_model(cfg, data.num_classes)
-    optimizer = build_optimizer(model, **OmegaConf.to_container(cfg.optim, resolve=True))
+    optimizer = run.optimizer_from_cfg(cfg, model)
     _, total = plan_steps(len(data.train), settings)
     warmup_cosine(optimizer, total, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio)
     data.train_sampler.set_epoch(0)
@@ -149,13 +150,15 @@ def test_data_keys_are_build_data_arguments(compose_cfg, option: str) -> None:
 def test_trainer_keys_are_trainer_settings(compose_cfg, option: str) -> None:
     keys = set(compose_cfg([f"trainer={option}"]).trainer)
     fields = {f.name for f in dataclasses.fields(TrainerSettings)} - {"max_bad_fraction"}
-    assert keys == fields | {"precision"}, keys ^ (fields | {"precision"})
+    run_level = {"precision", "sync_bn"}  # read by run.train, not by the loop
+    assert keys == fields | run_level, keys ^ (fields | run_level)
 
 
 @pytest.mark.parametrize("option", GROUPS["optim"])
 def test_optim_keys_are_build_optimizer_arguments(compose_cfg, option: str) -> None:
     keys = set(compose_cfg([f"optim={option}"]).optim)
-    assert keys <= _params(build_optimizer) - {"model"}
+    scaling = {"lr_scaling", "base_batch_size"}  # turned into lr by run.effective_lr
+    assert scaling <= keys and keys - scaling <= _params(build_optimizer) - {"model"}
 
 
 @pytest.mark.parametrize("option", GROUPS["sched"])
@@ -206,3 +209,48 @@ def test_unknown_key_is_named(compose_cfg) -> None:
         compose_cfg(["data.nonexistent_key=1"])
     text = f"{err.value} {err.value.__cause__}"
     assert "data.nonexistent_key" in text
+
+
+# ------------------------------------------------------------------- Hydra's own groups
+
+
+def _with_hydra(overrides: list[str]) -> DictConfig:
+    """The composed config including the ``hydra`` node (launcher, sweeper, run dirs)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+LAUNCHERS = [*GROUPS.get("hydra/launcher", []), "submitit_local", "submitit_slurm"]
+
+
+@pytest.mark.parametrize("option", LAUNCHERS)
+def test_launchers_compose_and_instantiate(option: str) -> None:
+    from hydra.utils import instantiate
+
+    cfg = _with_hydra([f"hydra/launcher={option}", "hydra.launcher.partition=gpu"]
+                      if option != "submitit_local" else [f"hydra/launcher={option}"])
+    launcher = instantiate(cfg.hydra.launcher)  # the plugin's launcher object (submits nothing)
+    params = launcher.params
+    assert {"nodes", "gpus_per_node", "tasks_per_node", "timeout_min"} <= set(params)
+    if option == "slurm":  # our preset: one task (= one DDP rank) per GPU
+        assert params["tasks_per_node"] == params["gpus_per_node"] == 8
+        assert params["partition"] == "gpu" and params["timeout_min"] == 1440
+        assert type(launcher).__name__ == "SlurmLauncher"
+
+
+def test_keep_ratio_sweep_config() -> None:
+    cfg = _with_hydra(["+sweep=keep_ratio"])
+    params = cfg.hydra.sweeper.params
+    assert params["memory"] == "sbp"
+    assert [float(v) for v in params["memory.keep_ratio"].split(",")] == [0.25, 0.5, 0.75, 1.0]
+    first = (CONFIG_DIR / "sweep" / "keep_ratio.yaml").read_text().splitlines()[0]
+    assert first == "# @package _global_"
+    assert cfg.memory._target_.endswith("EndToEnd")  # the job config itself is unchanged
+
+
+def test_run_dirs_use_one_launch_time() -> None:
+    cfg = _with_hydra([])
+    assert "${launch_time:" in OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+    assert "sweep" in cfg.hydra.job.config.override_dirname.exclude_keys

@@ -24,17 +24,27 @@ class BadDataError(RuntimeError):
 
 class ResumableSampler(Sampler[SampleKey]):
     """``DistributedSampler`` order (shuffled per epoch from ``seed``), yielding
-    ``SampleKey(index, epoch)`` and able to start part-way through an epoch on resume."""
+    ``SampleKey(index, epoch)`` and able to start part-way through an epoch on resume.
+
+    ``pad=False`` (evaluation) gives rank ``r`` the items ``r, r + world_size, ...`` instead of
+    ``DistributedSampler``'s equal shards, which repeat items to even the ranks out and would
+    count those videos twice in accuracy reduced over ranks.
+    """
 
     def __init__(self, dataset, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1,
-                 drop_last: bool = False) -> None:
+                 drop_last: bool = False, pad: bool = True) -> None:
+        if not pad and (shuffle or drop_last):
+            raise ValueError("pad=False is for ordered evaluation (shuffle=False, drop_last=False)")
         self.base = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
                                        shuffle=shuffle, seed=seed, drop_last=drop_last)
+        if not pad:
+            self.base = range(rank, len(dataset), world_size)
         self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch's order and skip its first ``skip`` samples (already trained on)."""
-        self.base.set_epoch(epoch)
+        if isinstance(self.base, DistributedSampler):
+            self.base.set_epoch(epoch)
         self.epoch, self.skip = epoch, skip
 
     def __iter__(self):
@@ -146,7 +156,8 @@ def build_data(
     )
     train_sampler = ResumableSampler(train_ds, shuffle=True, seed=seed, rank=rank,
                                      world_size=world_size, drop_last=True)
-    val_sampler = ResumableSampler(val_ds, shuffle=False, seed=seed, rank=rank, world_size=world_size)
+    val_sampler = ResumableSampler(val_ds, shuffle=False, seed=seed, rank=rank, world_size=world_size,
+                                   pad=False)
     common = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory,
                   persistent_workers=num_workers > 0)
     if len(train_ds) < batch_size * world_size:

@@ -1,4 +1,5 @@
-"""Optimizers and the warmup + cosine schedule."""
+"""Optimizers, explicit learning-rate scaling with the global batch, and the warmup + cosine
+schedule."""
 
 from __future__ import annotations
 
@@ -28,6 +29,29 @@ def build_optimizer(
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
     raise ValueError(f"optim.name must be 'adamw' or 'sgd', got {name!r}")
+
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+def scaled_lr(lr: float, scaling: str, base_batch_size: int | None, global_batch_size: int) -> float:
+    """The learning rate for a global batch (all processes, all accumulated micro-batches).
+
+    ``none``: ``lr`` as configured, whatever the batch. ``linear``: ``lr * global / base``
+    (Goyal et al., 2017: the usual rule for SGD). ``sqrt``: ``lr * sqrt(global / base)`` (often
+    preferred for Adam-type optimizers). Scaling is never implicit: adding GPUs changes the
+    learning rate only when ``optim.lr_scaling`` says so, relative to ``optim.base_batch_size``,
+    the global batch ``optim.lr`` was tuned for.
+    """
+    if scaling not in LR_SCALINGS:
+        raise ValueError(f"optim.lr_scaling must be one of {', '.join(LR_SCALINGS)}; got {scaling!r}")
+    if scaling == "none":
+        return lr
+    if not isinstance(base_batch_size, int) or base_batch_size < 1:
+        raise ValueError(f"optim.base_batch_size must be a positive integer with "
+                         f"optim.lr_scaling={scaling}; got {base_batch_size!r}")
+    ratio = global_batch_size / base_batch_size
+    return lr * (ratio if scaling == "linear" else math.sqrt(ratio))
 
 
 def warmup_cosine(

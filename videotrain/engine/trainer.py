@@ -9,6 +9,16 @@ how many samples of the current epoch were consumed, (b) the sampler's order is 
 ``(seed, epoch)`` and can skip what was consumed, and (c) every sample's augmentation is seeded
 by ``(seed, epoch, index)``, independent of workers. Model-side randomness (dropout, SBP masks)
 comes from RNG states saved in the checkpoint.
+
+Under DDP (``comm`` spans several processes) every rank runs this same loop on its own shard of
+the data; the batch size is per process. What changes: micro-batches before the last of an
+accumulation skip DDP's gradient all-reduce (``no_sync``); logged train metrics are reduced
+over ranks (loss: mean; step time, data time, peak memory: max, the slowest rank sets the
+pace); only rank 0 writes checkpoints and logs. A checkpoint holds every rank's RNG state
+(gathered to rank 0), and every rank resumes from rank 0's file: the sampler position
+(``consumed``) and the strategy's mask counter are the same on all ranks, and each rank's own
+shard and mask stream follow from its rank. Evaluation runs on the unwrapped model, so its
+shards may be uneven without a collective waiting on a rank that has run out of batches.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +37,7 @@ from tqdm import tqdm
 
 from videotrain.data.loaders import DataBundle, check_bad_fraction
 from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.distributed import Comm
 from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
 from videotrain.metrics.logger import MetricsLogger
@@ -74,7 +86,7 @@ def plan_steps(batches_per_epoch: int, settings: TrainerSettings) -> tuple[int, 
 class TrainState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # current epoch
-    consumed: int = 0  # samples of the current epoch already trained on (this rank)
+    consumed: int = 0  # samples of the current epoch already trained on (per rank: equal on all)
     skipped: set[str] = field(default_factory=set)  # bad video paths seen so far
     step_times: list[float] = field(default_factory=list)
     peaks: list[float] = field(default_factory=list)
@@ -94,43 +106,56 @@ class Trainer:
         out_dir: str | Path,
         logger: MetricsLogger,
         device: torch.device,
-        is_main: bool = True,
+        comm: Comm | None = None,
         preflight_bad: list[str] | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data, self.precision, self.s = data, precision, settings
         self.out_dir, self.logger, self.device = Path(out_dir), logger, device
-        self.is_main = is_main
+        self.comm = comm or Comm()
+        self.is_main = self.comm.is_main
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.state = TrainState(skipped=set(preflight_bad or []))
         self.meter = StepPeakMemory(device)
         self._split_paths: dict[str, set[str]] = {}  # per split, for its own bad fraction
         self.steps_per_epoch, self.total_steps = plan_steps(len(data.train), settings)
-        # samples per epoch that feed full optimizer steps; a tail smaller than grad_accum
-        # micro-batches is dropped rather than leaking half-accumulated gradients
+        # samples per epoch (per rank) that feed full optimizer steps; a tail smaller than
+        # grad_accum micro-batches is dropped rather than leaking half-accumulated gradients
         self.epoch_samples = self.steps_per_epoch * settings.grad_accum * data.train.batch_size
+        # clips per optimizer step over all ranks: what the learning rate sees
+        self.global_batch_size = data.train.batch_size * settings.grad_accum * self.comm.world_size
 
     # ---------------------------------------------------------------- checkpoints
     @property
+    def module(self) -> torch.nn.Module:
+        """The model without its DDP wrapper (what checkpoints and evaluation use)."""
+        return getattr(self.model, "module", self.model)
+
+    @property
     def strategy(self):
-        return getattr(self.model, "module", self.model).strategy
+        return self.module.strategy
 
     def save(self) -> None:
+        """Called on every rank at the same steps: gathers per-rank state, rank 0 writes."""
+        st = self.state
+        rngs = self.comm.all_gather(ckpt.rng_state())
+        skipped = set().union(*self.comm.all_gather(sorted(st.skipped)))
         if not self.is_main:
             return
-        st = self.state
         ckpt.save_atomic(
             {
-                "model": getattr(self.model, "module", self.model).state_dict(),
+                "model": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.scaler.state_dict(),
                 "strategy": self.strategy.state_dict(),
-                "rng": ckpt.rng_state(),
+                "rng": rngs[0],
+                "rng_per_rank": rngs,
+                "world_size": self.comm.world_size,
                 "step": st.step,
                 "epoch": st.epoch,
                 "consumed": st.consumed,
-                "skipped": sorted(st.skipped),
+                "skipped": sorted(skipped),
                 "step_times": st.step_times,
                 "peaks": st.peaks,
                 "last_val": st.last_val,
@@ -140,18 +165,32 @@ class Trainer:
         )
 
     def maybe_resume(self) -> bool:
-        path = ckpt.find_last(self.ckpt_dir)
+        # rank 0 decides, so that all ranks resume (or start fresh) together
+        found = ckpt.find_last(self.ckpt_dir)
+        path = self.comm.broadcast(None if found is None else str(found))
         if path is None:
             return False
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"rank {self.comm.rank} cannot read rank 0's checkpoint {path}: "
+                                    "under DDP the output directory must be on a shared filesystem")
         blob = ckpt.load(path, map_location=self.device)
-        getattr(self.model, "module", self.model).load_state_dict(blob["model"])
+        saved_world = blob.get("world_size", 1)
+        if saved_world != self.comm.world_size and blob["consumed"]:
+            raise ValueError(
+                f"{path} was written mid-epoch by {saved_world} process(es); resuming with "
+                f"{self.comm.world_size} would change every rank's data shard. Resume with the same "
+                "number of processes (or from an epoch-end checkpoint)")
+        self.module.load_state_dict(blob["model"])
         self.optimizer.load_state_dict(blob["optimizer"])
         self.scheduler.load_state_dict(blob["scheduler"])
         self.precision.scaler.load_state_dict(blob["scaler"])
         self.strategy.load_state_dict(blob["strategy"])
         # the loaders draw worker seeds from their own generators, not the global RNG, so the
-        # restored state is exactly where the uninterrupted run was at this step
-        ckpt.set_rng_state(blob["rng"])
+        # restored state is exactly where the uninterrupted run was at this step; each rank
+        # takes its own (dropout masks differ per rank), or rank 0's if the world size changed
+        per_rank = blob.get("rng_per_rank") or [blob["rng"]]
+        ckpt.set_rng_state(per_rank[self.comm.rank] if len(per_rank) == self.comm.world_size
+                           else blob["rng"])
         st = self.state
         st.step, st.epoch, st.consumed = blob["step"], blob["epoch"], blob["consumed"]
         st.skipped |= set(blob["skipped"])
@@ -169,6 +208,12 @@ class Trainer:
                 self._split_paths[source] = {p for p, _ in dataset.index.paths}
             num_bad = len(self.state.skipped & self._split_paths[source])
             check_bad_fraction(num_bad, len(dataset), source, self.s.max_bad_fraction)
+
+    def _sync_context(self, last_micro: bool):
+        """DDP all-reduces gradients in every backward; within an accumulation only the last
+        micro-batch needs it (``no_sync`` lets the others accumulate locally)."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return nullcontext() if last_micro or no_sync is None else no_sync()
 
     def _loss(self, video: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
@@ -211,8 +256,9 @@ class Trainer:
                 t_step = time.perf_counter()
             video = batch["video"].to(self.device, non_blocking=True)  # (B, T, C, H, W)
             labels = batch["label"].to(self.device, non_blocking=True)
-            loss = self._loss(video, labels)
-            self.precision.scaler.scale(loss / s.grad_accum).backward()
+            with self._sync_context(last_micro=micro + 1 == s.grad_accum):
+                loss = self._loss(video, labels)
+                self.precision.scaler.scale(loss / s.grad_accum).backward()
             loss_sum += float(loss.detach())
             micro += 1
             st.consumed += batch_size
@@ -230,10 +276,12 @@ class Trainer:
             bar.update(1)
             train_loss = loss_sum / s.grad_accum
             bar.set_postfix(loss=f"{train_loss:.3f}")
-            if st.step % s.log_every_n_steps == 0 or st.step == 1:
-                row = {"train_loss": train_loss, "lr": self.scheduler.get_last_lr()[0],
-                       "epoch": st.epoch, "step_time_s": st.step_times[-1], "data_time_s": data_time,
-                       "peak_mem_mb": peak, "skipped_videos": len(st.skipped)}
+            if st.step % s.log_every_n_steps == 0 or st.step == 1:  # same steps on all ranks
+                mean = self.comm.reduce({"train_loss": train_loss}, "mean")
+                slowest = self.comm.reduce({"step_time_s": st.step_times[-1],
+                                            "data_time_s": data_time, "peak_mem_mb": peak}, "max")
+                row = {**mean, "lr": self.scheduler.get_last_lr()[0], "epoch": st.epoch,
+                       **slowest, "skipped_videos": len(st.skipped)}
                 if grad_norm is not None:
                     row["grad_norm"] = grad_norm
                 self.logger.log(row, st.step)
@@ -247,7 +295,8 @@ class Trainer:
         return st.consumed >= self.epoch_samples
 
     def validate(self) -> dict[str, float]:
-        metrics = evaluate(self.model, self.data.val, self.precision, self.device,
+        self.comm.sync_buffers(self.module)
+        metrics = evaluate(self.module, self.data.val, self.precision, self.device,
                            progress=self.s.progress and self.is_main,
                            on_skipped=lambda p: self._note_skipped(p, self.data.val.dataset, "val split"))
         self.state.last_val = metrics
@@ -275,20 +324,26 @@ class Trainer:
         return self.results()
 
     def results(self) -> dict[str, Any]:
+        """The run's summary, reduced over ranks (a collective: call it on every rank)."""
         st = self.state
         times = st.step_times[1:] or st.step_times  # the first step pays for lazy allocations
         peaks = st.peaks[1:] or st.peaks
-        step_time = statistics.median(times) if times else float("nan")
-        clips = self.data.train.batch_size * self.s.grad_accum
+        slowest = self.comm.reduce({"step_time_s": statistics.median(times) if times else None,
+                                    "train_peak_mem_mb": max(peaks) if peaks else None}, "max")
+        step_time = slowest["step_time_s"]
+        skipped = set().union(*self.comm.all_gather(sorted(st.skipped)))
         return {
             **st.last_val,
-            "train_peak_mem_mb": max(peaks) if peaks else None,
-            "step_time_s": step_time,
-            "clips_per_s": clips / step_time if times else None,
+            "train_peak_mem_mb": slowest["train_peak_mem_mb"],  # the largest over steps and ranks
+            "step_time_s": float("nan") if step_time is None else step_time,
+            "clips_per_s": self.global_batch_size / step_time if step_time else None,
+            "world_size": self.comm.world_size,
+            "batch_size_per_process": self.data.train.batch_size,
+            "global_batch_size": self.global_batch_size,
             "memory_strategy": self.strategy.describe().get("strategy"),
             "memory": self.strategy.describe(),
-            "skipped_videos": len(st.skipped),
-            "skipped_paths": sorted(st.skipped),
+            "skipped_videos": len(skipped),
+            "skipped_paths": sorted(skipped),
             "epochs": st.epoch,
             "steps": st.step,
             "num_classes": self.data.num_classes,

@@ -1,0 +1,202 @@
+"""DDP on the CPU (gloo) through torchrun: the CLI on two ranks, exact resume, every strategy.
+
+Each test starts one ``torchrun --standalone --nproc_per_node=2`` (the process start-up is most
+of the cost), on the tiny session dataset with a tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from videotrain.engine.distributed import DistContext
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def torchrun(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([*TORCHRUN, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln]
+
+
+def test_torchrun_two_ranks_cli(tiny_synthetic_overrides, shrink_overrides, tiny_model_overrides,
+                                tmp_path: Path) -> None:
+    args = [*tiny_synthetic_overrides, *shrink_overrides, *tiny_model_overrides,
+            "data.batch_size=2", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
+            "optim.lr_scaling=linear", "optim.base_batch_size=2"]
+    done = torchrun(["-m", "videotrain", *args], cwd=tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+    # one run directory (the ranks agreed on its timestamp), written by rank 0 alone
+    assert len(list(tmp_path.glob("outputs/*/*"))) == 1, list(tmp_path.rglob("*"))
+    found = list(tmp_path.rglob("results.json"))
+    assert len(found) == 1, found
+    run_dir = found[0].parent
+    assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
+    assert len(list(tmp_path.rglob("last.ckpt"))) == 1
+    assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "config.yaml").exists()
+
+    results = json.loads(found[0].read_text())
+    assert results["world_size"] == 2 and results["steps"] == 2
+    assert results["batch_size_per_process"] == 2 and results["global_batch_size"] == 4
+    assert results["lr"] == pytest.approx(2e-3)  # adamw's 1e-3 x 4 / 2, as configured
+    # after the steps, both replicas hold bit-identical parameters
+    digests = results["param_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1] and results["replicas_in_sync"]
+    assert results["val_videos"] == 8  # every val video counted once over the two shards
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows if "train_loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "val_top1" in r] == [2]
+
+
+# SBP (frame level, BN full-batch policy) on the BN backbone, with head dropout so that the
+# global RNG matters too; 16 videos / (2 per rank x 2 ranks) = 4 steps, checkpoints every 2.
+DDP_RUN = ["trainer.max_epochs=1", "trainer.checkpoint_every_n_steps=2", "data.batch_size=2",
+           "trainer.log_every_n_steps=1"]
+SBP = ["model/backbone=resnet10", "memory=sbp", "memory.keep_ratio=0.5", "model.head.dropout=0.5"]
+STRATEGIES = {
+    "frame_dropout": ["memory=frame_dropout", "memory.keep_ratio=0.5", "trainer.max_steps=2"],
+    "sbp_block": ["model/backbone=resnet10", "memory=sbp", "memory.granularity=block",
+                  "trainer.max_steps=2"],
+    "checkpoint": ["memory=checkpoint", "trainer.max_steps=2"],
+    "e2e_accum": ["trainer.grad_accum=2", "data.batch_size=1", "trainer.max_steps=2"],
+}
+
+
+def test_ddp_resume_and_every_strategy(run_overrides, tmp_path: Path) -> None:
+    spec = {"out": str(tmp_path), "overrides": [*run_overrides(), *DDP_RUN],
+            "sbp_overrides": SBP, "crash_at_step": 3, "strategies": STRATEGIES}
+    done = torchrun([str(ROOT / "tests" / "ddp_worker.py"), json.dumps(spec)], cwd=tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    checks = json.loads((tmp_path / "checks.json").read_text())
+    assert checks["crashed_ckpt"]
+    assert checks["reduced"] == {"mean": {"x": 0.5, "only_rank1": 3.0, "none": None},
+                                 "max": {"x": 1.0, "only_rank1": 3.0, "none": None}}
+
+    # the crashed-then-resumed run repeats the uninterrupted one step for step
+    a, b = read_rows(tmp_path / "sbp_a"), read_rows(tmp_path / "sbp_b")
+    loss_a = [(r["step"], r["train_loss"]) for r in a if "train_loss" in r]
+    loss_b = [(r["step"], r["train_loss"]) for r in b if "train_loss" in r]
+    assert [s for s, _ in loss_a] == [s for s, _ in loss_b] == [1, 2, 3, 4]
+    for (step, la), (_, lb) in zip(loss_a, loss_b, strict=True):
+        assert abs(la - lb) <= 1e-5 * abs(la), f"step {step}: {la} vs {lb}"
+    res_a = json.loads((tmp_path / "sbp_a" / "results.json").read_text())
+    res_b = json.loads((tmp_path / "sbp_b" / "results.json").read_text())
+    for key in ("val_top1", "val_loss", "steps"):
+        assert res_b[key] == pytest.approx(res_a[key], rel=1e-5), key
+    assert res_a["param_digests"] == res_b["param_digests"]  # the very same weights
+
+    # masks: the rank enters the seed (ranks differ), and the resumed stream is the same
+    runs = checks["runs"]
+    for name in ("sbp_a", "sbp_b", "frame_dropout", "sbp_block"):
+        probe = runs[name]
+        assert [p["sampler_rank"] for p in probe] == [0, 1], name
+    assert runs["sbp_a"][0]["last_keep"] != runs["sbp_a"][1]["last_keep"]
+    assert runs["frame_dropout"][0]["last_keep"] != runs["frame_dropout"][1]["last_keep"]
+    assert [p["last_keep"] for p in runs["sbp_a"]] == [p["last_keep"] for p in runs["sbp_b"]]
+
+    # every strategy trains under DDP and keeps the replicas identical
+    for name in ("sbp_a", "sbp_b", *STRATEGIES):
+        res = json.loads((tmp_path / name / "results.json").read_text())
+        assert res["replicas_in_sync"] and len(set(res["param_digests"])) == 1, name
+        assert res["world_size"] == 2, name
+    accum = json.loads((tmp_path / "e2e_accum" / "results.json").read_text())
+    assert accum["global_batch_size"] == 4 and accum["steps"] == 2
+
+
+# ------------------------------------------------------------------- single-process checks
+
+
+def test_launch_time_is_shared_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from datetime import datetime
+
+    from videotrain.engine import distributed
+
+    stamp = datetime(2024, 5, 6, 7, 8, 9).timestamp()
+    monkeypatch.setenv(distributed.LAUNCH_TIME_ENV, repr(stamp))
+    assert distributed.launch_time("%Y-%m-%d/%H-%M-%S") == "2024-05-06/07-08-09"
+    monkeypatch.delenv(distributed.LAUNCH_TIME_ENV)
+    assert distributed.share_launch_time(DistContext()) == pytest.approx(
+        datetime.now().timestamp(), abs=60)  # one process: its own clock, exported
+    assert os.environ[distributed.LAUNCH_TIME_ENV]
+
+
+def test_worker_ranks_write_no_hydra_files() -> None:
+    from videotrain.__main__ import worker_overrides
+
+    assert worker_overrides(["memory=sbp"]) == [
+        "hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.job_logging.root.level=WARNING"]
+    assert worker_overrides(["hydra.output_subdir=.h", "hydra/job_logging=none"]) == []
+
+
+def test_single_process_comm_is_the_identity() -> None:
+    from videotrain.engine.distributed import Comm
+
+    comm = Comm()
+    assert comm.is_main and comm.world_size == 1 and not comm.active
+    assert comm.reduce({"a": 1.0, "b": None}, "max") == {"a": 1.0, "b": None}
+    assert comm.all_gather({"x": 1}) == [{"x": 1}] and comm.broadcast(3) == 3
+    with pytest.raises(ValueError, match="op must be"):
+        comm.reduce({}, "sum")
+
+
+def test_lr_scaling_is_explicit() -> None:
+    from videotrain.engine.optim import scaled_lr
+
+    assert scaled_lr(0.1, "none", None, 64) == 0.1
+    assert scaled_lr(0.1, "linear", 16, 64) == pytest.approx(0.4)
+    assert scaled_lr(0.1, "sqrt", 16, 64) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="optim.lr_scaling must be one of"):
+        scaled_lr(0.1, "quadratic", 16, 64)
+    with pytest.raises(ValueError, match="optim.base_batch_size must be a positive integer"):
+        scaled_lr(0.1, "linear", 0, 64)
+
+
+def test_val_shards_are_not_padded() -> None:
+    from videotrain.data.loaders import ResumableSampler
+
+    data = list(range(5))
+    shards = [[k.index for k in ResumableSampler(data, shuffle=False, seed=0, rank=r, world_size=2,
+                                                 pad=False)] for r in range(2)]
+    assert shards == [[0, 2, 4], [1, 3]]  # DistributedSampler would repeat item 0 on rank 1
+    with pytest.raises(ValueError, match="pad=False"):
+        ResumableSampler(data, shuffle=True, seed=0, pad=False)
+
+
+def test_sync_bn_choices(compose_cfg) -> None:
+    import torch
+    from torch import nn
+
+    import videotrain.run as run
+
+    cfg = compose_cfg(["model/backbone=resnet10", "trainer.sync_bn=true"])
+    two = DistContext(rank=0, world_size=2)
+    with pytest.raises(ValueError, match="trainer.sync_bn=true needs CUDA"):
+        run.use_sync_bn(cfg, two, torch.device("cpu"))
+    assert run.use_sync_bn(cfg, DistContext(), torch.device("cpu")) is False  # one process
+    model = run.build_model(cfg, num_classes=4, sync_bn=True)
+    kinds = {type(m) for m in model.modules()}
+    assert nn.SyncBatchNorm in kinds and nn.BatchNorm2d not in kinds
+    sbp = compose_cfg(["model/backbone=resnet10", "memory=sbp"])
+    with pytest.raises(ValueError, match="trainer.sync_bn=true does not combine with"):
+        run.build_model(sbp, num_classes=4, sync_bn=True)
+
+
+def test_device_under_ddp_names_the_key() -> None:
+    import videotrain.run as run
+
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        run.resolve_device("tpu")
+    assert run.resolve_device("cpu", DistContext(rank=1, world_size=2)).type == "cpu"
