@@ -199,3 +199,26 @@ def test_resume_after_sigkill_matches_uninterrupted(run_overrides, metrics_rows,
     b = json.loads((run_b / "results.json").read_text())
     for key in ("val_top1", "val_loss", "steps", "epochs"):
         assert b[key] == pytest.approx(a[key], rel=1e-5), key
+
+
+# ------------------------------------------------------------------- recomputation in the loop
+
+
+@pytest.fixture(scope="module")
+def e2e_four_steps(run_overrides, compose_cfg, tmp_path_factory) -> list[tuple[int, float]]:
+    out = tmp_path_factory.mktemp("e2e4")
+    run.train(compose_cfg(run_overrides(trainer__max_steps=4)), out)
+    return [(r["step"], r["train_loss"]) for r in map(json.loads, (out / "metrics.jsonl").open())
+            if "train_loss" in r]
+
+
+@pytest.mark.parametrize("policy", ["blocks", "sqrt", "optimal"])
+def test_checkpoint_policies_log_e2e_losses(e2e_four_steps, run_overrides, compose_cfg, metrics_rows,
+                                            tmp_path: Path, policy: str) -> None:
+    """Four real training steps with recomputation log e2e's per-step train_loss (issue 4)."""
+    cfg = compose_cfg(run_overrides(trainer__max_steps=4, memory="checkpoint", memory__policy=policy))
+    run.train(cfg, tmp_path)
+    got = _train_losses(metrics_rows(tmp_path))
+    assert [s for s, _ in got] == [1, 2, 3, 4]
+    for (step, want), (_, loss) in zip(e2e_four_steps, got, strict=True):
+        assert abs(loss - want) <= 1e-4 * abs(want), f"step {step}: {loss} vs e2e {want}"

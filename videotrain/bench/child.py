@@ -73,6 +73,23 @@ def step_stats(times: list[float], peaks: list[float], fwd_bwd: list[float],
     }
 
 
+def plan_figures(strategy: object) -> dict[str, Any]:
+    """A recomputation plan's predictions next to the measurement: predicted peak of the
+    backbone's activations and their gradients, the plan's e2e figure, the smallest feasible
+    budget and its fraction of e2e (what ``budget="min"`` rows report as ``budget_frac``)."""
+    recompute = getattr(strategy, "recompute", None) or strategy
+    report = getattr(recompute, "last_report", None)
+    if not report:
+        return {}
+    out = {"predicted_peak_mb": report["predicted_peak_bytes"] / 2**20,
+           "plan_e2e_peak_mb": report["e2e_peak_bytes"] / 2**20,
+           "predicted_overhead_frac": report["overhead_frac_of_forward"]}
+    if report.get("smallest_feasible_bytes"):
+        out["smallest_feasible_mb"] = report["smallest_feasible_bytes"] / 2**20
+        out["min_budget_frac"] = report["smallest_feasible_bytes"] / report["e2e_peak_bytes"]
+    return out
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Compose the row's config, build model + AdamW, run warm-up and measured steps.
 
@@ -96,6 +113,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     precision = Precision(cfg.trainer.precision, device)
     seed_everything(cfg.seed)
     model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
+    if spec.get("compile_budget") is not None:  # the torch.compile peer: min-cut recompute
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = float(spec["compile_budget"])
+        model.backbone = torch.compile(model.backbone)
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     optimizer = build_optimizer(model, "adamw", lr=optim.get("lr", 1e-3),
                                 weight_decay=optim.get("weight_decay", 0.0))
@@ -138,6 +160,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         saved = saved_activation_bytes(model, video)
     return {
         **step_stats(times, peaks, fwd_bwd, spec["batch_size"]),
+        **plan_figures(model.strategy),
         "saved_act_mb": saved / 2**20,
         "memory": model.strategy.describe(),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,

@@ -127,6 +127,8 @@ def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
     for key in ("strategy", "keep_ratio", "granularity", "policy"):
         if res.get("memory", {}).get(key) is not None:  # what was actually built
             row[key] = res["memory"][key]
+    if spec.get("budget") == "min" and res.get("min_budget_frac") is not None:
+        row["budget_frac"] = res["min_budget_frac"]
     return row
 
 

@@ -29,7 +29,8 @@ COLUMNS = [
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """``mem_ratio``, ``time_ratio``, ``act_ratio`` against the e2e row of the same backbone
     (None where that row failed or is missing)."""
-    refs = {r["backbone"]: r for r in rows if r["strategy"] == "e2e" and not r.get("error")}
+    refs = {r["backbone"]: r for r in rows
+            if r["strategy"] == "e2e" and not r.get("policy") and not r.get("error")}
     for r in rows:
         ref = refs.get(r["backbone"])
         for ratio, key in (("mem_ratio", "peak_mem_mb"), ("time_ratio", "step_time_s"),
@@ -50,7 +51,10 @@ def _cell(value: Any, fmt: str) -> str:
 def markdown(rows: list[dict[str, Any]]) -> str:
     columns = list(COLUMNS)
     if any(r.get("budget_frac") is not None for r in rows):
-        columns.insert(5, ("budget", "budget_frac", "{:g}"))
+        columns.insert(5, ("budget", "budget_frac", "{:.3g}"))
+    if any(r.get("predicted_peak_mb") is not None for r in rows):  # the plan's prediction
+        columns.insert(columns.index(("peak MB", "peak_mem_mb", "{:.1f}")) + 1,
+                       ("plan act MB", "predicted_peak_mb", "{:.1f}"))
     lines = ["| " + " | ".join(c[0] for c in columns) + " | status |",
              "|" + "---|" * (len(columns) + 1)]
     for r in rows:

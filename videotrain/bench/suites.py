@@ -60,14 +60,20 @@ DEFAULT_ROWS = [
     *SBP_ROWS[7:],
 ]
 
-# Recomputation (design §2 "checkpoint"). The option names (memory.policy, memory.budget_frac)
-# are those the checkpoint strategy is expected to take; until configs/memory/checkpoint.yaml
-# exists these rows fail with the Hydra error recorded.
+# Recomputation (design §2 "checkpoint"), its composition with SBP, and torch.compile's
+# min-cut activation budget as a peer (``compile_budget``: not a memory option, the child sets
+# ``torch._functorch.config.activation_memory_budget`` and compiles the backbone).
+# ``budget="min"``: the optimal plan at the smallest feasible budget; the child reports the
+# budget_frac that turned out to be.
 CHECKPOINT_ROWS = [
     row(R18, "e2e"),
     row(R18, "checkpoint", policy="blocks"),
     row(R18, "checkpoint", policy="sqrt"),
-    *(row(R18, "checkpoint", policy="optimal", budget_frac=f) for f in (0.5, 0.25)),
+    *(row(R18, "checkpoint", policy="optimal", budget_frac=f) for f in (0.7, 0.5)),
+    {**row(R18, "checkpoint", policy="optimal"), "budget": "min"},
+    {**row(R18, "e2e"), "policy": "torch.compile", "budget_frac": 0.5, "compile_budget": 0.5},
+    *({**row(R18, "sbp", 0.5, "frame", checkpoint=c), "policy": f"checkpoint:{c}"}
+      for c in ("blocks", "optimal")),
 ]
 
 SUITES: dict[str, list[dict[str, Any]]] = {
@@ -109,7 +115,11 @@ def row_name(spec: dict[str, Any]) -> str:
         parts.append(spec["policy"])
     if spec["strategy"] not in ("e2e", "checkpoint") or spec["keep_ratio"] != 1.0:
         parts.append(f"{spec['keep_ratio']:g}")
-    if spec.get("budget_frac") is not None:
+    if spec.get("checkpoint"):
+        parts.append(f"ckpt_{spec['checkpoint']}")
+    if spec.get("budget") == "min":
+        parts.append("bmin")
+    elif spec.get("budget_frac") is not None:
         parts.append(f"b{spec['budget_frac']:g}")
     return f"{spec['backbone']}/{'-'.join(parts)}"
 
