@@ -19,6 +19,7 @@ from videotrain.data.loaders import DataBundle, build_data
 from videotrain.engine.optim import build_optimizer, warmup_cosine
 from videotrain.engine.precision import Precision
 from videotrain.engine.trainer import Trainer, TrainerSettings, plan_steps
+from videotrain.memory.base import SelfPlanning
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.models.video import VideoClassifier
 
@@ -52,6 +53,26 @@ def build_model(cfg: DictConfig, num_classes: int) -> VideoClassifier:
     head = instantiate(cfg.model.head, in_dim=backbone.feature_dim, num_classes=num_classes)
     strategy = instantiate(cfg.memory)
     return VideoClassifier(backbone, head, strategy)
+
+
+def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision,
+                device: torch.device, num_classes: int) -> dict[str, Any] | None:
+    """Let a self-planning strategy (``memory=auto``) profile the configured model and batch
+    and choose its plan, before training. A no-op (None) for every other strategy. Raises
+    ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget."""
+    if not isinstance(model.strategy, SelfPlanning):
+        return None
+    from videotrain.memory.profile import StepProbe
+
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    d = cfg.data
+    probe = StepProbe(
+        model, lambda m: build_optimizer(m, **optim), precision, device,
+        video_shape=(d.batch_size, d.num_frames, 3, d.crop_size, d.crop_size),
+        num_classes=num_classes, grad_clip=cfg.trainer.grad_clip,
+        label_smoothing=cfg.trainer.label_smoothing, seed=cfg.seed,
+    )
+    return model.strategy.plan(probe)
 
 
 def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
@@ -92,6 +113,7 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     seed_everything(cfg.seed, cfg.deterministic)
     data, bad = build_data_from_cfg(cfg, device)
     model = build_model(cfg, data.num_classes).to(device)
+    plan_memory(cfg, model, precision, device, data.num_classes)  # memory=auto: fails here, before training
     optimizer = build_optimizer(model, **OmegaConf.to_container(cfg.optim, resolve=True))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -111,6 +133,8 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                  trainer.steps_per_epoch, out_dir)
         results = trainer.fit()
         results["class_names"] = data.class_names
+        if isinstance(trainer.strategy, SelfPlanning):
+            results["memory_plan"] = trainer.strategy.plan_report()
         (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         logger.finish(results)
         return results
