@@ -217,6 +217,23 @@ def test_no_plan_fits_names_the_smallest_budget_measured() -> None:
     assert "| e2e |" in text  # the table comes with it
 
 
+def test_extrapolated_e2e_is_only_a_prediction() -> None:
+    """After an out-of-memory e2e profile, e2e is verified like any predicted plan, and a plan
+    that runs out of memory in its profiling step is skipped."""
+    cs = cands(profile(measured_clips=1), sbp_checkpoint=None)
+    e2e = by_name(cs)["e2e"]
+    assert e2e.measured_peak is None and e2e.predicted_peak == 100 * MB
+
+    def oom_for_exact(c: Candidate) -> None:
+        if c.tier == TIER_EXACT:
+            c.skip = "out of memory in its profiling step"
+        else:
+            c.measured_peak = c.predicted_peak
+
+    chosen = choose(cs, 150 * MB, oom_for_exact)
+    assert chosen.name == "sbp r=0.875" and e2e.skip.startswith("out of memory")
+
+
 def test_max_profiles_caps_profiling_steps() -> None:
     cs, measure = cands(sbp_checkpoint=None), FakeMeasure({"ckpt-a": 80, "ckpt-b": 70})
     chosen = choose(cs, 55 * MB, measure, max_profiles=1)
@@ -410,3 +427,49 @@ def test_run_with_an_impossible_budget_fails_before_training(run_overrides, comp
     with pytest.raises(NoPlanFits, match=r"smallest budget that would work is .* MB"):
         run.train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # no outputs, no checkpoint: nothing was trained
+
+
+def test_run_steps_down_when_a_step_goes_over(run_overrides, compose_cfg, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole chain in a real run: the trainer's meter reports an over-budget step (faked at
+    step 3), the strategy steps down, training goes on with the smaller plan, results say so."""
+    import videotrain.engine.trainer as trainer_mod
+
+    class Inflated(trainer_mod.StepPeakMemory):
+        calls = 0
+
+        def stop(self) -> float | None:
+            Inflated.calls += 1
+            peak = super().stop()
+            return 1e6 if Inflated.calls == 3 else peak
+
+    monkeypatch.setattr(trainer_mod, "StepPeakMemory", Inflated)
+    cfg = compose_cfg(resnet_run(run_overrides, memory="auto", memory__budget_mb=100000,
+                                 memory__checkpoint_fracs="[0.5]", trainer__max_steps=4))
+    results = run.train(cfg, tmp_path)
+    plan = results["memory_plan"]
+    (down,) = plan["step_downs"]
+    assert down["step"] == 3 and down["from"] == "e2e" and down["measured_peak_mb"] == 1e6
+    assert down["to"] == plan["active"] != plan["chosen"] == "e2e"
+    assert results["memory"]["plan"] == plan["active"] and results["steps"] == 4
+    assert plan["observed_peak_mb"][plan["active"]] > 0  # step 4 ran with the new plan
+
+
+@pytest.mark.slow
+def test_auto_trains_within_its_budget(run_overrides, run_cli, tmp_path: Path) -> None:
+    """Acceptance on a small setting: half the measured e2e peak, the default resnet10 at 64 px;
+    it trains, states its plan, and every measured step after the first stays within 10%."""
+    args = resnet_run(run_overrides, memory="auto", memory__budget_frac=0.5, trainer__max_steps=4,
+                      data__short_side=64, data__crop_size=64, data__num_frames=8,
+                      data__sampling_rate=1)
+    done = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "memory=auto decision" in done.stderr + done.stdout
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    plan = results["memory_plan"]
+    assert plan["chosen"] != "e2e" and plan["step_downs"] == []
+    assert plan["budget_mb"] == pytest.approx(0.5 * plan["profile"]["e2e_peak_mb"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    peaks = [r["peak_mem_mb"] for r in rows if r.get("peak_mem_mb") is not None]
+    assert len(peaks) == 4 and max(peaks[1:]) <= 1.1 * plan["budget_mb"]
+    assert results["train_peak_mem_mb"] <= 1.1 * plan["budget_mb"]

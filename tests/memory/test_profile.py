@@ -76,6 +76,31 @@ def test_profile_figures_are_consistent(probed) -> None:
     assert prof.as_dict()["e2e_peak_mb"] == prof.e2e_peak / MB
 
 
+def test_profile_on_fewer_clips_after_out_of_memory(probed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """e2e that does not fit the device: profiled on 1 of 2 clips, extrapolated, compared with the
+    full-batch profile of the same model (CUDA's out-of-memory error simulated on the CPU)."""
+    full = probed[2]
+    real = StepProbe._step
+
+    def step(self, *args, **kwargs) -> None:
+        if self.clips > 1:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepProbe, "_step", step)
+    _, probe = model_and_probe()
+    small = probe.profile()
+    assert small.extrapolated and small.measured_clips == 1 and small.batch_size == 2
+    assert small.saved_total == pytest.approx(full.saved_total, rel=0.01)  # activations scale
+    assert small.saved_backbone == pytest.approx(full.saved_backbone, rel=0.01)
+    assert small.e2e_peak == pytest.approx(full.e2e_peak, rel=0.15)
+    assert probe.clips == 2  # candidates are measured on the whole batch
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        probe.measure(StochasticBackprop(0.5))
+    assert _wrapped(probe.model.backbone) == []  # unprepared even when the step failed
+    probe.close()
+
+
 def test_unprepare_restores_the_backbone() -> None:
     torch.manual_seed(0)
     backbone = resnet(layers=[1, 1, 1, 1]).train()

@@ -170,7 +170,9 @@ def build_candidates(p: Profile, checkpoint_plans: list[dict[str, Any]], opt: Op
     """Every candidate with its predictions. ``checkpoint_plans``: ``{"params", "name",
     "overhead_frac", ...}`` per distinct recomputation plan (planned by the caller)."""
     t = p.num_frames
-    cands = [Candidate("e2e", "e2e", {}, TIER_EXACT, 1.0, p.e2e_peak, p.step_s, p.e2e_peak, p.step_s)]
+    measured = None if p.extrapolated else p.e2e_peak  # else its own profiling step must tell
+    cands = [Candidate("e2e", "e2e", {}, TIER_EXACT, 1.0, p.e2e_peak, p.step_s, measured,
+                       None if p.extrapolated else p.step_s)]
     for plan in checkpoint_plans:
         extra = {k: v for k, v in plan.items() if k not in ("params", "name", "overhead_frac")}
         cands.append(Candidate(plan["name"], "checkpoint", plan["params"], TIER_EXACT, 1.0, None,
@@ -241,9 +243,14 @@ def choose(
         if c.peak > budget:
             c.note = "over budget" + (" (measured)" if c.measured_peak is not None else "")
             continue
-        if verify and c.measured_peak is None and profiled(c) and c.measured_peak > budget:
-            c.note = "over budget when measured"
-            continue
+        if verify and c.measured_peak is None:
+            profiled(c)  # at the cap it stays unverified
+            if c.skip:
+                c.note = "skipped: " + c.skip
+                continue
+            if c.measured_peak is not None and c.measured_peak > budget:
+                c.note = "over budget when measured"
+                continue
         c.note = "chosen"
         for later in order[i + 1:]:
             later.note = later.note or "not needed: a preferred plan fits"

@@ -18,12 +18,19 @@ figures. The price is one extra copy of those while planning.
 The e2e profile (:meth:`StepProbe.profile`) is what predictions are built from: the step peak,
 the bytes autograd saves for backward (whole model and backbone alone), the peak of a
 ``no_grad`` backbone forward over all frames (SBP's dropped-frame pass), and the step's phase
-times. :meth:`StepProbe.measure` runs one step under any other strategy.
+times. :meth:`StepProbe.measure` runs steps under any other strategy.
+
+When e2e itself does not fit the device (on CUDA, the case ``memory=auto`` exists for), the
+profile runs on half the clips, then a quarter, ... and extrapolates to the whole batch:
+activations, the ``no_grad`` transient and compute times scale with the clips; the rest of the
+step peak (parameter-gradient and optimizer temporaries) does not. ``Profile.measured_clips``
+says how many clips were really measured.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -45,6 +52,7 @@ from videotrain.memory.sbp_split import PatchedBN
 from videotrain.metrics.memory import StepPeakMemory, _status_kb
 
 MB = 2**20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,6 +72,11 @@ class Profile:
     backbone_fwd_s: float  # backbone forward with autograd (for the backbone/head time split)
     has_batchnorm: bool  # training-mode BatchNorm in the backbone (SBP's full_batch record pass)
     held_growth: float  # what the first step adds to what is held between steps (grads, optimizer state)
+    measured_clips: int = 0  # clips of the batch really run (< batch_size: extrapolated); 0 = all
+
+    @property
+    def extrapolated(self) -> bool:
+        return 0 < self.measured_clips < self.batch_size
 
     @property
     def frames(self) -> int:
@@ -173,6 +186,7 @@ class StepProbe:
         self.video = torch.randn(*self.video_shape, generator=g)  # (B, T, C, H, W), on the host
         self.labels = torch.randint(0, self.num_classes, (self.video_shape[0],), generator=g)
         self.meter = StepPeakMemory(device)
+        self.clips = self.video_shape[0]  # clips per step (fewer only while profiling after an OOM)
         self.model: nn.Module | None = None  # the shared copy, built by profile()
         self.optimizer: torch.optim.Optimizer | None = None
         self.profiled: Profile | None = None
@@ -206,8 +220,8 @@ class StepProbe:
         """One step as ``Trainer`` takes it (one micro-batch); ``times`` gets fwd, bwd, opt."""
         scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.key == "16")
         t0 = time.perf_counter()
-        video = self.video.to(self.device)  # (B, T, C, H, W): inside the step, as in the trainer
-        labels = self.labels.to(self.device)
+        video = self.video[: self.clips].to(self.device)  # (B, T, C, H, W): inside the step, as in the trainer
+        labels = self.labels[: self.clips].to(self.device)
         with self.precision.autocast():
             logits = model(video)  # (B, K)
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
@@ -241,38 +255,68 @@ class StepProbe:
 
     # ------------------------------------------------------------------ public
     def profile(self) -> Profile:
-        """Warm up a copy under e2e, then measure one e2e step and its parts (see module doc)."""
-        with torch.random.fork_rng(devices=self._rng_devices()):
-            self.model, self.optimizer, held = self._fresh_copy()
-            model, frames = self.model, self.frames()
-            times: list[float] = []
-            peak = self._metered(lambda: self._step(model, self.optimizer, times))
-            video = self.video.to(self.device)
-            with self.precision.autocast():
-                saved_total = saved_activation_bytes(model, video)
-                t0 = time.perf_counter()
-                saved_bb = saved_activation_bytes(model.backbone, frames)
-                self._sync()
-                bb_fwd = time.perf_counter() - t0
+        """Warm up a copy under e2e, then measure one e2e step and its parts (see module doc);
+        on CUDA out-of-memory, on fewer clips, extrapolated to the batch."""
+        clips = self.video_shape[0]
+        while True:
+            try:
+                return self._profile(clips)
+            except torch.cuda.OutOfMemoryError:
+                if clips == 1:
+                    raise
+            self.close()  # outside the except block: its traceback no longer holds the tensors
+            clips //= 2
+            log.warning("memory=auto: the e2e profile ran out of memory; profiling %d of %d clips "
+                        "and extrapolating", clips, self.video_shape[0])
 
-            def nograd_forward() -> None:
-                with torch.no_grad(), self.precision.autocast():
-                    model.backbone(frames)  # (B*T, D), dropped at once
-
-            nograd = self._metered(nograd_forward)
-        has_bn = any(isinstance(m, _BatchNorm) and m.training for m in model.backbone.modules())
+    def _profile(self, clips: int) -> Profile:
+        self.clips = clips
+        try:
+            with torch.random.fork_rng(devices=self._rng_devices()):
+                got = self._measure_e2e()
+        finally:
+            self.clips = self.video_shape[0]
         b, t = self.video_shape[:2]
+        scale = b / clips  # activations, transients and compute grow with the clips; the rest not
+        peak, saved_total, saved_bb, nograd, times, bb_fwd, held, has_bn = got
+        frames = self.video.flatten(0, 1)
         self.profiled = Profile(
-            batch_size=b, num_frames=t, e2e_peak=peak, saved_total=float(saved_total),
-            saved_backbone=float(saved_bb), input_bytes=float(frames.numel() * frames.element_size()),
-            nograd_peak=nograd, fwd_s=times[0], bwd_s=times[1],
-            opt_s=times[2], backbone_fwd_s=bb_fwd, has_batchnorm=has_bn, held_growth=held,
+            batch_size=b, num_frames=t, e2e_peak=peak + (scale - 1) * saved_total,
+            saved_total=saved_total * scale, saved_backbone=saved_bb * scale,
+            input_bytes=float(frames.numel() * frames.element_size()), nograd_peak=nograd * scale,
+            fwd_s=times[0] * scale, bwd_s=times[1] * scale, opt_s=times[2],
+            backbone_fwd_s=bb_fwd * scale, has_batchnorm=has_bn, held_growth=held, measured_clips=clips,
         )
         return self.profiled
 
+    def _measure_e2e(self) -> tuple:
+        """(peak, saved total, saved backbone, no_grad peak, [fwd, bwd, opt] s, backbone fwd s,
+        held growth, has BN) of ``self.clips`` clips, on a fresh warmed-up copy."""
+        self.model, self.optimizer, held = self._fresh_copy()
+        model = self.model
+        times: list[float] = []
+        peak = self._metered(lambda: self._step(model, self.optimizer, times))
+        video = self.video[: self.clips].to(self.device)  # (b, T, C, H, W)
+        frames = video.flatten(0, 1)  # (b*T, C, H, W)
+        with self.precision.autocast():
+            saved_total = saved_activation_bytes(model, video)
+            t0 = time.perf_counter()
+            saved_bb = saved_activation_bytes(model.backbone, frames)
+            self._sync()
+            bb_fwd = time.perf_counter() - t0
+
+        def nograd_forward() -> None:
+            with torch.no_grad(), self.precision.autocast():
+                model.backbone(frames)  # (b*T, D), dropped at once
+
+        nograd = self._metered(nograd_forward)
+        has_bn = any(isinstance(m, _BatchNorm) and m.training for m in model.backbone.modules())
+        return peak, float(saved_total), float(saved_bb), nograd, times, bb_fwd, held, has_bn
+
     def measure(self, strategy: MemoryStrategy, isolated: bool = False) -> Measured:
-        """The second of two steps under ``strategy``. ``isolated``: on a fresh warmed-up copy (for strategies
-        whose ``prepare`` changes the backbone in ways :func:`unprepare` may not undo)."""
+        """The second of two steps under ``strategy``. ``isolated``: on a fresh warmed-up copy
+        (for strategies whose ``prepare`` changes the backbone in ways :func:`unprepare` may not
+        undo)."""
         if self.model is None:
             self.profile()
         with torch.random.fork_rng(devices=self._rng_devices()):
