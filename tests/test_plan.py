@@ -30,3 +30,27 @@ def test_plan_cli_infeasible_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert rc == 2
     assert "smallest feasible budget" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+AUTO = ["data.batch_size=1", "data.num_frames=2", "data.crop_size=32", "device=cpu", "memory=auto",
+        "memory.checkpoint_fracs=[0.5]"]
+
+
+def test_plan_cli_auto_prints_the_decision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["--out", str(out), *AUTO, "memory.budget_mb=100000"]) == 0  # above the e2e peak
+    text = capsys.readouterr().out
+    for word in ("| plan |", "predicted peak MB", "measured peak MB", "predicted step s", "| e2e |",
+                 "**chosen**", "chosen: e2e fits"):
+        assert word in text
+    report = json.loads(out.read_text())
+    assert report["chosen"] == "e2e" and report["budget_mb"] == 100000
+    assert {c["kind"] for c in report["candidates"]} >= {"e2e", "checkpoint", "sbp"}
+
+
+def test_plan_cli_auto_impossible_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--out", str(tmp_path / "p.json"), *AUTO, "memory.budget_mb=0.0001"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "no plan fits the budget of 0.0 MB" in err and "smallest budget that would work" in err
+    assert not (tmp_path / "p.json").exists()

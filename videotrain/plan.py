@@ -8,7 +8,13 @@ feasible budget, and writes ``plan.json`` (``--out``). Why a separate tool: choo
 ``memory.budget_mb`` needs those numbers before a run, and an infeasible budget should be
 found here rather than at the first training step.
 
-With ``memory`` other than ``checkpoint`` the viewer plans ``memory.policy=optimal`` with no
+With ``memory=auto`` it prints ``memory=auto``'s decision instead: it profiles the configured
+model and batch on ``device`` (real training steps on a copy of the model, nothing is trained),
+prints the table of candidates with predicted and measured peaks, predicted step times and the
+reason for the choice, and writes it to ``--out``; a budget no plan fits exits with status 2
+and the smallest budget that would work.
+
+With any other ``memory`` than ``checkpoint`` the viewer plans ``memory.policy=optimal`` with no
 budget (the smallest feasible), for reference. ``memory.policy=blocks`` is reported as the
 graph's e2e figures only (block checkpointing is not a graph plan).
 """
@@ -65,6 +71,23 @@ def make_report(cfg: DictConfig) -> dict[str, Any]:
     return report
 
 
+def auto_report(cfg: DictConfig) -> dict[str, Any]:
+    """``memory=auto``'s decision for ``cfg`` (raises ``NoPlanFits`` when nothing fits)."""
+    from videotrain.engine.precision import Precision
+    from videotrain.run import build_model, plan_memory, resolve_device, seed_everything
+
+    device = resolve_device(cfg.device)
+    precision = Precision(cfg.trainer.precision, device)
+    seed_everything(cfg.seed)
+    num_classes = int(cfg.data.get("num_classes") or 2)
+    model = build_model(cfg, num_classes).to(device)
+    return plan_memory(cfg, model, precision, device, num_classes) or {}
+
+
+def is_auto(cfg: DictConfig) -> bool:
+    return str(OmegaConf.select(cfg, "memory._target_") or "").endswith("AutoStrategy")
+
+
 def render(report: dict[str, Any]) -> str:
     mib = 2**20
     lines = [
@@ -93,11 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = compose_cfg(list(args.overrides))
     try:
-        report = make_report(cfg)
-    except InfeasibleBudget as err:
+        report = auto_report(cfg) if is_auto(cfg) else make_report(cfg)
+    except InfeasibleBudget as err:  # memory=auto's NoPlanFits is one too
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(render(report))
+    if is_auto(cfg):
+        print(f"{report['table']}\nchosen: {report['reason']}")
+    else:
+        print(render(report))
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -29,6 +29,7 @@ from videotrain.engine.distributed import SINGLE_PROCESS, Comm, DistContext
 from videotrain.engine.optim import build_optimizer, scaled_lr, warmup_cosine
 from videotrain.engine.precision import Precision
 from videotrain.engine.trainer import Trainer, TrainerSettings, plan_steps
+from videotrain.memory.base import SelfPlanning
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.models.video import VideoClassifier
 
@@ -111,6 +112,25 @@ def wrap_ddp(model: nn.Module, device: torch.device, ctx: DistContext) -> nn.Mod
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
+def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision,
+                device: torch.device, num_classes: int) -> dict[str, Any] | None:
+    """Let a self-planning strategy (``memory=auto``) profile the configured model and batch
+    and choose its plan, before training. A no-op (None) for every other strategy. Raises
+    ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget."""
+    if not isinstance(model.strategy, SelfPlanning):
+        return None
+    from videotrain.memory.profile import StepProbe
+
+    d = cfg.data
+    probe = StepProbe(
+        model, lambda m: optimizer_from_cfg(cfg, m), precision, device,
+        video_shape=(d.batch_size, d.num_frames, 3, d.crop_size, d.crop_size),
+        num_classes=num_classes, grad_clip=cfg.trainer.grad_clip,
+        label_smoothing=cfg.trainer.label_smoothing, seed=cfg.seed,
+    )
+    return model.strategy.plan(probe)
+
+
 def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
                         world_size: int = 1) -> tuple[DataBundle, list[str]]:
     for key in cfg.data:
@@ -183,6 +203,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     seed_everything(cfg.seed, cfg.deterministic)  # the same initial weights on every rank
     data, bad = build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size)
     model = build_model(cfg, data.num_classes, sync_bn=sync_bn).to(device)
+    plan_memory(cfg, model, precision, device, data.num_classes)  # memory=auto: fails here, before training
     optimizer = optimizer_from_cfg(cfg, model, ctx.world_size)
     model = wrap_ddp(model, device, ctx)  # broadcasts rank 0's parameters and buffers
     if ctx.enabled:  # from here on, ranks draw different dropout masks (reproducibly)
@@ -216,6 +237,8 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
         results["param_digests"] = digests  # one per rank
         if not results["replicas_in_sync"]:
             log.error("DDP replicas ended with different parameters: %s", digests)
+        if isinstance(trainer.strategy, SelfPlanning):
+            results["memory_plan"] = trainer.strategy.plan_report()
         if ctx.is_main:
             (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         logger.finish(results)

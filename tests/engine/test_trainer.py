@@ -162,6 +162,33 @@ def test_grad_accum_and_max_steps(run_overrides, compose_cfg, metrics_rows, tmp_
     assert [r["lr"] for r in rows if "lr" in r] == sorted(r["lr"] for r in rows if "lr" in r)
 
 
+def test_step_peaks_reach_strategies_that_observe_them(run_overrides, compose_cfg, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generic hook (memory.base.StepObserver): any strategy with ``observe_step`` gets each
+    optimizer step's measured peak, so the loop needs no branch on the strategy; the gradient
+    buffers are zeroed in place across epochs, so no step's peak counts their allocation."""
+    from videotrain.memory.e2e import EndToEnd
+
+    seen: list[tuple[int, float]] = []
+    monkeypatch.setattr(EndToEnd, "observe_step", lambda self, step, peak: seen.append((step, peak)),
+                        raising=False)
+    grads: list[torch.Tensor] = []
+    real_build = run.build_optimizer
+
+    def build(model, **kw):
+        opt = real_build(model, **kw)
+        first = next(model.parameters())
+        opt.register_step_pre_hook(lambda o, a, k: grads.append(first.grad))
+        return opt
+
+    monkeypatch.setattr(run, "build_optimizer", build)
+    results = run.train(compose_cfg(run_overrides(trainer__max_epochs=2)), tmp_path)
+    assert [s for s, _ in seen] == list(range(1, 9))  # 2 epochs of 4 steps
+    assert all(isinstance(p, float) and p >= 0 for _, p in seen)
+    assert max(p for _, p in seen[1:]) == results["train_peak_mem_mb"]
+    assert len(grads) == 8 and all(g is grads[0] for g in grads)  # one buffer, both epochs
+
+
 # ------------------------------------------------------------------- the real thing: SIGKILL
 
 

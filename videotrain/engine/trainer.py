@@ -40,6 +40,7 @@ from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.distributed import Comm
 from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
+from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.metrics.memory import StepPeakMemory
 
@@ -241,7 +242,9 @@ class Trainer:
         batch_size = self.data.train.batch_size
         self.data.train_sampler.set_epoch(st.epoch, skip=st.consumed)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        # zeroed in place, not freed: re-allocating the gradient buffers inside the epoch's first
+        # step would count them in that step's peak, which measures only what a step adds
+        self.optimizer.zero_grad(set_to_none=False)
         micro, loss_sum, data_time = 0, 0.0, 0.0
         bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
                    desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
@@ -273,6 +276,8 @@ class Trainer:
             if peak is not None:
                 st.peaks.append(peak)
             st.step += 1
+            if peak is not None and isinstance(self.strategy, StepObserver):
+                self.strategy.observe_step(st.step, peak)  # e.g. memory=auto re-checks its plan
             bar.update(1)
             train_loss = loss_sum / s.grad_accum
             bar.set_postfix(loss=f"{train_loss:.3f}")

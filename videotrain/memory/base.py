@@ -40,6 +40,26 @@ class MemoryStrategy(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class StepObserver(Protocol):
+    """Optional: a strategy that watches each optimizer step's measured peak (MB, the trainer's
+    ``peak_mem_mb``). The trainer calls it for any strategy that has it, so the loop never
+    branches on which strategy runs; ``memory=auto`` uses it to re-check its plan."""
+
+    def observe_step(self, step: int, peak_mb: float) -> None: ...
+
+
+@runtime_checkable
+class SelfPlanning(Protocol):
+    """Optional: a strategy that chooses itself from measured training steps before training
+    (``memory=auto``). ``videotrain.run`` hands it a ``StepProbe`` and records
+    ``plan_report()`` in results.json as ``memory_plan``."""
+
+    def plan(self, probe: Any) -> dict[str, Any]: ...
+
+    def plan_report(self) -> dict[str, Any]: ...
+
+
 def all_positions(video: torch.Tensor) -> torch.Tensor:
     """Positions ``0..T-1`` for every clip of a ``(B, T, C, H, W)`` batch -> ``(B, T)``."""
     b, t = video.shape[:2]

@@ -1,0 +1,358 @@
+"""``memory=auto``: give it a memory budget, get the fastest training plan that fits.
+
+A user facing an out-of-memory error otherwise guesses among batch size, checkpointing and frame
+sampling. ``AutoStrategy`` decides, says why, and checks itself:
+
+1. **Profile** (``plan``, called by ``videotrain.run`` before training, and by
+   ``python -m videotrain.plan``): one real e2e training step of the configured model and batch
+   on a copy of the model (:mod:`videotrain.memory.profile`), measured with the trainer's own
+   per-step peak meter, so the budget means what ``train_peak_mem_mb`` means.
+2. **Candidates** (:mod:`videotrain.memory.candidates`): e2e; recomputation plans of the
+   Kusumoto planner at several of its budgets; frame-level SBP at every keep ratio ``k/T``;
+   SBP with checkpointing of the kept path (when ``StochasticBackprop`` takes ``checkpoint``);
+   SBP with frozen BatchNorm; frame dropout only when allowed. SBP and frame dropout peaks are
+   predicted from the e2e profile; recomputation plans are measured by one profiling step each,
+   when the walk reaches them.
+3. **Choice**: the best expected accuracy that fits, the fastest among equals; the chosen plan
+   is verified by one profiling step (``verify``). The decision table goes to the log and to
+   ``results.json`` (``memory_plan``). If nothing fits, ``plan`` raises :class:`NoPlanFits`
+   before training, naming the smallest budget that would work.
+4. **Re-check**: the trainer reports every step's measured peak (``observe_step``). The first
+   one is skipped (it allocates the gradient buffers and optimizer state). A later step over the
+   budget (by more than ``recheck_tolerance``) steps down to the next plan in the ranking that
+   fits, shifting the predictions by the observed misprediction, and the step-down is logged
+   and recorded. Strategies hold no parameters, so the optimizer is untouched.
+
+The concrete strategy is swapped in place: :func:`~videotrain.memory.profile.unprepare` undoes
+the previous one's ``prepare`` on the backbone, then the next one is prepared.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from videotrain.memory.base import FrameFeatures, MemoryStrategy
+from videotrain.memory.candidates import (
+    Candidate,
+    NoPlanFits,
+    Options,
+    build_candidates,
+    choose,
+    ranked,
+    reason,
+    render_table,
+)
+from videotrain.memory.checkpoint import Recompute
+from videotrain.memory.e2e import EndToEnd
+from videotrain.memory.frame_dropout import FrameDropout
+from videotrain.memory.planner import InfeasibleBudget
+from videotrain.memory.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
+from videotrain.memory.sampling import SAMPLERS
+from videotrain.memory.sbp import StochasticBackprop
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AutoStrategy", "NoPlanFits", "build_strategy"]
+
+
+def build_strategy(c: Candidate, rank: int | None = None) -> MemoryStrategy:
+    """The concrete strategy of a candidate (a new, unprepared instance)."""
+    if c.kind == "e2e":
+        return EndToEnd()
+    if c.kind == "checkpoint":
+        return Recompute(**c.params)
+    if c.kind in ("sbp", "sbp_checkpoint"):
+        return StochasticBackprop(**c.params, rank=rank)
+    if c.kind == "frame_dropout":
+        return FrameDropout(**c.params, rank=rank)
+    raise ValueError(f"unknown memory=auto candidate kind {c.kind!r}")
+
+
+def checkpoint_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[float],
+                     cap: int) -> list[dict[str, Any]]:
+    """Distinct recomputation plans: the planner's least-recompute plan at each of ``fracs`` x
+    its own e2e peak estimate, plus its least-memory plan. Plans of one segment are e2e."""
+    specs = [{"policy": "optimal", "budget_frac": f, "objective": "time", "lower_set_cap": cap} for f in fracs]
+    specs.append({"policy": "optimal", "objective": "memory", "lower_set_cap": cap})
+    seen: set[tuple[int, ...]] = set()
+    plans = []
+    for spec in specs:
+        try:
+            with torch.no_grad():
+                _, _, chosen, report = Recompute(**spec).make_plan(backbone, frames)  # (N, C, H, W)
+        except InfeasibleBudget:
+            continue
+        chain = tuple(chosen.chain)
+        if len(chain) <= 1 or chain in seen:
+            continue
+        seen.add(chain)
+        label = f"budget_frac={spec['budget_frac']}" if "budget_frac" in spec else "least memory"
+        plans.append({
+            "params": spec, "overhead_frac": report["overhead_frac_of_forward"],
+            "name": f"checkpoint optimal ({label}, {len(chain)} segments)",
+            "segments": len(chain), "planner_peak_mb": report["predicted_peak_bytes"] / MB,
+        })
+    return plans
+
+
+def _mb(x: float | None) -> float | None:
+    return None if x is None else x / MB
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x / MB:.1f}"
+
+
+class AutoStrategy:
+    """Chooses and runs a concrete strategy for a memory budget; see the module docstring."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        budget_mb: float | None = None,
+        budget_frac: float | None = None,
+        free_frac: float = 0.9,
+        allow_frame_dropout: bool = False,
+        allow_frozen_bn: bool = True,
+        sbp_checkpoint: str | None = "blocks",
+        checkpoint_fracs: list[float] | tuple[float, ...] = (0.9, 0.75, 0.6, 0.5, 0.4),
+        verify: bool = True,
+        max_profiles: int = 16,
+        recheck_tolerance: float = 0.02,
+        sampler: str = "random",
+        nograd_chunk: int = 8,
+        lower_set_cap: int = 500,
+        seed: int = 0,
+        rank: int | None = None,
+    ) -> None:
+        if budget_mb is not None and budget_frac is not None:
+            raise ValueError("set at most one of memory.budget_mb and memory.budget_frac")
+        if budget_mb is not None and not budget_mb > 0:
+            raise ValueError(f"memory.budget_mb must be > 0, got {budget_mb}")
+        if budget_frac is not None and not budget_frac > 0:
+            raise ValueError(f"memory.budget_frac must be > 0 (a fraction of the measured e2e peak), got {budget_frac}")
+        if not 0 < free_frac <= 1:
+            raise ValueError(f"memory.free_frac must be in (0, 1], got {free_frac}")
+        if any(not 0 < f for f in checkpoint_fracs):
+            raise ValueError(f"memory.checkpoint_fracs must be positive fractions, got {list(checkpoint_fracs)}")
+        if max_profiles < 0:
+            raise ValueError(f"memory.max_profiles must be >= 0, got {max_profiles}")
+        if recheck_tolerance < 0:
+            raise ValueError(f"memory.recheck_tolerance must be >= 0, got {recheck_tolerance}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"memory.sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
+        if sbp_checkpoint not in (None, "blocks", "sqrt"):
+            raise ValueError(f"memory.sbp_checkpoint must be null, blocks or sqrt; got {sbp_checkpoint!r}")
+        if nograd_chunk < 1:
+            raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
+        self.budget_mb, self.budget_frac, self.free_frac = budget_mb, budget_frac, free_frac
+        self.options = Options(allow_frame_dropout=bool(allow_frame_dropout),
+                               allow_frozen_bn=bool(allow_frozen_bn), sbp_checkpoint=sbp_checkpoint,
+                               sampler=sampler, nograd_chunk=int(nograd_chunk), seed=int(seed))
+        self.checkpoint_fracs = [float(f) for f in checkpoint_fracs]
+        self.verify, self.max_profiles = bool(verify), int(max_profiles)
+        self.recheck_tolerance, self.lower_set_cap, self.rank = float(recheck_tolerance), int(lower_set_cap), rank
+        self.backbone: nn.Module | None = None
+        self.candidates: list[Candidate] = []
+        self.budget: float | None = None  # bytes
+        self.budget_source = ""
+        self.profile: Profile | None = None
+        self.chosen: Candidate | None = None  # the plan decided before training
+        self.active: Candidate | None = None  # the plan running now (after step-downs)
+        self.inner: MemoryStrategy | None = None
+        self.reason = ""
+        self.step_downs: list[dict[str, Any]] = []
+        self.recheck: dict[str, Any] | None = None  # the first comparison of measured vs predicted
+        self.observed_max: dict[str, float] = {}  # plan name -> largest measured step peak (MB)
+        self._observed = 0
+
+    # ------------------------------------------------------------------ the decision
+    def resolve_budget(self, profile: Profile, free_bytes: float | None) -> tuple[float, str]:
+        """(budget bytes, where it came from). ``free_bytes``: the device's free memory before
+        profiling (only needed when neither budget key is set)."""
+        if self.budget_mb is not None:
+            return float(self.budget_mb) * MB, f"memory.budget_mb={self.budget_mb}"
+        if self.budget_frac is not None:
+            return (self.budget_frac * profile.e2e_peak,
+                    f"memory.budget_frac={self.budget_frac} x measured e2e peak {profile.e2e_peak / MB:.1f} MB")
+        if free_bytes is None:
+            raise ValueError("memory=auto needs memory.budget_mb, memory.budget_frac or the device's free memory")
+        # the run will also hold gradient buffers and optimizer state, which are not allocated yet
+        usable = max(free_bytes - profile.held_growth, 0.0)
+        return (self.free_frac * usable,
+                f"memory.free_frac={self.free_frac} x (free device memory {free_bytes / MB:.0f} MB - "
+                f"gradients and optimizer state {profile.held_growth / MB:.1f} MB)")
+
+    def _sbp_checkpoint_error(self) -> str | None:
+        if not self.options.sbp_checkpoint:
+            return "sbp+checkpoint: disabled (memory.sbp_checkpoint=null)"
+        try:
+            StochasticBackprop(0.5, checkpoint=self.options.sbp_checkpoint)
+        except TypeError as err:
+            return f"sbp+checkpoint: StochasticBackprop does not take checkpoint= yet ({err})"
+        return None
+
+    def _measure(self, probe: StepProbe, c: Candidate) -> None:
+        try:
+            got = probe.measure(build_strategy(c, self.rank), isolated=c.isolated)
+        except torch.cuda.OutOfMemoryError:
+            c.skip = "out of memory in its profiling step"
+            return
+        except Exception as err:  # an experimental composition must not stop the decision
+            if c.kind != "sbp_checkpoint":
+                raise
+            c.skip = f"failed in its profiling step: {type(err).__name__}: {err}"
+            log.warning("memory=auto: %s %s", c.name, c.skip)
+            return
+        c.measured_peak, c.measured_time = got.peak, got.time_s
+
+    def plan(self, probe: StepProbe) -> dict[str, Any]:
+        """Profile, build the candidates, choose, and switch to the chosen plan. Raises
+        :class:`NoPlanFits` (a ``ValueError``) when no plan fits the budget."""
+        free = None
+        if self.budget_mb is None and self.budget_frac is None:
+            free = device_free_bytes(probe.device)
+        try:
+            self.profile = profile = probe.profile()
+            self.budget, self.budget_source = self.resolve_budget(profile, free)
+            self.options.sbp_checkpoint_error = self._sbp_checkpoint_error()
+            plans = checkpoint_plans(probe.model.backbone, probe.frames(), self.checkpoint_fracs,
+                                     self.lower_set_cap)
+            self.candidates = build_candidates(profile, plans, self.options)
+            # NoPlanFits carries the table in its message
+            chosen = choose(self.candidates, self.budget, lambda c: self._measure(probe, c),
+                            verify=self.verify, max_profiles=self.max_profiles)
+        finally:
+            probe.close()
+        self.chosen, self.reason = chosen, reason(chosen, self.candidates, self.budget)
+        self._activate(chosen)
+        log.info("memory=auto decision (%s):\n%s\nchosen: %s", self.budget_source,
+                 render_table(self.candidates, self.budget, chosen), self.reason)
+        return self.plan_report()
+
+    def _activate(self, c: Candidate) -> None:
+        strategy = build_strategy(c, self.rank)
+        if self.backbone is not None:
+            strategy.prepare(unprepare(self.backbone))
+        self.inner, self.active = strategy, c
+
+    # ------------------------------------------------------------------ the strategy seam
+    def prepare(self, backbone: nn.Module) -> nn.Module:
+        """Remember the backbone; the chosen plan prepares it when ``plan`` decides."""
+        self.backbone = backbone
+        if self.inner is not None:
+            self.inner.prepare(unprepare(backbone))
+        return backbone
+
+    def encode(self, backbone: nn.Module, video: torch.Tensor) -> FrameFeatures:
+        """``video (B, T, C, H, W)`` -> the active plan's features and positions."""
+        if self.inner is None:
+            raise RuntimeError("memory=auto has no plan yet: call AutoStrategy.plan(StepProbe(...)) "
+                               "before training (videotrain.run does)")
+        return self.inner.encode(backbone, video)
+
+    # ------------------------------------------------------------------ the re-check
+    def observe_step(self, step: int, peak_mb: float) -> None:
+        """Compare a step's measured peak with the budget; step down if it is over."""
+        if self.active is None or self.budget is None:
+            return
+        self._observed += 1
+        if self._observed == 1:
+            return  # the first step allocates gradient buffers and optimizer state
+        active, peak = self.active, peak_mb * MB
+        self.observed_max[active.name] = max(self.observed_max.get(active.name, 0.0), peak_mb)
+        predicted = active.peak or 0.0  # the profiling step's figure where there was one
+        if self.recheck is None:
+            self.recheck = {
+                "step": step, "plan": active.name, "measured_peak_mb": peak_mb,
+                "predicted_peak_mb": _mb(active.predicted_peak), "profiled_peak_mb": _mb(active.measured_peak),
+                "budget_mb": self.budget / MB,
+            }
+            log.info("memory=auto re-check at step %d: %s measured %.1f MB in training; predicted %s MB, "
+                     "profiled %s MB; budget %.1f MB", step, active.name, peak_mb,
+                     _fmt(active.predicted_peak), _fmt(active.measured_peak), self.budget / MB)
+        if peak <= self.budget * (1 + self.recheck_tolerance):
+            return
+        nxt = self.next_plan(shift=max(peak - predicted, 0.0))
+        record = {"step": step, "from": active.name, "measured_peak_mb": peak_mb,
+                  "predicted_peak_mb": predicted / MB, "budget_mb": self.budget / MB,
+                  "to": nxt.name if nxt else None,
+                  "to_predicted_peak_mb": nxt.peak / MB if nxt else None}
+        self.step_downs.append(record)
+        if nxt is None:
+            log.warning("memory=auto: step %d measured %.1f MB > budget %.1f MB with %s, and no plan "
+                        "with a smaller peak is left; continuing over budget", step, peak_mb,
+                        self.budget / MB, active.name)
+            return
+        log.warning("memory=auto: step %d measured %.1f MB > budget %.1f MB (predicted %.1f MB for %s); "
+                    "stepping down to %s (predicted %.1f MB)", step, peak_mb, self.budget / MB,
+                    predicted / MB, active.name, nxt.name, nxt.peak / MB)
+        self._activate(nxt)
+
+    def next_plan(self, shift: float = 0.0) -> Candidate | None:
+        """The next plan in the ranking with a smaller known peak that fits the budget when its
+        estimate is raised by ``shift`` (the active plan's misprediction); failing that, the
+        one with the smallest known peak below the active plan's."""
+        assert self.active is not None and self.budget is not None
+        order = ranked(self.candidates)
+        start = order.index(self.active) + 1 if self.active in order else 0
+        current = self.active.peak if self.active.peak is not None else float("inf")
+        smaller = [c for c in order[start:] if not c.skip and c.peak is not None and c.peak < current]
+        for c in smaller:
+            if c.peak + shift <= self.budget:
+                return c
+        return min(smaller, key=lambda c: c.peak, default=None)
+
+    # ------------------------------------------------------------------ state and reports
+    def state_dict(self) -> dict[str, Any]:
+        if self.active is None or self.inner is None:
+            return {}
+        return {"active": self.active.name, "kind": self.active.kind, "params": self.active.params,
+                "inner": self.inner.state_dict(), "step_downs": list(self.step_downs)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the plan that was running (after any step-downs), with its sampler state."""
+        if not state:
+            return
+        by_name = {c.name: c for c in self.candidates}
+        c = by_name.get(state["active"])
+        if c is None:  # the re-profiled candidates differ: rebuild the saved plan as it was
+            c = Candidate(state["active"], state["kind"], dict(state["params"]), tier=0)
+        if self.active is None or c.name != self.active.name:
+            log.info("memory=auto: resuming with %s (from the checkpoint)", c.name)
+            self._activate(c)
+        self.inner.load_state_dict(state["inner"])
+        self.step_downs = list(state.get("step_downs", []))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "budget_mb": None if self.budget is None else round(self.budget / MB, 3),
+            "plan": None if self.active is None else self.active.name,
+            "active": None if self.inner is None else self.inner.describe(),
+        }
+
+    def plan_report(self) -> dict[str, Any]:
+        """What ``results.json`` records as ``memory_plan``."""
+        if self.budget is None or self.chosen is None:
+            return {}
+        return {
+            "budget_mb": self.budget / MB,
+            "budget_source": self.budget_source,
+            "chosen": self.chosen.name,
+            "reason": self.reason,
+            "active": self.active.name if self.active else None,
+            "predicted_peak_mb": _mb(self.chosen.predicted_peak),  # from the e2e profile
+            "profiled_peak_mb": _mb(self.chosen.measured_peak),  # its own profiling step
+            "profile": self.profile.as_dict() if self.profile else None,
+            "candidates": [c.to_dict() for c in ranked(self.candidates)],
+            "table": render_table(self.candidates, self.budget, self.chosen),
+            "recheck": self.recheck,
+            "observed_peak_mb": dict(self.observed_max),
+            "step_downs": list(self.step_downs),
+        }

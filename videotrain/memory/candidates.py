@@ -1,0 +1,311 @@
+"""``memory=auto``'s candidate plans, their predicted cost, and the choice.
+
+Everything here is decision logic over numbers (a :class:`~videotrain.memory.profile.Profile`
+and a budget in bytes), so it is tested on synthetic profiles without running a model.
+
+Expected accuracy (the first sort key). Plans are grouped into tiers, best first:
+
+0. **exact**: ``e2e`` and ``checkpoint`` (recomputation gives e2e's gradients exactly);
+1. **sbp**: the backbone's backward runs through ``r`` of the frames (with or without
+   checkpointing of the kept path, which changes cost, not the gradients); larger ``r`` first;
+2. **sbp with frozen BatchNorm**: as 1, but BN normalizes with its running statistics and never
+   updates them (``bn_policy=frozen``; no full-batch record pass, so it goes lower). It changes
+   the model being trained, so it comes after every full-batch SBP plan;
+3. **frame dropout** (only with ``memory.allow_frame_dropout=true``): the head also trains on
+   ``r`` of the frames, a train/test gap for temporal heads.
+
+Within a tier and keep ratio the fastest predicted plan comes first. :func:`choose` walks that
+ranking and takes the first plan whose peak fits the budget.
+
+Predicted peak, on the trainer's ``train_peak_mem_mb`` scale (bytes). With the e2e profile's
+step peak ``P``, saved activations ``A`` (backbone ``A_bb``, head ``A_head = A - A_bb``), the
+overhead ``O = P - A`` (gradients in flight, optimizer temporaries), input bytes ``X`` and the
+peak ``N`` of a ``no_grad`` backbone forward over all frames:
+
+- sbp at ``r = k/T``: ``max(O + A_head + r*(A_bb + X), N)`` with full-batch BN (the record pass
+  is one unchunked ``no_grad`` forward); without BN or with frozen BN the dropped frames run in
+  chunks of ``c`` frames and the transient is ``N * c / (B*T)``. ``r*X``: the kept frames are a
+  new tensor that the first layer saves (e2e saves the input, which is not counted);
+- frame dropout: ``O + r*(A + X)``;
+- checkpoint plans and sbp+checkpoint: no formula; one profiling step measures each (the
+  planner's push-aware peak is a loose upper bound on another scale).
+
+Predicted step time (seconds), from the profile's phase times with the backbone's share of the
+forward ``s = t_fwd_backbone / t_fwd`` (the backward is split in the same proportion): e2e
+``t_fwd + t_bwd + t_opt``; checkpoint adds ``overhead_frac * t_fwd_backbone``; sbp runs the
+backbone forward ``1 + r`` times with full-batch BN (else once) and ``r`` of its backward; sbp+
+checkpoint adds ``r * t_fwd_backbone``; frame dropout is ``r`` of fwd+bwd. Times only break
+ties; memory decides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from videotrain.memory.planner import InfeasibleBudget
+from videotrain.memory.profile import MB, Profile
+
+TIER_EXACT, TIER_SBP, TIER_SBP_FROZEN, TIER_DROPOUT = 0, 1, 2, 3
+TIER_NAMES = {
+    TIER_EXACT: "exact (e2e gradients)",
+    TIER_SBP: "sbp: backbone grad on r of frames",
+    TIER_SBP_FROZEN: "sbp, BN frozen",
+    TIER_DROPOUT: "frame dropout: head sees r of frames",
+}
+
+
+@dataclass
+class Candidate:
+    name: str
+    kind: str  # e2e | checkpoint | sbp | sbp_checkpoint | frame_dropout
+    params: dict[str, Any]  # the strategy's constructor arguments
+    tier: int
+    keep_ratio: float = 1.0
+    predicted_peak: float | None = None  # bytes; None: only a profiling step can tell
+    predicted_time: float | None = None  # seconds
+    measured_peak: float | None = None  # bytes, from a profiling step
+    measured_time: float | None = None
+    isolated: bool = False  # profile on a fresh copy of the model
+    skip: str | None = None  # why it is not considered at all
+    note: str = ""  # what the decision made of it
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the checkpoint plan's segments
+    seq: int = 0  # build order: the last tie-breaker (e.g. checkpoint plans from most to least memory)
+
+    @property
+    def peak(self) -> float | None:
+        """The best estimate: measured if a profiling step ran, else predicted."""
+        return self.measured_peak if self.measured_peak is not None else self.predicted_peak
+
+    def rank_key(self) -> tuple:
+        time_s = self.predicted_time if self.predicted_time is not None else math.inf
+        return (self.tier, -self.keep_ratio, time_s, self.seq, self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        def mb(x: float | None) -> float | None:
+            return None if x is None else round(x / MB, 3)
+
+        return {
+            "name": self.name, "kind": self.kind, "params": self.params, "tier": self.tier,
+            "accuracy": TIER_NAMES[self.tier], "keep_ratio": self.keep_ratio,
+            "predicted_peak_mb": mb(self.predicted_peak), "measured_peak_mb": mb(self.measured_peak),
+            "predicted_step_s": self.predicted_time, "measured_step_s": self.measured_time,
+            "skip": self.skip, "note": self.note, **self.extra,
+        }
+
+
+class NoPlanFits(InfeasibleBudget):
+    """No candidate fits the budget; ``min_budget`` is the smallest budget that would work."""
+
+    def __init__(self, budget: float, min_budget: float | None, smallest: str | None, table: str) -> None:
+        if min_budget is None:
+            hint = "no candidate could be profiled"
+        else:
+            hint = (f"the smallest budget that would work is {min_budget / MB:.1f} MB ({smallest}): "
+                    f"set memory.budget_mb={math.ceil(min_budget / MB * 10) / 10:.1f} or more")
+        ValueError.__init__(
+            self, f"memory=auto: no plan fits the budget of {budget / MB:.1f} MB; {hint}\n{table}"
+        )
+        self.budget, self.min_budget, self.smallest = budget, min_budget, smallest
+
+
+# ---------------------------------------------------------------------- predictions
+def _split(p: Profile) -> tuple[float, float, float, float]:
+    """(backbone fwd, head fwd, backbone bwd, head bwd) seconds."""
+    share = min(max(p.backbone_fwd_s / p.fwd_s, 0.0), 1.0) if p.fwd_s > 0 else 1.0
+    return p.fwd_s * share, p.fwd_s * (1 - share), p.bwd_s * share, p.bwd_s * (1 - share)
+
+
+def sbp_peak(p: Profile, keep: int, record_pass: bool, chunk: int) -> float:
+    """Predicted step peak of frame-level SBP keeping ``keep`` of ``T`` frames (bytes)."""
+    r = keep / p.num_frames
+    stored = p.head_saved + r * (p.saved_backbone + p.input_bytes)
+    if record_pass:  # full-batch BN: one no_grad pass over every frame before the kept rerun
+        transient = p.nograd_peak
+    else:
+        dropped = p.frames - keep * p.batch_size
+        transient = p.nograd_peak * min(chunk, dropped) / p.frames
+    return max(p.overhead + stored, transient)
+
+
+def sbp_time(p: Profile, r: float, record_pass: bool) -> float:
+    fb, fh, bb, bh = _split(p)
+    return fb * ((1 + r) if record_pass else 1.0) + fh + r * bb + bh + p.opt_s
+
+
+def dropout_peak(p: Profile, keep: int) -> float:
+    r = keep / p.num_frames
+    return p.overhead + r * (p.saved_total + p.input_bytes)
+
+
+def dropout_time(p: Profile, r: float) -> float:
+    return r * (p.fwd_s + p.bwd_s) + p.opt_s
+
+
+def checkpoint_time(p: Profile, overhead_frac: float) -> float:
+    return p.step_s + overhead_frac * _split(p)[0]
+
+
+def keep_counts(num_frames: int) -> list[int]:
+    """Frames kept per clip for the subset plans: every ``k`` from ``T-1`` down to 1."""
+    return list(range(num_frames - 1, 0, -1))
+
+
+@dataclass
+class Options:
+    """What the user allows and how subset plans are configured (see configs/memory/auto.yaml)."""
+
+    allow_frame_dropout: bool = False
+    allow_frozen_bn: bool = True
+    sbp_checkpoint: str | None = "blocks"  # None: no sbp+checkpoint candidates
+    sbp_checkpoint_error: str | None = None  # set when StochasticBackprop rejects `checkpoint`
+    sampler: str = "random"
+    nograd_chunk: int = 8
+    seed: int = 0
+
+
+def build_candidates(p: Profile, checkpoint_plans: list[dict[str, Any]], opt: Options) -> list[Candidate]:
+    """Every candidate with its predictions. ``checkpoint_plans``: ``{"params", "name",
+    "overhead_frac", ...}`` per distinct recomputation plan (planned by the caller)."""
+    t = p.num_frames
+    measured = None if p.extrapolated else p.e2e_peak  # else its own profiling step must tell
+    cands = [Candidate("e2e", "e2e", {}, TIER_EXACT, 1.0, p.e2e_peak, p.step_s, measured,
+                       None if p.extrapolated else p.step_s)]
+    for plan in checkpoint_plans:
+        extra = {k: v for k, v in plan.items() if k not in ("params", "name", "overhead_frac")}
+        cands.append(Candidate(plan["name"], "checkpoint", plan["params"], TIER_EXACT, 1.0, None,
+                               checkpoint_time(p, plan["overhead_frac"]),
+                               extra={"overhead_frac": plan["overhead_frac"], **extra}))
+    common = {"sampler": opt.sampler, "seed": opt.seed, "nograd_chunk": opt.nograd_chunk}
+    for k in keep_counts(t):
+        r = k / t
+        full = p.has_batchnorm  # full_batch BN needs the unchunked record pass
+        cands.append(Candidate(f"sbp r={r:.3f}", "sbp", {"keep_ratio": r, "bn_policy": "full_batch", **common},
+                               TIER_SBP, r, sbp_peak(p, k, full, opt.nograd_chunk), sbp_time(p, r, full)))
+        if opt.sbp_checkpoint:
+            c = Candidate(f"sbp+checkpoint r={r:.3f}", "sbp_checkpoint",
+                          {"keep_ratio": r, "bn_policy": "full_batch", "checkpoint": opt.sbp_checkpoint, **common},
+                          TIER_SBP, r, None, sbp_time(p, r, full) + r * _split(p)[0], isolated=True)
+            c.skip = opt.sbp_checkpoint_error
+            cands.append(c)
+        if p.has_batchnorm:
+            c = Candidate(f"sbp r={r:.3f} bn=frozen", "sbp", {"keep_ratio": r, "bn_policy": "frozen", **common},
+                          TIER_SBP_FROZEN, r, sbp_peak(p, k, False, opt.nograd_chunk), sbp_time(p, r, False))
+            if not opt.allow_frozen_bn:
+                c.skip = "sbp with frozen BN: not allowed (memory.allow_frozen_bn=false)"
+            cands.append(c)
+        c = Candidate(f"frame_dropout r={r:.3f}", "frame_dropout",
+                      {"keep_ratio": r, "sampler": opt.sampler, "seed": opt.seed},
+                      TIER_DROPOUT, r, dropout_peak(p, k), dropout_time(p, r))
+        if not opt.allow_frame_dropout:
+            c.skip = "frame dropout: not allowed, it changes what the head sees (memory.allow_frame_dropout=false)"
+        cands.append(c)
+    return cands
+
+
+# ---------------------------------------------------------------------- the choice
+def ranked(cands: list[Candidate]) -> list[Candidate]:
+    return sorted(cands, key=Candidate.rank_key)
+
+
+def choose(
+    cands: list[Candidate],
+    budget: float,
+    measure: Callable[[Candidate], None] | None = None,
+    verify: bool = True,
+    max_profiles: int = 16,
+) -> Candidate:
+    """The first plan in :func:`ranked` order whose peak fits ``budget`` (bytes).
+
+    ``measure(c)`` runs one profiling step and sets ``c.measured_peak`` (or ``c.skip``). It is
+    called for plans that have no prediction when the walk reaches them, and with ``verify``
+    for a predicted plan before it is chosen (a measured peak over the budget moves the walk
+    on). At most ``max_profiles`` calls. Raises :class:`NoPlanFits` with the smallest budget
+    that would work (the least estimated peak, measured first where possible).
+    """
+    calls = 0
+
+    def profiled(c: Candidate) -> bool:
+        nonlocal calls
+        if measure is None or calls >= max_profiles or c.skip:
+            return False
+        calls += 1
+        measure(c)
+        return c.measured_peak is not None and not c.skip
+
+    order = [c for c in ranked(cands) if not c.skip]
+    for i, c in enumerate(order):
+        if c.peak is None and not profiled(c):
+            c.note = c.note or ("skipped: " + c.skip if c.skip else "not profiled (memory.max_profiles)")
+            continue
+        if c.peak > budget:
+            c.note = "over budget" + (" (measured)" if c.measured_peak is not None else "")
+            continue
+        if verify and c.measured_peak is None:
+            profiled(c)  # at the cap it stays unverified
+            if c.skip:
+                c.note = "skipped: " + c.skip
+                continue
+            if c.measured_peak is not None and c.measured_peak > budget:
+                c.note = "over budget when measured"
+                continue
+        c.note = "chosen"
+        for later in order[i + 1:]:
+            later.note = later.note or "not needed: a preferred plan fits"
+        return c
+    # nothing fits: the smallest budget that would, measured where it can be
+    while True:
+        known = [c for c in cands if not c.skip and c.peak is not None]
+        if not known:
+            raise NoPlanFits(budget, None, None, render_table(cands, budget))
+        best = min(known, key=lambda c: c.peak)
+        if not verify or best.measured_peak is not None or not profiled(best):
+            raise NoPlanFits(budget, best.peak, best.name, render_table(cands, budget))
+
+
+def reason(chosen: Candidate, cands: list[Candidate], budget: float) -> str:
+    """Why ``chosen``, in one sentence for the log and results.json."""
+    fits = f"{chosen.peak / MB:.1f} MB <= budget {budget / MB:.1f} MB"
+    if chosen.kind == "e2e":
+        return f"e2e fits ({fits}): exact gradients and no extra compute"
+    better = [c for c in cands if not c.skip and c.rank_key() < chosen.rank_key() and c.peak is not None]
+    closest = min(better, key=lambda c: c.peak, default=None)
+    why_not = (f"no plan with better expected accuracy fits (the smallest of them, {closest.name}, "
+               f"needs {closest.peak / MB:.1f} MB)" if closest else "the preferred plans were not profiled")
+    what = {"checkpoint": "exact gradients at the least recompute that fits",
+            "sbp": f"the largest keep ratio that fits (r={chosen.keep_ratio:.3f})",
+            "sbp_checkpoint": f"the largest keep ratio that fits (r={chosen.keep_ratio:.3f}), with checkpointing",
+            "frame_dropout": f"frame dropout allowed, largest keep ratio that fits (r={chosen.keep_ratio:.3f})"}
+    equals = [c for c in cands if c is not chosen and not c.skip and c.tier == chosen.tier
+              and c.keep_ratio == chosen.keep_ratio]
+    tie = "; the fastest of the plans with the same expected accuracy" if equals else ""
+    return f"{chosen.name} ({fits}): {what[chosen.kind]}; {why_not}{tie}"
+
+
+def render_table(cands: list[Candidate], budget: float, chosen: Candidate | None = None,
+                 show_skipped: bool = False) -> str:
+    """The decision as a markdown table (ranking order), for the log, the CLI and the README."""
+
+    def mb(x: float | None) -> str:
+        return "–" if x is None else f"{x / MB:.1f}"
+
+    lines = [
+        f"memory budget {budget / MB:.1f} MB (per-step peak, as train_peak_mem_mb)",
+        "",
+        "| # | plan | expected accuracy | predicted peak MB | measured peak MB | predicted step s | outcome |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = [c for c in ranked(cands) if show_skipped or c.note or not c.skip]
+    for i, c in enumerate(rows):
+        outcome = c.note or (f"skipped: {c.skip}" if c.skip else "")
+        if c is chosen:
+            outcome = f"**{outcome}**"
+        time_s = "–" if c.predicted_time is None else f"{c.predicted_time:.2f}"
+        lines.append(f"| {i + 1} | {c.name} | {TIER_NAMES[c.tier]} | {mb(c.predicted_peak)} | "
+                     f"{mb(c.measured_peak)} | {time_s} | {outcome} |")
+    skipped = sorted({c.skip for c in cands if c.skip and not c.note and not show_skipped})
+    for s in skipped:
+        lines.append(f"(not considered: {s})")
+    return "\n".join(lines)
