@@ -94,9 +94,10 @@ def test_bn_stats_once_and_plain_checkpoint_would_update_twice() -> None:
     assert int(block[1].num_batches_tracked) == 1
 
 
-def test_resnet18_policies_match_e2e() -> None:
+@pytest.mark.parametrize("depth", [18, 50])
+def test_resnet_policies_match_e2e(depth: int) -> None:
     torch.manual_seed(0)
-    bb = resnet(18)
+    bb = resnet(depth)
     x, y = torch.randn(1, 2, 3, 32, 32), torch.tensor([1])  # 2 frames of 32 px
     ref = VideoClassifier(copy.deepcopy(bb), MeanHead(bb.feature_dim, 3)).train()
     for policy, options in POLICIES:
@@ -107,8 +108,8 @@ def test_resnet18_policies_match_e2e() -> None:
         for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda s, n=name: f"{n}: {s}")
         ref.load_state_dict(model.state_dict())  # both moved running stats once; compare next time too
-        if policy != "blocks":
-            assert model.strategy.last_report["lower_sets"] == 100  # exact family
+        if policy != "blocks":  # few enough lower sets for the exact DP (parallel shortcuts only)
+            assert model.strategy.last_report["exact_family"]
 
 
 def test_blocks_policy_leaves_eval_and_no_grad_alone(kit) -> None:
