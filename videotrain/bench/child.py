@@ -90,6 +90,17 @@ def plan_figures(strategy: object) -> dict[str, Any]:
     return out
 
 
+def compile_figures(spec: dict[str, Any]) -> dict[str, Any]:
+    """For the torch.compile peer: how many graphs dynamo compiled (0 would mean the row
+    silently ran eager) and the activation budget the partitioner was given."""
+    if spec.get("compile_budget") is None:
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "activation_memory_budget": float(spec["compile_budget"])}
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Compose the row's config, build model + AdamW, run warm-up and measured steps.
 
@@ -161,6 +172,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         **step_stats(times, peaks, fwd_bwd, spec["batch_size"]),
         **plan_figures(model.strategy),
+        **compile_figures(spec),
         "saved_act_mb": saved / 2**20,
         "memory": model.strategy.describe(),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,

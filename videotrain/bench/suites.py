@@ -115,8 +115,6 @@ def row_name(spec: dict[str, Any]) -> str:
         parts.append(spec["policy"])
     if spec["strategy"] not in ("e2e", "checkpoint") or spec["keep_ratio"] != 1.0:
         parts.append(f"{spec['keep_ratio']:g}")
-    if spec.get("checkpoint"):
-        parts.append(f"ckpt_{spec['checkpoint']}")
     if spec.get("budget") == "min":
         parts.append("bmin")
     elif spec.get("budget_frac") is not None:
@@ -135,7 +133,7 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
     seen: set[tuple[str, ...]] = set()
     for spec in rows:
         ovs = merge_overrides(base, spec["overrides"], extra)
-        key = tuple(sorted(ovs))
+        key = (*sorted(ovs), f"compile={spec.get('compile_budget')}")  # not an override
         if key in seen:
             continue
         seen.add(key)
@@ -153,7 +151,8 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
             fnmatch.fnmatch(s["name"], pat) or fnmatch.fnmatch(s["name"].split("/", 1)[1], pat)
             for pat in only)]
     for backbone in dict.fromkeys(s["backbone"] for s in out):
-        if not any(s["backbone"] == backbone and s["strategy"] == "e2e" for s in out):
+        if not any(s["backbone"] == backbone and s["strategy"] == "e2e" and not s.get("policy")
+                   for s in out):
             keep = [e for e in extra if not override_key(e).startswith("memory")]
             ref = resolve([row(backbone, "e2e")], base, keep)[0]
             first = next(i for i, s in enumerate(out) if s["backbone"] == backbone)
