@@ -55,21 +55,17 @@ def build_model(cfg: DictConfig, num_classes: int) -> VideoClassifier:
 
 
 def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
-                        world_size: int = 1) -> tuple[DataBundle, list[str]]:
+                        world_size: int = 1, **extra: Any) -> tuple[DataBundle, list[str]]:
+    """``build_data`` from ``cfg.data``; ``extra`` overrides some of its arguments (the
+    evaluation command's views per video, for instance)."""
     for key in cfg.data:
         if OmegaConf.is_missing(cfg.data, key):
             raise ValueError(f"data.{key} is required for data={cfg.data.name} (e.g. data.{key}=...)")
     d = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=True)
-    return build_data(
-        name=d["name"], layout=d["layout"], root=d["root"], num_frames=d["num_frames"],
-        sampling_rate=d["sampling_rate"], fps=d["fps"], short_side=d["short_side"],
-        crop_size=d["crop_size"], train_scale=tuple(d["train_scale"]), hflip=d["hflip"],
-        batch_size=d["batch_size"], val_batch_size=d["val_batch_size"],
-        num_workers=d["num_workers"], val_clips=d["val_clips"], val_crops=d["val_crops"],
-        max_bad_fraction=d["max_bad_fraction"], num_classes=d["num_classes"],
-        synthetic=d.get("synthetic"), seed=cfg.seed, rank=rank, world_size=world_size,
-        pin_memory=device.type == "cuda",
-    )
+    assert isinstance(d, dict)
+    # every data key is a build_data argument (tests/test_configs.py checks it)
+    return build_data(**{**d, "seed": cfg.seed, "rank": rank, "world_size": world_size,
+                         "pin_memory": device.type == "cuda", **extra})
 
 
 def trainer_settings(cfg: DictConfig) -> TrainerSettings:
