@@ -77,6 +77,7 @@ class TrainState:
     consumed: int = 0  # samples of the current epoch already trained on (this rank)
     skipped: set[str] = field(default_factory=set)  # bad video paths seen so far
     step_times: list[float] = field(default_factory=list)
+    data_waits: list[float] = field(default_factory=list)  # per step, waiting for batches
     peaks: list[float] = field(default_factory=list)
     last_val: dict[str, float] = field(default_factory=dict)
     val_step: int = -1  # the step last_val was computed at
@@ -132,6 +133,7 @@ class Trainer:
                 "consumed": st.consumed,
                 "skipped": sorted(st.skipped),
                 "step_times": st.step_times,
+                "data_waits": st.data_waits,
                 "peaks": st.peaks,
                 "last_val": st.last_val,
                 "val_step": st.val_step,
@@ -156,6 +158,7 @@ class Trainer:
         st.step, st.epoch, st.consumed = blob["step"], blob["epoch"], blob["consumed"]
         st.skipped |= set(blob["skipped"])
         st.step_times, st.peaks, st.last_val = blob["step_times"], blob["peaks"], blob["last_val"]
+        st.data_waits = blob.get("data_waits", [])
         st.val_step = blob.get("val_step", -1)
         self.logger.truncate_after(st.step)
         log.info("resumed from %s at step %d (epoch %d)", path, st.step, st.epoch)
@@ -197,18 +200,23 @@ class Trainer:
         self.data.train_sampler.set_epoch(st.epoch, skip=st.consumed)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        micro, loss_sum, data_time = 0, 0.0, 0.0
+        # data_wait: time between asking the loader for a batch and getting it, summed over the
+        # step's micro-batches; step time excludes it, so the two add up to the wall time
+        micro, loss_sum, data_wait = 0, 0.0, 0.0
         bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
                    desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
         t_data = time.perf_counter()
         for batch in self.data.train:
             if st.consumed >= self.epoch_samples:
                 break
-            data_time += time.perf_counter() - t_data
+            waited = time.perf_counter() - t_data
+            data_wait += waited
             self._note_skipped(batch["skipped"], self.data.train.dataset, "train split")
             if micro == 0:
                 self.meter.start()
-                t_step = time.perf_counter()
+                t_step, waited_in_step = time.perf_counter(), 0.0
+            else:
+                waited_in_step += waited
             video = batch["video"].to(self.device, non_blocking=True)  # (B, T, C, H, W)
             labels = batch["label"].to(self.device, non_blocking=True)
             loss = self._loss(video, labels)
@@ -222,7 +230,8 @@ class Trainer:
             grad_norm = self._optimizer_step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            st.step_times.append(time.perf_counter() - t_step)
+            st.step_times.append(time.perf_counter() - t_step - waited_in_step)
+            st.data_waits.append(data_wait)
             peak = self.meter.stop()
             if peak is not None:
                 st.peaks.append(peak)
@@ -232,12 +241,12 @@ class Trainer:
             bar.set_postfix(loss=f"{train_loss:.3f}")
             if st.step % s.log_every_n_steps == 0 or st.step == 1:
                 row = {"train_loss": train_loss, "lr": self.scheduler.get_last_lr()[0],
-                       "epoch": st.epoch, "step_time_s": st.step_times[-1], "data_time_s": data_time,
+                       "epoch": st.epoch, "step_time_s": st.step_times[-1], "data_wait_s": data_wait,
                        "peak_mem_mb": peak, "skipped_videos": len(st.skipped)}
                 if grad_norm is not None:
                     row["grad_norm"] = grad_norm
                 self.logger.log(row, st.step)
-            micro, loss_sum, data_time = 0, 0.0, 0.0
+            micro, loss_sum, data_wait = 0, 0.0, 0.0
             if s.checkpoint_every_n_steps and st.step % s.checkpoint_every_n_steps == 0:
                 self.save()
             if st.step >= self.total_steps:
@@ -279,12 +288,18 @@ class Trainer:
         times = st.step_times[1:] or st.step_times  # the first step pays for lazy allocations
         peaks = st.peaks[1:] or st.peaks
         step_time = statistics.median(times) if times else float("nan")
+        waits = st.data_waits[1:] or st.data_waits  # the first wait includes worker start-up
+        data_wait = statistics.median(waits) if waits else None
+        if data_wait is not None and times and data_wait > 0.25 * step_time:
+            log.warning("data loading is a bottleneck: a step waits %.3f s for its batch and "
+                        "computes for %.3f s (median); raise data.num_workers", data_wait, step_time)
         clips = self.data.train.batch_size * self.s.grad_accum
         return {
             **st.last_val,
             "train_peak_mem_mb": max(peaks) if peaks else None,
             "step_time_s": step_time,
             "clips_per_s": clips / step_time if times else None,
+            "data_wait_s": data_wait,
             "memory_strategy": self.strategy.describe().get("strategy"),
             "memory": self.strategy.describe(),
             "skipped_videos": len(st.skipped),
