@@ -75,7 +75,7 @@ def trainer_settings(cfg: DictConfig) -> TrainerSettings:
         grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
         log_every_n_steps=t.log_every_n_steps, checkpoint_every_n_steps=t.checkpoint_every_n_steps,
         val_every_n_epochs=t.val_every_n_epochs, max_bad_fraction=cfg.data.max_bad_fraction,
-        progress=t.progress,
+        progress=t.progress, test_after_fit=t.test_after_fit,
     )
 
 
@@ -107,6 +107,15 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                  trainer.steps_per_epoch, out_dir)
         results = trainer.fit()
         results["class_names"] = data.class_names
+        if settings.test_after_fit:  # the paper-style evaluation: eval.clips x eval.crops views
+            from videotrain.eval import build_eval_data, run_eval  # (it imports this module)
+
+            test_data, test_bad = build_eval_data(cfg, device)
+            test = run_eval(cfg, model, test_data, test_bad, out_dir, device, precision,
+                            checkpoint=str(trainer.ckpt_dir / "last.ckpt"))
+            results["test"] = test
+            results.update({f"test_{k}": test[k] for k in
+                            ("video_top1", "video_top5", "clip_top1", "mean_class_acc")})
         (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         logger.finish(results)
         return results

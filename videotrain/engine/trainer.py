@@ -46,6 +46,7 @@ class TrainerSettings:
     val_every_n_epochs: int = 1
     max_bad_fraction: float = 0.1
     progress: bool = True
+    test_after_fit: bool = False  # read by run.train: multi-view evaluation after the last step
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
@@ -257,7 +258,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         metrics = evaluate(self.model, self.data.val, self.precision, self.device,
-                           progress=self.s.progress and self.is_main,
+                           progress=self.s.progress and self.is_main, num_classes=self.data.num_classes,
                            on_skipped=lambda p: self._note_skipped(p, self.data.val.dataset, "val split"))
         self.state.last_val = metrics
         self.state.val_step = self.state.step
