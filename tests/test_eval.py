@@ -231,3 +231,12 @@ def test_eval_errors(compose_cfg, tmp_path: Path, run_overrides) -> None:
     with pytest.raises(ValueError, match="does not fit the configured model"):
         evaluate_checkpoint(compose_cfg(run_overrides(checkpoint=bogus, eval__clips=1,
                                                       eval__crops=1)), tmp_path)
+
+
+def test_eval_keys_are_eval_settings(compose_cfg) -> None:
+    import dataclasses
+
+    cfg = compose_cfg()
+    assert set(cfg.eval) == {f.name for f in dataclasses.fields(EvalSettings)}
+    assert (cfg.eval.clips, cfg.eval.crops, cfg.eval.aggregate) == (10, 3, "mean")  # Kinetics
+    assert cfg.checkpoint is None and cfg.trainer.test_after_fit is False
