@@ -168,6 +168,10 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def _note_skipped(self, paths: list[str], dataset, source: str) -> None:
         if paths:
+            # logged here too, not only by the dataset: a worker process's log may not reach
+            # the run's log (e.g. with the spawn start method), the main process's always does
+            for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
+                log.warning("bad video skipped (another clip took its place): %s", path)
             self.state.skipped.update(paths)
             if source not in self._split_paths:  # bad videos of the other split don't count
                 self._split_paths[source] = {p for p, _ in dataset.index.paths}
