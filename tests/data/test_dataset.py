@@ -249,3 +249,12 @@ def test_synthetic_data_in_any_layout(layout: str, tmp_path: Path) -> None:
     assert data.root.name.startswith(f"synthetic-{layout}-") and data.num_classes == 4
     data.train_sampler.set_epoch(0)
     assert next(iter(data.train))["video"].shape == (2, T, 3, CROP, CROP)
+
+
+def test_loaders_keep_workers_and_pin_memory(tiny_root: Path) -> None:
+    data, _ = _build(tiny_root, num_workers=2, pin_memory=True, worker_timeout=30)
+    for loader in (data.train, data.val):
+        assert loader.num_workers == 2 and loader.persistent_workers and loader.pin_memory
+        assert loader.timeout == 30
+    data, _ = _build(tiny_root, worker_timeout=30)  # no workers: nothing to time out
+    assert not data.train.persistent_workers and data.train.timeout == 0

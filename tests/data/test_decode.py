@@ -119,3 +119,39 @@ def test_unreadable_files_raise(tmp_path: Path, content: bytes) -> None:
         VideoFile(str(path))
     with pytest.raises(FileNotFoundError):
         VideoFile(str(tmp_path / "missing.mp4"))
+
+
+class CountingVideoFile(VideoFile):
+    """Counts the frames the decoder produced (whatever happens to them afterwards)."""
+
+    decoded = 0
+
+    def _timed(self, frames, from_start):
+        for item in super()._timed(frames, from_start):
+            self.decoded += 1
+            yield item
+
+
+def test_decoding_seeks_to_the_window_and_stops_after_it(tmp_path: Path) -> None:
+    """With a keyframe every second, a window at 3.0-3.5 s of a 4 s video decodes from the
+    keyframe at 3.0 s to the first frame past 3.5 s: 6 of the 40 frames."""
+    path = tmp_path / "gop.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"x264-params": "keyint=10:min-keyint=10:scenecut=0", "preset": "veryfast"}
+        for frame in FRAMES:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    with CountingVideoFile(str(path)) as v:
+        v.clips([(3.0, 3.5)], 4)
+        assert v.decoded == 6
+    with CountingVideoFile(str(path)) as v:
+        v.clips([(0.0, 0.5)], 4)  # from the start: no seek, stops after the window
+        assert v.decoded == 6
+    with CountingVideoFile(str(path)) as v:  # overlapping windows share one pass
+        v.clips([(2.0, 3.0), (1.5, 2.5), (2.5, 3.5)], 4)
+        assert v.decoded == 26  # from the keyframe at 1.0 s to the frame at 3.5 s
