@@ -226,9 +226,9 @@ def write_data(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) 
     table = data_markdown(rows)
     (out_dir / "bench.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2) + "\n")
     s = meta["setting"]
-    title = (f"{meta['device']} · torch {meta['torch']} · T={s['num_frames']} (every "
-             f"{s['sampling_rate']}th frame at {s['fps']:g} fps), crop {s['crop_size']}, "
-             f"B={s['batch_size']}, {s['rounds']} round(s)"
+    title = (f"{meta['device']} · torch {meta['torch']} · T={s['num_frames']} frames over "
+             f"{s['num_frames'] * s['sampling_rate'] / s['fps']:.2f} s windows, crop "
+             f"{s['crop_size']}, B={s['batch_size']}, {s['rounds']} round(s)"
              + (" · " + " ".join(s["extra_overrides"]) if s["extra_overrides"] else ""))
     (out_dir / "bench.md").write_text(f"# videotrain bench: data loading\n\n{title}\n\n{table}")
     plot_data(rows, out_dir / "bench.png", title)
