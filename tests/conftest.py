@@ -104,6 +104,20 @@ def tiny_root(isolated_env: Path) -> Path:
     return generate(isolated_env / f"synthetic-{TINY_SPEC.digest()}", TINY_SPEC)
 
 
+@pytest.fixture(scope="session")
+def layout_root(isolated_env: Path, tiny_root: Path) -> Callable[[str], Path]:
+    """``layout_root(layout)``: the tiny dataset's clips written in a dataset's own layout
+    (``kinetics``, ``folder``, ``ucf101``, ``hmdb51``, ``ssv2``), generated once per session.
+    Read-only for tests: copy it to modify it."""
+
+    def _root(layout: str) -> Path:
+        if layout in ("kinetics", "folder"):  # the session tree has both
+            return tiny_root
+        return generate(isolated_env / f"synthetic-{layout}-{TINY_SPEC.digest()}", TINY_SPEC, layout)
+
+    return _root
+
+
 @pytest.fixture
 def tiny_copy(tiny_root: Path, tmp_path: Path) -> Path:
     """A private, writable copy of the tiny dataset."""

@@ -125,3 +125,67 @@ def test_cli_failed_row_exits_nonzero(tmp_path: Path) -> None:
     assert "1 row(s) failed: resnet10/e2e" in proc.stderr
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert len(rows) == 1 and "no_such_key" in rows[0]["error"]
+
+
+# ---------------------------------------------------------------------- the data suite
+def test_data_suite_rows() -> None:
+    from videotrain.bench.suites import DATA_SUITES
+
+    assert [r["name"] for r in DATA_SUITES["data"]] == [
+        "data/videotrain-w0", "data/videotrain-w1", "data/videotrain-w2", "data/pytorchvideo-w2"]
+    assert "data" not in SUITES and not any(r.get("kind") == "data" for r in SUITES["all"])
+
+
+TINY_DATA = ["data.crop_size=32", "data.short_side=32", "data.num_frames=4", "data.batch_size=4",
+             "data=synthetic", "device=cpu"]
+
+
+@pytest.mark.parametrize("pipeline", ["videotrain", "pytorchvideo"])
+def test_data_row_measures_the_same_clips(pipeline: str, tiny_synthetic_overrides, isolated_env) -> None:
+    """Both pipelines, in-process and without workers, on the tiny session dataset: the same
+    clips, counted the same way."""
+    from videotrain.bench.data import measure_data
+
+    overrides = [*TINY_DATA, f"data.root={isolated_env}", *tiny_synthetic_overrides]
+    r = measure_data({"pipeline": pipeline, "num_workers": 0, "overrides": overrides,
+                      "device": "cpu"})
+    # 16 videos, batch 4: the first batch is start-up, the other 3 are timed
+    assert r["clips"] == 12 and r["batches"] == 3 and r["videos"] == 16
+    assert r["clip_shape"] == (4, 3, 32, 32) and r["pin_memory"] is False
+    assert r["clips_per_s"] == pytest.approx(r["clips"] / r["elapsed_s"])
+
+
+def test_data_rows_combine_and_ratios() -> None:
+    from videotrain.bench.report import add_data_ratios, combine_data
+    from videotrain.bench.suites import data_row
+
+    runs = [{"clips_per_s": c, "startup_s": 0.5, "clips": 12} for c in (10.0, 30.0, 20.0)]
+    w0 = combine_data(data_row("videotrain", 0), runs)
+    assert w0["clips_per_s"] == 20.0 and w0["clips_per_s_range"] == "10.0–30.0"
+    w2 = combine_data(data_row("videotrain", 2), [{"clips_per_s": 50.0, "startup_s": 1.0}])
+    peer = combine_data(data_row("pytorchvideo", 2), [{"clips_per_s": 40.0, "startup_s": 1.0}])
+    bad = combine_data(data_row("videotrain", 1), [{"error": "boom"}])
+    rows = [w0, bad, w2, peer]
+    add_data_ratios(rows)
+    assert w2["vs_peer"] == pytest.approx(1.25) and w2["vs_w0"] == pytest.approx(2.5)
+    assert w0["vs_peer"] is None and bad["vs_peer"] is None and peer["vs_peer"] == 1.0
+
+
+def test_data_bench_tiny(tmp_path: Path, tiny_synthetic_overrides, isolated_env) -> None:
+    """One row through the runner (a fresh process) and the files it writes."""
+    from videotrain.bench.cli import run_data_bench
+    from videotrain.bench.suites import data_row
+
+    out = tmp_path / "bench"
+    overrides = [*TINY_DATA, f"data.root={isolated_env}", *tiny_synthetic_overrides]
+    rows, meta, table = run_data_bench(out=out, device="cpu", extra_overrides=overrides,
+                                       rows=[data_row("videotrain", 0)], log=lambda *a, **k: None)
+    (row,) = rows
+    assert not row.get("error"), row.get("error")
+    assert row["name"] == "data/videotrain-w0" and row["clips"] == 12 and row["vs_w0"] == 1.0
+    data = json.loads((out / "bench.json").read_text())
+    assert [r["kind"] for r in data["rows"]] == ["data"]
+    assert data["meta"]["setting"]["num_frames"] == 4 and data["meta"]["setting"]["batch_size"] == 4
+    md = (out / "bench.md").read_text()
+    assert table in md and "| videotrain | 0 |" in md and "FAILED" not in md
+    assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC

@@ -72,7 +72,7 @@ def test_cli_bad_value_fails_naming_it(run_cli, run_overrides, tmp_path: Path) -
         ("trainer.max_epochs=0", "trainer.max_epochs must be >= 1"),
         ("sched.name=step", "sched.name must be 'cosine'"),
         ("logger.wandb.mode=sometimes", "logger.wandb.mode must be one of"),
-        ("data.layout=csv", "data.layout must be 'kinetics' or 'folder'"),
+        ("data.layout=csv", "data.layout must be one of kinetics, folder, ucf101, hmdb51, ssv2"),
         ("data.batch_size=64", "data.batch_size=64 exceeds the 16 training videos"),
         ("data.crop_size=64", "data.crop_size=64 exceeds data.short_side=32"),
     ],

@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 import videotrain.run as run
-from videotrain.data.loaders import build_data
+from videotrain.data.loaders import READER_OPTIONS, build_data
 from videotrain.engine.optim import build_optimizer, warmup_cosine
 from videotrain.engine.precision import Precision
 from videotrain.engine.trainer import TrainerSettings, plan_steps
@@ -55,8 +55,9 @@ def test_discovery_found_the_known_groups() -> None:
 
 
 @pytest.fixture
-def tiny_cfg(compose_cfg, tiny_root: Path, isolated_env: Path, tiny_synthetic_overrides):
-    """Compose with a group choice, pointing the data at the tiny session dataset."""
+def tiny_cfg(compose_cfg, layout_root, isolated_env: Path, tiny_synthetic_overrides):
+    """Compose with a group choice, pointing the data at the tiny session dataset (written
+    in the layout the data config reads)."""
 
     def _cfg(*overrides: str) -> DictConfig:
         # which dataset? only an experiment file needs composing to find out
@@ -65,7 +66,7 @@ def tiny_cfg(compose_cfg, tiny_root: Path, isolated_env: Path, tiny_synthetic_ov
         if first.data.name == "synthetic":  # generated into the cache: reuse the session tree
             data = [f"data.root={isolated_env}", *tiny_synthetic_overrides]
         else:
-            data = [f"data.root={tiny_root}"]
+            data = [f"data.root={layout_root(first.data.layout)}"]
         return compose_cfg([*overrides, *data])
 
     return _cfg
@@ -141,9 +142,19 @@ def _params(fn) -> set[str]:
 
 @pytest.mark.parametrize("option", GROUPS["data"])
 def test_data_keys_are_build_data_arguments(compose_cfg, option: str) -> None:
-    keys = set(compose_cfg([f"data={option}"]).data)
-    accepted = _params(build_data) - {"seed", "rank", "world_size", "pin_memory"}
-    assert keys == accepted, f"unused: {keys - accepted}, missing: {accepted - keys}"
+    """No key is ignored, every required argument is there, and the reader options a config
+    sets are those its layout takes (the others keep build_data's default, None)."""
+    data = compose_cfg([f"data={option}"]).data
+    keys = set(data)
+    params = inspect.signature(build_data).parameters
+    accepted = set(params) - {"seed", "rank", "world_size", "pin_memory", "preflight_train"}
+    required = {k for k in accepted if params[k].default is inspect.Parameter.empty}
+    assert keys <= accepted, f"unused: {keys - accepted}"
+    assert required <= keys, f"missing: {required - keys}"
+    reader_keys = {k for k in accepted if k in {o for opts in READER_OPTIONS.values() for o in opts}}
+    assert keys & reader_keys <= set(READER_OPTIONS[data.layout]), data.layout
+    if data.name != "synthetic":  # a real dataset's config shows all its reader's options
+        assert keys & reader_keys == set(READER_OPTIONS[data.layout]), data.layout
 
 
 @pytest.mark.parametrize("option", GROUPS["trainer"])
@@ -184,7 +195,7 @@ def test_default_config_values(compose_cfg) -> None:
     assert cfg.data.hflip is False  # a flip swaps the synthetic task's left/right classes
 
 
-@pytest.mark.parametrize("option", ["kinetics", "folder"])
+@pytest.mark.parametrize("option", [o for o in GROUPS["data"] if o != "synthetic"])
 def test_real_datasets_require_root(compose_cfg, option: str) -> None:
     cfg = compose_cfg([f"data={option}"])
     assert OmegaConf.is_missing(cfg.data, "root")

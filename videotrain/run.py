@@ -132,21 +132,17 @@ def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision,
 
 
 def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
-                        world_size: int = 1) -> tuple[DataBundle, list[str]]:
+                        world_size: int = 1, **extra: Any) -> tuple[DataBundle, list[str]]:
+    """``build_data`` from ``cfg.data``; ``extra`` overrides some of its arguments (the
+    evaluation command's views per video, for instance)."""
     for key in cfg.data:
         if OmegaConf.is_missing(cfg.data, key):
             raise ValueError(f"data.{key} is required for data={cfg.data.name} (e.g. data.{key}=...)")
     d = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=True)
-    return build_data(
-        name=d["name"], layout=d["layout"], root=d["root"], num_frames=d["num_frames"],
-        sampling_rate=d["sampling_rate"], fps=d["fps"], short_side=d["short_side"],
-        crop_size=d["crop_size"], train_scale=tuple(d["train_scale"]), hflip=d["hflip"],
-        batch_size=d["batch_size"], val_batch_size=d["val_batch_size"],
-        num_workers=d["num_workers"], val_clips=d["val_clips"], val_crops=d["val_crops"],
-        max_bad_fraction=d["max_bad_fraction"], num_classes=d["num_classes"],
-        synthetic=d.get("synthetic"), seed=cfg.seed, rank=rank, world_size=world_size,
-        pin_memory=device.type == "cuda",
-    )
+    assert isinstance(d, dict)
+    # every data key is a build_data argument (tests/test_configs.py checks it)
+    return build_data(**{**d, "seed": cfg.seed, "rank": rank, "world_size": world_size,
+                         "pin_memory": device.type == "cuda", **extra})
 
 
 def global_batch_size(cfg: DictConfig, world_size: int = 1) -> int:
@@ -175,7 +171,7 @@ def trainer_settings(cfg: DictConfig) -> TrainerSettings:
         grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
         log_every_n_steps=t.log_every_n_steps, checkpoint_every_n_steps=t.checkpoint_every_n_steps,
         val_every_n_epochs=t.val_every_n_epochs, max_bad_fraction=cfg.data.max_bad_fraction,
-        progress=t.progress,
+        progress=t.progress, test_after_fit=t.test_after_fit,
     )
 
 
@@ -239,6 +235,19 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
             log.error("DDP replicas ended with different parameters: %s", digests)
         if isinstance(trainer.strategy, SelfPlanning):
             results["memory_plan"] = trainer.strategy.plan_report()
+        if settings.test_after_fit and ctx.enabled:
+            log.warning("trainer.test_after_fit runs in single-process runs only; evaluate this "
+                        "run with: python -m videotrain.eval checkpoint=%s",
+                        trainer.ckpt_dir / "last.ckpt")
+        elif settings.test_after_fit:  # the paper-style evaluation: eval.clips x eval.crops views
+            from videotrain.eval import build_eval_data, run_eval  # (it imports this module)
+
+            test_data, test_bad = build_eval_data(cfg, device)
+            test = run_eval(cfg, trainer.module, test_data, test_bad, out_dir, device, precision,
+                            checkpoint=str(trainer.ckpt_dir / "last.ckpt"))
+            results["test"] = test
+            results.update({f"test_{k}": test[k] for k in
+                            ("video_top1", "video_top5", "clip_top1", "mean_class_acc")})
         if ctx.is_main:
             (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         logger.finish(results)

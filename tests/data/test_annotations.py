@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 from videotrain.data.annotations import (
     AnnotationError,
@@ -31,15 +33,57 @@ def test_kinetics_index_on_generated_tree(tiny_root: Path, split: str, n: int) -
     assert sorted(set(index.labels)) == [0, 1, 2, 3]
 
 
-def test_kinetics_index_infers_classes_without_classes_txt(tiny_copy: Path) -> None:
+def test_kinetics_index_class_names_from_folders_without_classes_txt(tiny_copy: Path) -> None:
     (tiny_copy / "classes.txt").unlink()
     index = kinetics_index(tiny_copy, "train")
-    assert index.class_names == ["0", "1", "2", "3"]  # num_classes = max label + 1
+    assert index.class_names == list(CLASSES)  # each label's videos are in its class folder
+    # labels without videos keep their number
+    assert kinetics_index(tiny_copy, "train", num_classes=6).class_names == [*CLASSES, "4", "5"]
 
 
-def test_kinetics_index_explicit_num_classes(tiny_copy: Path) -> None:
+def test_kinetics_index_numbers_classes_when_folders_do_not_name_them(tiny_copy: Path) -> None:
     (tiny_copy / "classes.txt").unlink()
-    assert kinetics_index(tiny_copy, "train", num_classes=6).class_names == [str(i) for i in range(6)]
+    csv = tiny_copy / "train.csv"  # flat paths (as in the official Kinetics downloads)
+    lines = []
+    for line in csv.read_text().splitlines():
+        rel, label = line.split()
+        flat = f"flat/{Path(rel).name}"
+        (tiny_copy / "flat").mkdir(exist_ok=True)
+        (tiny_copy / rel).rename(tiny_copy / flat)
+        lines.append(f"{flat} {label}")
+    csv.write_text("\n".join(lines) + "\n")
+    assert kinetics_index(tiny_copy, "train").class_names == ["0", "1", "2", "3"]
+
+
+def test_kinetics_index_comma_separated_with_path_prefix(tiny_copy: Path, tmp_path: Path) -> None:
+    """``path,label`` lines with paths relative to a prefix folder, and a class-name file
+    elsewhere (all as keys of data=kinetics)."""
+    (tiny_copy / "videos").mkdir()
+    (tiny_copy / "train").rename(tiny_copy / "videos" / "train")
+    ann = tmp_path / "ann"
+    ann.mkdir()
+    rows = [ln.split() for ln in (tiny_copy / "train.csv").read_text().splitlines()]
+    (ann / "k_train.csv").write_text("".join(f"{rel},{label}\n" for rel, label in rows))
+    (ann / "names.json").write_text(json.dumps({n: i for i, n in enumerate(CLASSES)}))
+    index = kinetics_index(tiny_copy, "train", train_file=str(ann / "k_train.csv"),
+                           path_prefix="videos", classes_file=str(ann / "names.json"))
+    assert index.class_names == list(CLASSES) and len(index) == 16
+    assert all(Path(p).is_file() and "/videos/train/" in p for p, _ in index.paths)
+    assert index.labels == [int(label) for _, label in rows]
+    with pytest.raises(FileNotFoundError, match="data.path_prefix: video folder not found"):
+        kinetics_index(tiny_copy, "train", train_file=str(ann / "k_train.csv"), path_prefix="nope")
+    with pytest.raises(FileNotFoundError, match="data.classes_file"):
+        kinetics_index(tiny_copy, "train", classes_file="missing.txt")
+    with pytest.raises(FileNotFoundError, match="data.val_file"):
+        kinetics_index(tiny_copy, "val", val_file="missing.csv")
+
+
+def test_kinetics_index_matches_pytorchvideo_reader(tiny_root: Path) -> None:
+    """The same (path, label) pairs as pytorchvideo's ``LabeledVideoPaths.from_csv``."""
+    ours = kinetics_index(tiny_root, "train")
+    ref = LabeledVideoPaths.from_csv(str(tiny_root / "train.csv"))
+    ref.path_prefix = str(tiny_root)
+    assert list(ours.paths) == list(ref)
 
 
 def test_classes_txt_count_mismatch(tiny_root: Path) -> None:
@@ -49,7 +93,7 @@ def test_classes_txt_count_mismatch(tiny_root: Path) -> None:
 
 def test_duplicate_class_names(tiny_copy: Path) -> None:
     (tiny_copy / "classes.txt").write_text("a\nb\na\nc\n")
-    with pytest.raises(AnnotationError, match="duplicate class names"):
+    with pytest.raises(AnnotationError, match="duplicate class names .'a'"):
         kinetics_index(tiny_copy, "train")
 
 

@@ -221,3 +221,40 @@ def test_val_label_beyond_train_classes(tiny_copy: Path) -> None:
     csv.write_text("".join(ln + "\n" for ln in csv.read_text().splitlines() if not ln.endswith(" 3")))
     with pytest.raises(ValueError, match=r"val\.csv: label 3 .* outside num_classes=3"):
         _build(tiny_copy)
+
+
+def test_val_class_absent_from_train(tiny_copy: Path) -> None:
+    csv = tiny_copy / "train.csv"  # classes.txt lists 4 classes; train loses every label 3
+    csv.write_text("".join(ln + "\n" for ln in csv.read_text().splitlines() if not ln.endswith(" 3")))
+    with pytest.raises(ValueError) as err:
+        _build(tiny_copy, batch_size=2)
+    msg = str(err.value)
+    assert msg.startswith(f"{tiny_copy / 'val.csv'}: 1 class(es) have val videos but no training videos")
+    assert "3 ('left_then_up')" in msg and str(tiny_copy / "train.csv") in msg
+
+
+def test_reader_options_must_belong_to_the_layout(tiny_root: Path) -> None:
+    with pytest.raises(ValueError, match=r"data.fold is not used by data.layout=kinetics \(it takes "
+                                         r"data.train_file, data.val_file"):
+        _build(tiny_root, fold=2)
+    with pytest.raises(ValueError, match="data.worker_timeout must be >= 0"):
+        _build(tiny_root, worker_timeout=-1)
+
+
+@pytest.mark.parametrize("layout", ["ucf101", "hmdb51", "ssv2"])
+def test_synthetic_data_in_any_layout(layout: str, tmp_path: Path) -> None:
+    """``data=synthetic data.layout=...`` generates the clips in that layout and reads them."""
+    data, _ = _build(str(tmp_path), name="synthetic", layout=layout, batch_size=2,
+                     synthetic=dict(train_per_class=1, val_per_class=1, num_frames=8, size=32))
+    assert data.root.name.startswith(f"synthetic-{layout}-") and data.num_classes == 4
+    data.train_sampler.set_epoch(0)
+    assert next(iter(data.train))["video"].shape == (2, T, 3, CROP, CROP)
+
+
+def test_loaders_keep_workers_and_pin_memory(tiny_root: Path) -> None:
+    data, _ = _build(tiny_root, num_workers=2, pin_memory=True, worker_timeout=30)
+    for loader in (data.train, data.val):
+        assert loader.num_workers == 2 and loader.persistent_workers and loader.pin_memory
+        assert loader.timeout == 30
+    data, _ = _build(tiny_root, worker_timeout=30)  # no workers: nothing to time out
+    assert not data.train.persistent_workers and data.train.timeout == 0

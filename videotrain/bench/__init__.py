@@ -4,6 +4,8 @@ Each configuration (a *row*) runs in a fresh subprocess on the same model config
 synthetic batch, and reports peak training-step memory, median step time after warm-up,
 clips/s and the bytes of activations saved for backward, each also as a ratio to the e2e row
 of the same backbone in the same run. Suites are lists of row specs in ``suites.py``.
+The data suite (``--suite data``, ``data.py``) measures the loaders instead: decoded clips/s
+with 0, 1 and 2 workers and pytorchvideo's ``LabeledVideoDataset`` pipeline on the same files.
 """
 
 from videotrain.bench.child import saved_activation_bytes, synthetic_batch

@@ -15,7 +15,7 @@ from typing import Any
 
 from videotrain.bench import report
 from videotrain.bench.child import step_stats
-from videotrain.bench.suites import SUITES, resolve
+from videotrain.bench.suites import DATA_SUITES, SUITES, resolve
 
 DEFAULT_HEAD = "transformer"
 
@@ -73,9 +73,11 @@ def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 def child_main(spec_json: str) -> int:
     """Child side: measure one row, print exactly one JSON line on stdout."""
     from videotrain.bench.child import measure
+    from videotrain.bench.data import measure_data
 
     try:
-        result = measure(json.loads(spec_json))
+        spec = json.loads(spec_json)
+        result = (measure_data if spec.get("kind") == "data" else measure)(spec)
         code = 0
     except Exception as exc:  # noqa: BLE001 - recorded in the row, the parent decides
         traceback.print_exc()
@@ -183,6 +185,56 @@ def run_bench(
     return results, meta, table
 
 
+def run_data_bench(
+    suite: str = "data", out: str | Path | None = None, device: str = "auto",
+    extra_overrides: list[str] | None = None, rounds: int = 1, timeout: float = 1800,
+    threads: int | None = None, only: list[str] | None = None,
+    rows: list[dict[str, Any]] | None = None, log=print,
+) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """Run a data suite (or the given ``data_row`` specs): decoded clips/s per loader row
+    (bench/data.py), each row in a fresh process, ``rounds`` times round-robin; a row reports
+    the median over its rounds."""
+    import fnmatch
+
+    from videotrain.bench.data import compose_data_cfg
+    from videotrain.data.loaders import resolve_root
+
+    device = resolve_device(device)
+    overrides = ["data=synthetic", f"device={device}", "logger.wandb.mode=disabled",
+                 *(extra_overrides or [])]
+    specs = [r for r in (rows if rows is not None else DATA_SUITES[suite])
+             if not only or any(fnmatch.fnmatch(r["name"], p) for p in only)]
+    if not specs:
+        raise ValueError(f"no rows left after --only {only}")
+    d = compose_data_cfg(overrides).data
+    root = resolve_root(d.name, d.root, d.get("synthetic"), d.layout)  # generated once, here
+    per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
+    for rnd in range(rounds):
+        for i, spec in enumerate(specs):
+            if any(r.get("error") for r in per_row[i]):
+                continue
+            res = run_child({**spec, "overrides": overrides, "device": device, "threads": threads},
+                            timeout)
+            per_row[i].append(res)
+            tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
+            log(f"{tag} {spec['name']}: " + (f"FAILED ({res['error'].splitlines()[-1]})"
+                if res.get("error") else f"{res['clips_per_s']:.1f} clips/s "
+                f"({res['clips']} clips in {res['elapsed_s']:.1f} s)"), file=sys.stderr)
+    results = [report.combine_data(spec, runs) for spec, runs in zip(specs, per_row, strict=True)]
+    report.add_data_ratios(results)
+    machine = machine_info(device)
+    setting = {"suite": suite, "rounds": rounds, "extra_overrides": list(extra_overrides or []),
+               "only": only, "threads": threads, "root": str(root),
+               "num_frames": int(d.num_frames), "sampling_rate": int(d.sampling_rate),
+               "fps": float(d.fps), "short_side": int(d.short_side), "crop_size": int(d.crop_size),
+               "batch_size": int(d.batch_size), "synthetic": dict(d.synthetic or {})}
+    meta = {"device": device, "torch": machine["torch"], "setting": setting, "machine": machine,
+            "metric": "decoded training clips per second over one pass after the first batch",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    table = report.write_data(Path(out), results, meta) if out else report.data_markdown(results)
+    return results, meta, table
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m videotrain.bench",
@@ -190,14 +242,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "row runs in a fresh subprocess on the same model and synthetic batch.",
         epilog="Extra arguments are Hydra overrides applied to every row after its own, e.g. "
                "model/backbone=resnet10 model/head=tconv trainer.precision=bf16.")
-    p.add_argument("--suite", default="default", choices=sorted(SUITES))
+    p.add_argument("--suite", default="default", choices=sorted([*SUITES, *DATA_SUITES]),
+                   help="data: decoded clips/s of the loaders (0/1/2 workers and pytorchvideo's "
+                        "pipeline) on the synthetic set; configure it with data.* overrides")
     p.add_argument("--out", help="write bench.json, bench.md and bench.png here")
     p.add_argument("--steps", type=int, default=5, help="measured steps per row")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps before them")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--frames", type=int, default=16)
-    p.add_argument("--size", type=int, default=112)
+    p.add_argument("--batch-size", type=int, help="default 2 (data suite: data.batch_size)")
+    p.add_argument("--frames", type=int, help="default 16 (data suite: data.num_frames)")
+    p.add_argument("--size", type=int, help="crop size, default 112 (data suite: data.crop_size)")
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--only", help="comma-separated globs on row names, e.g. 'e2e,sbp-frame-*' "
                                   "(an e2e reference row is always kept)")
@@ -222,13 +276,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
         return child_main(args.child)
-    rows, _, table = run_bench(
-        suite=args.suite, out=args.out, steps=args.steps, warmup=args.warmup, device=args.device,
-        batch_size=args.batch_size, frames=args.frames, size=args.size,
-        num_classes=args.num_classes, extra_overrides=args.overrides, timeout=args.timeout,
-        threads=args.threads, rounds=args.rounds, free_grads=args.free_grads,
-        only=[s.strip() for s in args.only.split(",") if s.strip()] if args.only else None,
-    )
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    if args.suite in DATA_SUITES:
+        flags = [f"data.{key}={value}" for key, value in (
+            ("batch_size", args.batch_size), ("num_frames", args.frames), ("crop_size", args.size))
+            if value is not None]
+        rows, _, table = run_data_bench(
+            suite=args.suite, out=args.out, device=args.device, rounds=args.rounds,
+            extra_overrides=[*flags, *args.overrides], timeout=args.timeout, threads=args.threads,
+            only=only)
+    else:
+        rows, _, table = run_bench(
+            suite=args.suite, out=args.out, steps=args.steps, warmup=args.warmup,
+            device=args.device, batch_size=args.batch_size or 2, frames=args.frames or 16,
+            size=args.size or 112, num_classes=args.num_classes, extra_overrides=args.overrides,
+            timeout=args.timeout, threads=args.threads, rounds=args.rounds,
+            free_grads=args.free_grads, only=only,
+        )
     print(table, end="")
     failed = [r["name"] for r in rows if r.get("error")]
     if failed:

@@ -145,3 +145,95 @@ def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> st
     (out_dir / "bench.md").write_text(header + table)
     plot(rows, out_dir / "bench.png", title)
     return table
+
+
+# ---------------------------------------------------------------------- the data suite
+DATA_COLUMNS = [
+    ("pipeline", "pipeline", "{}"),
+    ("workers", "num_workers", "{}"),
+    ("clips/s", "clips_per_s", "{:.1f}"),
+    ("min–max over rounds", "clips_per_s_range", "{}"),
+    ("× pytorchvideo, same workers", "vs_peer", "{:.2f}"),
+    ("× 0 workers", "vs_w0", "{:.2f}"),
+    ("first batch s", "startup_s", "{:.2f}"),
+    ("clips timed", "clips", "{}"),
+]
+
+
+def combine_data(spec: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One data row from its rounds: the median clips/s, the range, the first error kept."""
+    import statistics
+
+    failed = [r for r in runs if r.get("error")]
+    if failed:
+        return {**spec, **failed[0], "rounds": len(runs)}
+    rates = [r["clips_per_s"] for r in runs]
+    row = {**spec, **runs[0], "rounds": len(runs), "clips_per_s": statistics.median(rates),
+           "clips_per_s_rounds": rates, "startup_s": statistics.median(r["startup_s"] for r in runs),
+           "wall_s": sum(r.get("wall_s", 0.0) for r in runs)}
+    row["clips_per_s_range"] = f"{min(rates):.1f}–{max(rates):.1f}" if len(rates) > 1 else None
+    return row
+
+
+def add_data_ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_peer``: clips/s over the pytorchvideo row with as many workers (None if there is
+    none); ``vs_w0``: over the project's loader without workers."""
+    ok = [r for r in rows if not r.get("error")]
+    peers = {r["num_workers"]: r for r in ok if r["pipeline"] == "pytorchvideo"}
+    w0 = next((r for r in ok if r["pipeline"] == "videotrain" and r["num_workers"] == 0), None)
+    for r in rows:
+        peer = peers.get(r["num_workers"])
+        rate = r.get("clips_per_s")
+        r["vs_peer"] = rate / peer["clips_per_s"] if rate and peer else None
+        r["vs_w0"] = rate / w0["clips_per_s"] if rate and w0 else None
+
+
+def data_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(c[0] for c in DATA_COLUMNS) + " | status |",
+             "|" + "---|" * (len(DATA_COLUMNS) + 1)]
+    for r in rows:
+        status = "ok" if not r.get("error") else (
+            "FAILED: " + r["error"].strip().splitlines()[-1][:160].replace("|", "\\|"))
+        lines.append("| " + " | ".join(_cell(r.get(k), f) for _, k, f in DATA_COLUMNS)
+                     + f" | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_data(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Bars of clips/s per row, each round's figure as a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.get("error")]
+    fig, ax = plt.subplots(figsize=(1.6 * max(len(ok), 2) + 2, 4))
+    for i, r in enumerate(ok):
+        ax.bar(i, r["clips_per_s"], color="C0" if r["pipeline"] == "videotrain" else "C1")
+        rounds = r.get("clips_per_s_rounds") or [r["clips_per_s"]]
+        ax.plot([i] * len(rounds), rounds, "k.", markersize=4)
+    ax.set_xticks(range(len(ok)), [f"{r['pipeline']}\n{r['num_workers']} workers" for r in ok],
+                  fontsize=8)
+    ax.set_ylabel("decoded training clips / s")
+    ax.grid(axis="y", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_data(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """``bench.json`` (rows with ``kind: "data"``), ``bench.md`` and ``bench.png`` for a data
+    suite; returns the table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = data_markdown(rows)
+    (out_dir / "bench.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2) + "\n")
+    s = meta["setting"]
+    title = (f"{meta['device']} · torch {meta['torch']} · T={s['num_frames']} frames over "
+             f"{s['num_frames'] * s['sampling_rate'] / s['fps']:.2f} s windows, crop "
+             f"{s['crop_size']}, B={s['batch_size']}, {s['rounds']} round(s)"
+             + (" · " + " ".join(s["extra_overrides"]) if s["extra_overrides"] else ""))
+    (out_dir / "bench.md").write_text(f"# videotrain bench: data loading\n\n{title}\n\n{table}")
+    plot_data(rows, out_dir / "bench.png", title)
+    return table

@@ -84,6 +84,20 @@ SUITES: dict[str, list[dict[str, Any]]] = {
 SUITES["all"] = [r for name in ("default", "checkpoint") for r in SUITES[name]]
 
 
+# ---------------------------------------------------------------------- the data suite
+def data_row(pipeline: str, num_workers: int) -> dict[str, Any]:
+    """A data-loading row: decoded training clips/s through ``pipeline`` (``videotrain`` or
+    the ``pytorchvideo`` peer) with ``num_workers`` worker processes (see bench/data.py)."""
+    return {"kind": "data", "pipeline": pipeline, "num_workers": num_workers,
+            "name": f"data/{pipeline}-w{num_workers}"}
+
+
+# Rows of another kind (no model, no memory strategy), so kept out of SUITES and of "all".
+DATA_SUITES: dict[str, list[dict[str, Any]]] = {
+    "data": [data_row("videotrain", w) for w in (0, 1, 2)] + [data_row("pytorchvideo", 2)],
+}
+
+
 # ---------------------------------------------------------------------- resolving a suite
 def override_key(override: str) -> str:
     """``"+memory.keep_ratio=0.5"`` -> ``"memory.keep_ratio"`` (what a later override replaces)."""

@@ -2,17 +2,21 @@
 
 pytorchvideo's own ``LabeledVideoPaths.from_csv`` fails with a bare ``ValueError`` on a bad
 line; users with 240k-line Kinetics CSVs need the file and line number instead, so the
-Kinetics reader parses lines itself and hands pytorchvideo the validated list.
+readers here parse lines themselves and hand pytorchvideo the validated list. This module has
+the shared pieces and the Kinetics-style CSV and folder-per-class readers;
+``split_files.py`` reads UCF101 and HMDB51, ``ssv2.py`` Something-Something v2.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".webm", ".mov")
+SPLITS = ("train", "val")
 
 
 class AnnotationError(ValueError):
@@ -35,13 +39,50 @@ class VideoIndex:
         return [int(label) for _, label in self.paths._paths_and_labels]
 
 
-def _read_class_names(root: Path) -> list[str] | None:
-    f = root / "classes.txt"
-    if not f.exists():
-        return None
-    names = [line.strip() for line in f.read_text().splitlines() if line.strip()]
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def under(root: Path, rel: str | None) -> Path:
+    """``rel`` resolved against ``root`` (absolute paths and ``~`` stay); None or "" is root."""
+    if rel is None or rel == "":
+        return root
+    path = Path(rel).expanduser()
+    return path if path.is_absolute() else root / path
+
+
+def require_file(path: Path, key: str) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"{key}: annotation file not found: {path}")
+    return path
+
+
+def read_class_names(path: Path) -> list[str]:
+    """One name per line (blank lines skip), or a JSON object ``{name: index}``."""
+    if path.suffix == ".json":
+        try:
+            mapping = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise AnnotationError(f"{path}:{err.lineno}:{err.colno}: {err.msg}") from None
+        if not isinstance(mapping, dict):
+            raise AnnotationError(f"{path}: expected a JSON object {{class name: index}}")
+        by_index = {}
+        for name, idx in mapping.items():
+            try:
+                by_index[int(idx)] = name
+            except (TypeError, ValueError):
+                raise AnnotationError(f"{path}: index {idx!r} of {name!r} is not an integer") from None
+        if sorted(by_index) != list(range(len(mapping))):
+            raise AnnotationError(f"{path}: indices must be 0..{len(mapping) - 1}, each once")
+        names = [by_index[i] for i in range(len(mapping))]
+    else:
+        names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if len(set(names)) != len(names):
-        raise AnnotationError(f"{f}: duplicate class names")
+        dup = next(n for n in names if names.count(n) > 1)
+        raise AnnotationError(f"{path}: duplicate class names ({dup!r})")
+    if not names:
+        raise AnnotationError(f"{path}: no class names")
     return names
 
 
@@ -72,25 +113,63 @@ def parse_label_csv(path: Path) -> list[tuple[str, int]]:
     return items
 
 
-def kinetics_index(root: str | Path, split: str, num_classes: int | None = None) -> VideoIndex:
-    """``ROOT/{split}.csv`` with paths relative to ROOT; class names from ``classes.txt``."""
+def folder_class_names(items: list[tuple[str, int]], n: int) -> list[str] | None:
+    """Class names from the folder each label's videos sit in (``abseiling/x.mp4 0``), when
+    every label has exactly one folder and no two labels share one; else None."""
+    folders: dict[int, set[str]] = {}
+    for rel, label in items:
+        parent = PurePosixPath(rel.replace("\\", "/")).parent.name
+        if not parent:
+            return None
+        folders.setdefault(label, set()).add(parent)
+    if any(len(f) != 1 for f in folders.values()):
+        return None
+    names = {label: next(iter(f)) for label, f in folders.items()}
+    if len(set(names.values())) != len(names):
+        return None
+    return [names.get(i, str(i)) for i in range(n)]
+
+
+def kinetics_index(
+    root: str | Path,
+    split: str,
+    num_classes: int | None = None,
+    *,
+    train_file: str = "train.csv",
+    val_file: str = "val.csv",
+    path_prefix: str | None = None,
+    classes_file: str | None = None,
+) -> VideoIndex:
+    """``ROOT/{train_file|val_file}`` with ``path label`` lines. Paths are relative to
+    ``path_prefix`` (itself relative to ROOT; default ROOT). Class names come from
+    ``classes_file`` (default ``ROOT/classes.txt`` when it exists), else from the folder each
+    label's videos are in, else they are the label numbers."""
+    check_split(split)
     root = Path(root)
-    csv = root / f"{split}.csv"
+    key = "data.train_file" if split == "train" else "data.val_file"
+    csv = require_file(under(root, train_file if split == "train" else val_file), key)
     items = parse_label_csv(csv)
-    names = _read_class_names(root)
+    names_file = under(root, classes_file) if classes_file is not None else root / "classes.txt"
+    if classes_file is not None:
+        require_file(names_file, "data.classes_file")
+    names = read_class_names(names_file) if names_file.is_file() else None
     inferred = max(label for _, label in items) + 1
     n = num_classes or (len(names) if names else inferred)
     for rel, label in items:
         if label >= n:
             raise AnnotationError(f"{csv}: label {label} of {rel!r} is outside num_classes={n}")
-    names = names or [str(i) for i in range(n)]
+    names = names or folder_class_names(items, n) or [str(i) for i in range(n)]
     if len(names) != n:
-        raise AnnotationError(f"{root / 'classes.txt'}: lists {len(names)} classes, expected {n}")
-    return VideoIndex(LabeledVideoPaths(items, path_prefix=str(root)), names, str(csv))
+        raise AnnotationError(f"{names_file}: lists {len(names)} classes, expected {n}")
+    prefix = under(root, path_prefix)
+    if not prefix.is_dir():
+        raise FileNotFoundError(f"data.path_prefix: video folder not found: {prefix}")
+    return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(csv))
 
 
 def folder_index(root: str | Path, split: str) -> VideoIndex:
     """``ROOT/{split}/<class>/*.mp4``; classes are the sorted folder names."""
+    check_split(split)
     base = Path(root) / split
     if not base.is_dir():
         raise FileNotFoundError(f"data.root: split folder not found: {base}")

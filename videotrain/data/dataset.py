@@ -1,4 +1,5 @@
-"""A map-style clip dataset over ``LabeledVideoPaths``, decoded by pytorchvideo's PyAV reader.
+"""A map-style clip dataset over ``LabeledVideoPaths``: pytorchvideo's clip samplers choose the
+windows, ``videotrain.data.decode`` (PyAV) decodes them.
 
 Why map-style: pytorchvideo's ``LabeledVideoDataset`` is an ``IterableDataset``, so an epoch's
 length depends on ``num_workers`` (pytorchvideo #102) and a ``DistributedSampler`` cannot
@@ -22,9 +23,11 @@ from typing import NamedTuple
 
 import torch
 from pytorchvideo.data.clip_sampling import ConstantClipsPerVideoSampler, RandomClipSampler
-from pytorchvideo.data.encoded_video import EncodedVideo
 
 from videotrain.data.annotations import VideoIndex
+from videotrain.data.decode import VideoFile, uniform_indices
+
+__all__ = ["BadVideo", "SampleKey", "VideoClipDataset", "collate", "uniform_indices"]
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +39,6 @@ class SampleKey(NamedTuple):
 
 class BadVideo(RuntimeError):
     """A video that cannot be decoded into a clip."""
-
-
-def uniform_indices(length: int, num: int) -> torch.Tensor:
-    """``num`` evenly spaced frame indices into ``length`` frames (repeats if too short)."""
-    return torch.linspace(0, max(length - 1, 0), num).round().long()
 
 
 class VideoClipDataset(torch.utils.data.Dataset):
@@ -76,32 +74,20 @@ class VideoClipDataset(torch.utils.data.Dataset):
     def _decode(self, path: str) -> list[torch.Tensor]:
         """Decode the clips of one video: a list of uint8 ``(T, C, H, W)`` tensors."""
         try:
-            video = EncodedVideo.from_path(path, decode_audio=False, decoder="pyav")
-        except Exception as err:  # missing, empty, not a container, ...
+            video = VideoFile(path)
+        except Exception as err:  # missing, empty, not a container, no video stream, ...
             raise BadVideo(f"{path}: cannot open ({type(err).__name__}: {err})") from err
         try:
-            duration = float(video.duration or 0)
+            duration = video.duration if video.duration is not None else video.measure_duration()
             if self.train:
-                sampler = RandomClipSampler(self.clip_duration)
-                infos = [sampler(0.0, duration, {})]
+                infos = [RandomClipSampler(self.clip_duration)(0.0, duration, {})]
             else:
                 sampler = ConstantClipsPerVideoSampler(self.clip_duration, self.num_clips)
                 infos = [sampler(0.0, duration, {}) for _ in range(self.num_clips)]
-            clips = []
-            for info in infos:
-                # pytorchvideo returns None for a window past the end; fall back to the whole video
-                clip = video.get_clip(info.clip_start_sec, info.clip_end_sec)
-                if clip is None or clip.get("video") is None:
-                    clip = video.get_clip(0, duration)
-                frames = None if clip is None else clip.get("video")  # (C, T, H, W) float
-                if frames is None or frames.shape[1] == 0:
-                    raise BadVideo(f"{path}: no decodable frames")
-                frames = frames[:, uniform_indices(frames.shape[1], self.num_frames)]
-                clips.append(frames.permute(1, 0, 2, 3).to(torch.uint8))  # (T, C, H, W)
-            return clips
-        except BadVideo:
-            raise
-        except Exception as err:  # truncated stream, decoder error, ...
+            windows = [(float(i.clip_start_sec), float(i.clip_end_sec)) for i in infos]
+            clips = video.clips(windows, self.num_frames)  # each (T, H, W, C) uint8
+            return [torch.from_numpy(c).permute(0, 3, 1, 2) for c in clips]  # (T, C, H, W)
+        except Exception as err:  # truncated stream, decoder error, no frames, ...
             raise BadVideo(f"{path}: cannot decode ({type(err).__name__}: {err})") from err
         finally:
             video.close()

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from videotrain.data import annotations
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
+from videotrain.data.split_files import hmdb51_index, ucf101_index
+from videotrain.data.ssv2 import ssv2_index
 from videotrain.data.synthetic import ensure_synthetic
 from videotrain.data.transforms import eval_transform, train_transform
 
@@ -66,10 +70,12 @@ class DataBundle:
     root: Path
 
 
-def resolve_root(name: str, root: str | None, synthetic: dict | None) -> Path:
-    """The dataset root; for ``synthetic`` it is generated into the cache on first use."""
+def resolve_root(name: str, root: str | None, synthetic: dict | None,
+                 layout: str = "kinetics") -> Path:
+    """The dataset root; for ``synthetic`` it is generated (in ``layout``) on first use, into
+    ``root`` or the cache."""
     if name == "synthetic":
-        return ensure_synthetic(root, **(synthetic or {}))
+        return ensure_synthetic(root, layout=layout, **(synthetic or {}))
     if not root:
         raise ValueError(f"data.root must be set for data={name} (e.g. data.root=/data/{name})")
     path = Path(os.path.expanduser(root))
@@ -78,12 +84,50 @@ def resolve_root(name: str, root: str | None, synthetic: dict | None) -> Path:
     return path
 
 
-def read_index(layout: str, root: Path, split: str, num_classes: int | None) -> annotations.VideoIndex:
-    if layout == "kinetics":
-        return annotations.kinetics_index(root, split, num_classes)
-    if layout == "folder":
-        return annotations.folder_index(root, split)
-    raise ValueError(f"data.layout must be 'kinetics' or 'folder', got {layout!r}")
+# layout -> reader(root, split, num_classes, **options); options are the data keys it takes
+READERS = {
+    "kinetics": annotations.kinetics_index,
+    "folder": lambda root, split, num_classes=None: annotations.folder_index(root, split),
+    "ucf101": ucf101_index,
+    "hmdb51": hmdb51_index,
+    "ssv2": ssv2_index,
+}
+READER_OPTIONS = {
+    "kinetics": ("train_file", "val_file", "path_prefix", "classes_file"),
+    "folder": (),
+    "ucf101": ("fold", "split_dir", "video_dir"),
+    "hmdb51": ("fold", "split_dir", "video_dir"),
+    "ssv2": ("labels_file", "train_file", "val_file", "video_dir", "video_ext"),
+}
+
+
+def read_index(layout: str, root: Path, split: str, num_classes: int | None,
+               options: dict[str, Any] | None = None) -> annotations.VideoIndex:
+    """The split's videos and labels, read by the layout's reader. ``options`` holds the
+    reader's data keys (``data.fold``, ``data.path_prefix``, ...); a key the layout does not
+    use is an error, so that a typo or a leftover key does not silently do nothing."""
+    if layout not in READERS:
+        raise ValueError(f"data.layout must be one of {', '.join(READERS)}, got {layout!r}")
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    unused = sorted(set(options) - set(READER_OPTIONS[layout]))
+    if unused:
+        raise ValueError(f"data.{unused[0]} is not used by data.layout={layout} (it takes "
+                         f"{', '.join('data.' + k for k in READER_OPTIONS[layout]) or 'no options'})")
+    return READERS[layout](root, split, num_classes, **options)
+
+
+def check_val_classes(train: annotations.VideoIndex, val: annotations.VideoIndex) -> None:
+    """Every class in val must have training videos: a model cannot learn a class it never
+    sees, and its val accuracy would silently count as errors."""
+    have = set(train.labels)
+    missing = sorted(set(val.labels) - have)
+    if missing:
+        names = ", ".join(f"{k} ({train.class_names[k]!r})" if k < len(train.class_names) else str(k)
+                          for k in missing[:5])
+        raise annotations.AnnotationError(
+            f"{val.source}: {len(missing)} class(es) have val videos but no training videos in "
+            f"{train.source}: {names}{' ...' if len(missing) > 5 else ''}"
+        )
 
 
 def preflight(index: annotations.VideoIndex, max_bad_fraction: float) -> list[str]:
@@ -120,7 +164,7 @@ def build_data(
     fps: float,
     short_side: int,
     crop_size: int,
-    train_scale: tuple[float, float],
+    train_scale: Sequence[float],
     hflip: bool,
     batch_size: int,
     val_batch_size: int,
@@ -130,25 +174,49 @@ def build_data(
     max_bad_fraction: float,
     num_classes: int | None = None,
     synthetic: dict | None = None,
+    fold: int | None = None,
+    train_file: str | None = None,
+    val_file: str | None = None,
+    path_prefix: str | None = None,
+    classes_file: str | None = None,
+    split_dir: str | None = None,
+    video_dir: str | None = None,
+    labels_file: str | None = None,
+    video_ext: str | None = None,
+    worker_timeout: float = 0,
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
     pin_memory: bool = False,
+    preflight_train: bool = True,
 ) -> tuple[DataBundle, list[str]]:
-    """Build train/val loaders; returns the bundle and the paths found bad by preflight."""
-    path = resolve_root(name, root, synthetic)
-    train_index = read_index(layout, path, "train", num_classes)
-    val_index = read_index(layout, path, "val", num_classes or len(train_index.class_names))
+    """Build train/val loaders; returns the bundle and the paths found bad by preflight.
+
+    ``fold`` ... ``video_ext`` are reader options (see ``READER_OPTIONS``; None = the reader's
+    default). ``worker_timeout`` (seconds, 0 = none) bounds the wait for one batch from the
+    worker processes, so a decoder that never returns fails the run instead of hanging it.
+    ``preflight_train=False`` skips stat-ing the training files (evaluation only reads val).
+    """
+    options = dict(fold=fold, train_file=train_file, val_file=val_file, path_prefix=path_prefix,
+                   classes_file=classes_file, split_dir=split_dir, video_dir=video_dir,
+                   labels_file=labels_file, video_ext=video_ext)
+    if worker_timeout < 0:
+        raise ValueError(f"data.worker_timeout must be >= 0 seconds, got {worker_timeout}")
+    path = resolve_root(name, root, synthetic, layout)
+    train_index = read_index(layout, path, "train", num_classes, options)
+    val_index = read_index(layout, path, "val", num_classes or len(train_index.class_names), options)
     if layout == "folder" and val_index.class_names != train_index.class_names:
         extra = sorted(set(val_index.class_names) - set(train_index.class_names))
         raise annotations.AnnotationError(
             f"{val_index.source}: class folders differ from train ({extra or 'missing classes'})"
         )
-    bad = preflight(train_index, max_bad_fraction) + preflight(val_index, max_bad_fraction)
+    check_val_classes(train_index, val_index)
+    bad = preflight(train_index, max_bad_fraction) if preflight_train else []
+    bad += preflight(val_index, max_bad_fraction)
     clip_duration = num_frames * sampling_rate / fps  # seconds of video one clip spans
     train_ds = VideoClipDataset(
         train_index, num_frames, clip_duration,
-        train_transform(short_side, crop_size, train_scale, hflip), train=True, seed=seed,
+        train_transform(short_side, crop_size, tuple(train_scale), hflip), train=True, seed=seed,
     )
     val_ds = VideoClipDataset(
         val_index, num_frames, clip_duration,
@@ -158,8 +226,11 @@ def build_data(
                                      world_size=world_size, drop_last=True)
     val_sampler = ResumableSampler(val_ds, shuffle=False, seed=seed, rank=rank, world_size=world_size,
                                    pad=False)
+    # Decoding runs in worker processes that live for the whole run (persistent_workers), and
+    # batches land in pinned memory on CUDA so the copy to the GPU overlaps compute.
     common = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory,
-                  persistent_workers=num_workers > 0)
+                  persistent_workers=num_workers > 0,
+                  timeout=worker_timeout if num_workers > 0 else 0)
     if len(train_ds) < batch_size * world_size:
         raise ValueError(f"data.batch_size={batch_size} exceeds the {len(train_ds)} training videos")
     # Own generators: a loader without one draws its worker base seed from the global torch RNG
@@ -171,4 +242,3 @@ def build_data(
     names = train_index.class_names
     bundle = DataBundle(train, val, train_sampler, names, len(names), path)
     return bundle, bad
-

@@ -10,9 +10,12 @@ onto another while leaving the frame *set* unchanged, so all four classes share 
 distribution of frame sets: an order-blind model is at chance (0.25) by construction, and
 only a head that uses frame order can solve the task.
 
-Files are written with PyAV (libx264, falling back to mpeg4), deterministically for a seed, as
-``<split>/<class>/<class>_<i>.mp4`` plus Kinetics-style ``train.csv`` / ``val.csv``
-(``relative/path.mp4 label``) and ``classes.txt``.
+Files are written with PyAV, deterministically for a seed. The same clips can be written in
+the layout of each supported dataset (``layouts.py``): by default Kinetics-style,
+``<split>/<class>/<class>_<i>.mp4`` plus ``train.csv`` / ``val.csv`` (``relative/path.mp4
+label``) and ``classes.txt``; also folder-per-class, UCF101 and HMDB51 split files over AVIs,
+and the Something-Something v2 JSON trio over WebM. The readers are thus tested on files
+that no reader wrote.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import av
 import numpy as np
@@ -94,15 +99,28 @@ def render_clip(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np
 
 
 def write_video(path: Path, frames: np.ndarray, fps: int) -> None:
-    """Encode uint8 (T, H, W, 3) frames to ``path`` with PyAV."""
+    """Encode uint8 (T, H, W, 3) frames to ``path`` with PyAV; the codec follows the suffix as in
+    the real datasets: ``.mp4`` H.264 (MPEG-4 part 2 without libx264), ``.avi`` MPEG-4 part 2
+    (UCF101 and HMDB51 are XviD AVIs), ``.webm`` VP8 (Something-Something v2)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    suffix = path.suffix.lower()
+    if suffix == ".webm":
+        codec = "libvpx"
+    elif suffix == ".mp4" and "libx264" in av.codecs_available:
+        codec = "libx264"
+    else:
+        codec = "mpeg4"
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         if codec == "libx264":
             stream.options = {"crf": "12", "preset": "veryfast", "threads": "1"}
+        elif codec == "libvpx":
+            stream.bit_rate = 4_000_000
+            stream.options = {"crf": "8", "threads": "1"}
+        elif suffix == ".avi":
+            stream.bit_rate = 4_000_000
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
@@ -110,28 +128,41 @@ def write_video(path: Path, frames: np.ndarray, fps: int) -> None:
             container.mux(packet)
 
 
-def generate(root: str | Path, spec: SyntheticSpec | None = None) -> Path:
-    """Write the dataset under ``root`` (atomically: a finished tree has ``spec.json``).
+class Clip(NamedTuple):
+    split: str  # train | val
+    i: int  # index within its class and split
+    label: int
+    frames: np.ndarray  # (T, H, W, 3) uint8
+
+
+def render_all(spec: SyntheticSpec) -> Iterator[Clip]:
+    """Every clip of the dataset, in the fixed order that makes the files a function of the
+    spec (whatever the layout they are written in)."""
+    rng = np.random.default_rng(spec.seed)
+    for split, per_class in (("train", spec.train_per_class), ("val", spec.val_per_class)):
+        for i in range(per_class):
+            for label in range(len(CLASSES)):
+                yield Clip(split, i, label, render_clip(spec, label, rng))
+
+
+def generate(root: str | Path, spec: SyntheticSpec | None = None, layout: str = "kinetics") -> Path:
+    """Write the dataset under ``root`` in ``layout`` (one of ``LAYOUTS``), atomically: a
+    finished tree has ``spec.json``.
 
     Returns ``root``. Re-running with an existing finished tree does nothing, so this is
     safe to call at the start of every run.
     """
+    from videotrain.data.layouts import WRITERS
+
+    if layout not in WRITERS:
+        raise ValueError(f"layout must be one of {', '.join(WRITERS)}, got {layout!r}")
     spec = spec or SyntheticSpec()
     root = Path(root)
     if (root / "spec.json").exists():
         return root
     tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    rng = np.random.default_rng(spec.seed)
-    for split, per_class in (("train", spec.train_per_class), ("val", spec.val_per_class)):
-        lines = []
-        for i in range(per_class):
-            for label, name in enumerate(CLASSES):
-                rel = f"{split}/{name}/{name}_{i:04d}.mp4"
-                write_video(tmp / rel, render_clip(spec, label, rng), spec.fps)
-                lines.append(f"{rel} {label}")
-        (tmp / f"{split}.csv").write_text("\n".join(lines) + "\n")
-    (tmp / "classes.txt").write_text("\n".join(CLASSES) + "\n")
+    WRITERS[layout](tmp, spec, render_all(spec))
     (tmp / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
     root.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -146,8 +177,11 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("VIDEOTRAIN_CACHE", Path.home() / ".cache" / "videotrain"))
 
 
-def ensure_synthetic(cache_dir: str | Path | None = None, **spec_kwargs: int | float) -> Path:
-    """Generate (once) and return the synthetic dataset root for these spec values."""
+def ensure_synthetic(cache_dir: str | Path | None = None, layout: str = "kinetics",
+                     **spec_kwargs: int | float) -> Path:
+    """Generate (once) and return the synthetic dataset root for these spec values; the
+    folder is ``synthetic-<hash>`` for the Kinetics layout, ``synthetic-<layout>-<hash>`` else."""
     spec = SyntheticSpec(**spec_kwargs)
     base = Path(cache_dir) if cache_dir else default_cache_root()
-    return generate(base / f"synthetic-{spec.digest()}", spec)
+    name = "synthetic" if layout == "kinetics" else f"synthetic-{layout}"
+    return generate(base / f"{name}-{spec.digest()}", spec, layout)

@@ -22,11 +22,15 @@ def evaluate(
     ks: tuple[int, ...] = (1, 5),
     progress: bool = False,
     on_skipped: Callable[[list[str]], None] | None = None,
+    num_classes: int | None = None,
+    aggregate: str = "mean",
+    meter: MultiViewAccuracy | None = None,
 ) -> dict[str, float]:
-    """Clip-level and video-level (softmax mean over views) top-k; reduced over DDP ranks."""
+    """Clip-level and video-level (views' softmax aggregated by ``aggregate``) top-k and mean
+    class accuracy; reduced over DDP ranks. Pass ``meter`` to keep the per-class counts."""
     was_training = model.training
     model.eval()
-    acc = MultiViewAccuracy(ks)
+    acc = meter if meter is not None else MultiViewAccuracy(ks, num_classes, aggregate)
     for batch in tqdm(loader, desc="val", disable=not progress, leave=False):
         if on_skipped and batch["skipped"]:
             on_skipped(batch["skipped"])

@@ -59,6 +59,7 @@ class TrainerSettings:
     val_every_n_epochs: int = 1
     max_bad_fraction: float = 0.1
     progress: bool = True
+    test_after_fit: bool = False  # read by run.train: multi-view evaluation after the last step
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
@@ -90,6 +91,7 @@ class TrainState:
     consumed: int = 0  # samples of the current epoch already trained on (per rank: equal on all)
     skipped: set[str] = field(default_factory=set)  # bad video paths seen so far
     step_times: list[float] = field(default_factory=list)
+    data_waits: list[float] = field(default_factory=list)  # per step, waiting for batches
     peaks: list[float] = field(default_factory=list)
     last_val: dict[str, float] = field(default_factory=dict)
     val_step: int = -1  # the step last_val was computed at
@@ -158,6 +160,7 @@ class Trainer:
                 "consumed": st.consumed,
                 "skipped": sorted(skipped),
                 "step_times": st.step_times,
+                "data_waits": st.data_waits,
                 "peaks": st.peaks,
                 "last_val": st.last_val,
                 "val_step": st.val_step,
@@ -196,6 +199,7 @@ class Trainer:
         st.step, st.epoch, st.consumed = blob["step"], blob["epoch"], blob["consumed"]
         st.skipped |= set(blob["skipped"])
         st.step_times, st.peaks, st.last_val = blob["step_times"], blob["peaks"], blob["last_val"]
+        st.data_waits = blob.get("data_waits", [])
         st.val_step = blob.get("val_step", -1)
         self.logger.truncate_after(st.step)
         log.info("resumed from %s at step %d (epoch %d)", path, st.step, st.epoch)
@@ -204,6 +208,10 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def _note_skipped(self, paths: list[str], dataset, source: str) -> None:
         if paths:
+            # logged here too, not only by the dataset: a worker process's log may not reach
+            # the run's log (e.g. with the spawn start method), the main process's always does
+            for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
+                log.warning("bad video skipped (another clip took its place): %s", path)
             self.state.skipped.update(paths)
             if source not in self._split_paths:  # bad videos of the other split don't count
                 self._split_paths[source] = {p for p, _ in dataset.index.paths}
@@ -245,18 +253,23 @@ class Trainer:
         # zeroed in place, not freed: re-allocating the gradient buffers inside the epoch's first
         # step would count them in that step's peak, which measures only what a step adds
         self.optimizer.zero_grad(set_to_none=False)
-        micro, loss_sum, data_time = 0, 0.0, 0.0
+        # data_wait: time between asking the loader for a batch and getting it, summed over the
+        # step's micro-batches; step time excludes it, so the two add up to the wall time
+        micro, loss_sum, data_wait = 0, 0.0, 0.0
         bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
                    desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
         t_data = time.perf_counter()
         for batch in self.data.train:
             if st.consumed >= self.epoch_samples:
                 break
-            data_time += time.perf_counter() - t_data
+            waited = time.perf_counter() - t_data
+            data_wait += waited
             self._note_skipped(batch["skipped"], self.data.train.dataset, "train split")
             if micro == 0:
                 self.meter.start()
-                t_step = time.perf_counter()
+                t_step, waited_in_step = time.perf_counter(), 0.0
+            else:
+                waited_in_step += waited
             video = batch["video"].to(self.device, non_blocking=True)  # (B, T, C, H, W)
             labels = batch["label"].to(self.device, non_blocking=True)
             with self._sync_context(last_micro=micro + 1 == s.grad_accum):
@@ -271,7 +284,8 @@ class Trainer:
             grad_norm = self._optimizer_step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            st.step_times.append(time.perf_counter() - t_step)
+            st.step_times.append(time.perf_counter() - t_step - waited_in_step)
+            st.data_waits.append(data_wait)
             peak = self.meter.stop()
             if peak is not None:
                 st.peaks.append(peak)
@@ -284,13 +298,13 @@ class Trainer:
             if st.step % s.log_every_n_steps == 0 or st.step == 1:  # same steps on all ranks
                 mean = self.comm.reduce({"train_loss": train_loss}, "mean")
                 slowest = self.comm.reduce({"step_time_s": st.step_times[-1],
-                                            "data_time_s": data_time, "peak_mem_mb": peak}, "max")
+                                            "data_wait_s": data_wait, "peak_mem_mb": peak}, "max")
                 row = {**mean, "lr": self.scheduler.get_last_lr()[0], "epoch": st.epoch,
                        **slowest, "skipped_videos": len(st.skipped)}
                 if grad_norm is not None:
                     row["grad_norm"] = grad_norm
                 self.logger.log(row, st.step)
-            micro, loss_sum, data_time = 0, 0.0, 0.0
+            micro, loss_sum, data_wait = 0, 0.0, 0.0
             if s.checkpoint_every_n_steps and st.step % s.checkpoint_every_n_steps == 0:
                 self.save()
             if st.step >= self.total_steps:
@@ -302,7 +316,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         self.comm.sync_buffers(self.module)
         metrics = evaluate(self.module, self.data.val, self.precision, self.device,
-                           progress=self.s.progress and self.is_main,
+                           progress=self.s.progress and self.is_main, num_classes=self.data.num_classes,
                            on_skipped=lambda p: self._note_skipped(p, self.data.val.dataset, "val split"))
         self.state.last_val = metrics
         self.state.val_step = self.state.step
@@ -333,15 +347,22 @@ class Trainer:
         st = self.state
         times = st.step_times[1:] or st.step_times  # the first step pays for lazy allocations
         peaks = st.peaks[1:] or st.peaks
+        waits = st.data_waits[1:] or st.data_waits  # the first wait includes worker start-up
         slowest = self.comm.reduce({"step_time_s": statistics.median(times) if times else None,
-                                    "train_peak_mem_mb": max(peaks) if peaks else None}, "max")
-        step_time = slowest["step_time_s"]
+                                    "train_peak_mem_mb": max(peaks) if peaks else None,
+                                    "data_wait_s": statistics.median(waits) if waits else None},
+                                   "max")
+        step_time, data_wait = slowest["step_time_s"], slowest["data_wait_s"]
+        if data_wait is not None and step_time and data_wait > 0.25 * step_time and self.is_main:
+            log.warning("data loading is a bottleneck: a step waits %.3f s for its batch and "
+                        "computes for %.3f s (median); raise data.num_workers", data_wait, step_time)
         skipped = set().union(*self.comm.all_gather(sorted(st.skipped)))
         return {
             **st.last_val,
             "train_peak_mem_mb": slowest["train_peak_mem_mb"],  # the largest over steps and ranks
             "step_time_s": float("nan") if step_time is None else step_time,
             "clips_per_s": self.global_batch_size / step_time if step_time else None,
+            "data_wait_s": data_wait,
             "world_size": self.comm.world_size,
             "batch_size_per_process": self.data.train.batch_size,
             "global_batch_size": self.global_batch_size,

@@ -1,0 +1,157 @@
+"""The PyAV clip decoder: the same frames as pytorchvideo's decoder, decoded with less work,
+and the files pytorchvideo handles badly (WebM without a stream duration, raw streams)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from pytorchvideo.data.encoded_video import EncodedVideo
+
+from videotrain.data.decode import VideoFile, uniform_indices
+from videotrain.data.synthetic import SyntheticSpec, render_clip, write_video
+
+SPEC = SyntheticSpec(num_frames=40, size=32)  # 4 s at 10 fps
+FRAMES = render_clip(SPEC, 1, np.random.default_rng(3))  # (T, H, W, 3)
+
+
+@pytest.fixture(scope="module", params=["mp4", "avi", "webm"])
+def video(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("decode") / f"clip.{request.param}"
+    write_video(path, FRAMES, SPEC.fps)
+    return path
+
+
+def _pytorchvideo_clip(path: Path, start: float, end: float, num: int) -> np.ndarray:
+    """What the dataset decoded before: EncodedVideo's window, uniformly subsampled."""
+    video = EncodedVideo.from_path(str(path), decode_audio=False, decoder="pyav")
+    try:
+        frames = video.get_clip(start, end)["video"]  # (C, T, H, W) float
+    finally:
+        video.close()
+    frames = frames[:, uniform_indices(frames.shape[1], num)]
+    return frames.permute(1, 2, 3, 0).to(torch.uint8).numpy()  # (T, H, W, C)
+
+
+@pytest.mark.parametrize("window", [(0.0, 1.6), (1.3, 2.9), (2.4, 4.0), (3.5, 5.1)])
+def test_same_frames_as_pytorchvideo(video: Path, window: tuple[float, float]) -> None:
+    with VideoFile(str(video)) as v:
+        ours = v.clips([window], 8)[0]
+    assert ours.shape == (8, 32, 32, 3) and ours.dtype == np.uint8
+    if window[0] < 4.0 - 0.05:  # pytorchvideo returns no frames for a window past the end
+        assert np.array_equal(ours, _pytorchvideo_clip(video, *window, 8))
+
+
+def test_duration_from_the_container_when_the_stream_has_none(video: Path) -> None:
+    with av.open(str(video)) as c:
+        stream_duration = c.streams.video[0].duration
+    with VideoFile(str(video)) as v:
+        assert v.duration == pytest.approx(4.0, abs=0.11)
+    if video.suffix == ".webm":
+        # the case where pytorchvideo decodes and holds the whole video to learn its length
+        assert stream_duration is None
+
+
+def test_windows_in_any_order_equal_windows_one_by_one(video: Path) -> None:
+    """Overlapping (evaluation) windows are decoded in one pass; the result must not depend
+    on the order they are asked in, nor on decoding them together."""
+    windows = [(2.0, 3.0), (0.0, 1.0), (0.5, 1.5), (3.6, 4.6), (0.5, 1.5)]
+    with VideoFile(str(video)) as v:
+        together = v.clips(windows, 5)
+    for window, clip in zip(windows, together, strict=True):
+        with VideoFile(str(video)) as v:
+            assert np.array_equal(clip, v.clips([window], 5)[0]), window
+    assert not np.array_equal(together[0], together[1])
+    assert np.array_equal(together[2], together[4])
+
+
+def test_window_past_the_end_falls_back_to_the_last_frames(video: Path) -> None:
+    with VideoFile(str(video)) as v:
+        late = v.clips([(10.0, 11.0)], 4)[0]
+        last = v.clips([(3.6, 4.0)], 4)[0]
+    assert late.shape == (4, 32, 32, 3)
+    assert np.array_equal(late[-1], last[-1])  # the video's final frame
+
+
+def test_only_kept_frames_are_converted(video: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    converted = []
+    real = av.VideoFrame.to_ndarray
+
+    def counting(self, *args, **kwargs):
+        converted.append(self.pts)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(av.VideoFrame, "to_ndarray", counting)
+    with VideoFile(str(video)) as v:
+        v.clips([(0.0, 2.0)], 4)  # 20 frames in the window, 4 kept
+    assert len(converted) == 4
+
+
+def test_raw_stream_without_timestamps_or_seeking(tmp_path: Path) -> None:
+    """An H.264 elementary stream has no duration, no timestamps and cannot seek."""
+    path = tmp_path / "clip.h264"
+    with av.open(str(path), "w", format="h264") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        for frame in FRAMES[:8]:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    with VideoFile(str(path)) as v:
+        assert v.duration is None
+        duration = v.measure_duration()  # 8 frames at the rate FFmpeg assumes
+        assert duration == pytest.approx(8 / v.rate)
+        clips = v.clips([(duration / 2, duration), (0.0, duration / 2)], 4)
+    assert [c.shape for c in clips] == [(4, 32, 32, 3)] * 2
+    assert not np.array_equal(clips[0], clips[1])
+
+
+@pytest.mark.parametrize("content", [b"", b"not a video at all\n"])
+def test_unreadable_files_raise(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "bad.mp4"
+    path.write_bytes(content)
+    with pytest.raises(Exception):  # noqa: B017 - the dataset turns any error into BadVideo
+        VideoFile(str(path))
+    with pytest.raises(FileNotFoundError):
+        VideoFile(str(tmp_path / "missing.mp4"))
+
+
+class CountingVideoFile(VideoFile):
+    """Counts the frames the decoder produced (whatever happens to them afterwards)."""
+
+    decoded = 0
+
+    def _timed(self, frames, from_start):
+        for item in super()._timed(frames, from_start):
+            self.decoded += 1
+            yield item
+
+
+def test_decoding_seeks_to_the_window_and_stops_after_it(tmp_path: Path) -> None:
+    """With a keyframe every second, a window at 3.0-3.5 s of a 4 s video decodes from the
+    keyframe at 3.0 s to the first frame past 3.5 s: 6 of the 40 frames."""
+    path = tmp_path / "gop.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"x264-params": "keyint=10:min-keyint=10:scenecut=0", "preset": "veryfast"}
+        for frame in FRAMES:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    with CountingVideoFile(str(path)) as v:
+        v.clips([(3.0, 3.5)], 4)
+        assert v.decoded == 6
+    with CountingVideoFile(str(path)) as v:
+        v.clips([(0.0, 0.5)], 4)  # from the start: no seek, stops after the window
+        assert v.decoded == 6
+    with CountingVideoFile(str(path)) as v:  # overlapping windows share one pass
+        v.clips([(2.0, 3.0), (1.5, 2.5), (2.5, 3.5)], 4)
+        assert v.decoded == 26  # from the keyframe at 1.0 s to the frame at 3.5 s

@@ -1,0 +1,163 @@
+"""Clip decoding with PyAV: seek to each clip, decode only up to its end, convert only the
+frames that are kept.
+
+Why not ``pytorchvideo.data.EncodedVideo`` (which the clip *samplers* still come from): its
+PyAV backend (a) reads the whole file into memory before opening it, (b) converts every frame
+of a clip window to an RGB tensor although a clip keeps ``num_frames`` of them (8 of 64 for an
+8x8 Kinetics clip at 30 fps), and (c) decodes and holds the *whole* video when the stream
+header has no duration, which is the case for every WebM file (Something-Something v2). Here
+the file is opened in place, the duration falls back to the container's, frames stay in YUV
+until the kept ones are converted, and windows are visited in time order so that
+overlapping evaluation clips (10 clips of a 10 s video) are decoded once.
+
+Errors are not handled here: the dataset turns any exception into a skipped ``BadVideo``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+
+import av
+import numpy as np
+import torch
+
+# Seek forward (to the keyframe before a window) only when the window starts this much past
+# the last decoded frame; closer windows are reached faster by decoding on.
+SEEK_GAP_S = 1.0
+
+
+def uniform_indices(length: int, num: int) -> torch.Tensor:
+    """``num`` evenly spaced frame indices into ``length`` frames (repeats if too short)."""
+    return torch.linspace(0, max(length - 1, 0), num).round().long()
+
+
+class VideoFile:
+    """An open video file: its duration and the frames of time windows.
+
+    Use as a context manager; times are seconds from the first frame of the video stream.
+    Files without timestamps or that cannot seek (raw elementary streams) are decoded from
+    the start instead, with times counted from the frame rate.
+    """
+
+    def __init__(self, path: str, threads: int = 1) -> None:
+        self.path, self.threads = path, threads
+        self._open()
+        try:
+            self.time_base = self.stream.time_base
+            self.start = float(self.stream.start_time * self.time_base) if (
+                self.stream.start_time is not None and self.time_base) else 0.0
+            rate = self.stream.average_rate or self.stream.guessed_rate
+            self.rate = float(rate) if rate else None
+            self.duration = self._header_duration()
+        except BaseException:
+            self.container.close()
+            raise
+
+    def _open(self) -> None:
+        self.container = av.open(self.path, metadata_errors="ignore")
+        if not self.container.streams.video:
+            self.container.close()
+            raise ValueError("no video stream")
+        self.stream = self.container.streams.video[0]
+        # frame threading trades latency for throughput; loader workers already run in
+        # parallel, so one decoding thread each is the default
+        self.stream.thread_type = "AUTO" if self.threads != 1 else "SLICE"
+        self.stream.thread_count = self.threads
+        self._at_start = True  # nothing decoded since opening
+        self._untimed = False  # a frame without a timestamp was seen
+
+    def _header_duration(self) -> float | None:
+        """From the stream header, else the container's (WebM streams carry none)."""
+        if self.stream.duration is not None and self.time_base:
+            return float(self.stream.duration * self.time_base)
+        if self.container.duration is not None:
+            return max(self.container.duration / av.time_base - self.start, 0.0)
+        return None  # only known after decoding: see ``measure_duration``
+
+    def _decode_from(self, seconds: float):
+        """Frames with their times, from the keyframe at or before ``seconds``, or from the
+        start of the file when that is near, the file has no timestamps, or seeking fails."""
+        if seconds > SEEK_GAP_S and not self._untimed and self.time_base:
+            target = int(math.floor((seconds + self.start) / self.time_base))
+            try:
+                self.container.seek(max(target, 0), stream=self.stream, backward=True,
+                                    any_frame=False)
+                self._at_start = False
+                return self._timed(self.container.decode(self.stream), from_start=False)
+            except av.error.FFmpegError:
+                pass  # not seekable: decode from the start
+        if not self._at_start:  # reopening is the one rewind every input supports
+            self.container.close()
+            self._open()
+        self._at_start = False
+        return self._timed(self.container.decode(self.stream), from_start=True)
+
+    def _timed(self, frames, from_start: bool):
+        for ordinal, frame in enumerate(frames):
+            if frame.pts is not None and self.time_base:
+                yield float(frame.pts * self.time_base) - self.start, frame
+            elif from_start:  # no timestamps: count frames
+                self._untimed = True
+                yield ordinal / (self.rate or 1.0), frame
+            else:  # after a seek, a frame count says nothing: start over
+                self._untimed = True
+                yield from self._decode_from(0.0)
+                return
+
+    def measure_duration(self) -> float:
+        """Decode the whole stream once (files without any duration in their headers)."""
+        last = 0.0
+        for t, _ in self._decode_from(0.0):
+            last = t + (1.0 / self.rate if self.rate else 0.0)
+        self.duration = last
+        return last
+
+    def clips(self, windows: Sequence[tuple[float, float]], num_frames: int) -> list[np.ndarray]:
+        """``num_frames`` frames evenly spaced over the frames in each ``[start, end)`` window,
+        as uint8 ``(T, H, W, 3)`` arrays in the order of ``windows``.
+
+        A window with no frame in it (past the real end of a stream whose header overstates
+        its length) falls back to the last frames decoded before it, or to the whole video.
+        """
+        out: list[np.ndarray | None] = [None] * len(windows)
+        buffer: list[tuple[float, av.VideoFrame]] = []  # decoded, at or after the last window
+        before: deque[av.VideoFrame] = deque(maxlen=num_frames)  # the last ones before it
+        frames = None  # (time, frame) iterator since the last seek
+        last_t, exhausted = -math.inf, False
+        for i in sorted(range(len(windows)), key=lambda j: windows[j][0]):
+            start, end = windows[i]
+            if frames is None or (start > last_t + SEEK_GAP_S and not exhausted):
+                frames, last_t, exhausted = self._decode_from(start), -math.inf, False
+                buffer, before = [], deque(maxlen=num_frames)
+            while last_t < end and not exhausted:
+                item = next(frames, None)
+                if item is None:
+                    exhausted = True
+                    break
+                last_t = item[0]
+                if last_t >= start:
+                    buffer.append(item)
+                else:
+                    before.append(item[1])
+            inside = [f for t, f in buffer if start <= t < end]
+            if not inside:  # e.g. the header overstates the duration
+                inside = [*before, *(f for t, f in buffer if t < end)][-num_frames:]
+                inside = inside or [f for _, f in buffer]
+            if not inside:
+                raise ValueError(f"no frames decoded in [{start:.3f}, {end:.3f}) s")
+            keep = uniform_indices(len(inside), num_frames).tolist()
+            out[i] = np.stack([inside[k].to_ndarray(format="rgb24") for k in keep])
+            # the next window starts at or after this one: frames before it are not needed
+            buffer = [(t, f) for t, f in buffer if t >= start]
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.container.close()
+
+    def __enter__(self) -> VideoFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,134 @@
+"""Writers of the on-disk layouts the real datasets ship in, fed by the synthetic generator.
+
+Each writer takes the same clips (``synthetic.render_all``) and writes videos and annotation
+files the way the dataset's own download does, so each reader is tested on files that no
+reader wrote:
+
+- ``kinetics``: ``train/<class>/<class>_<i>.mp4`` (and ``val/``), ``train.csv`` / ``val.csv``
+  with ``path label`` lines, ``classes.txt``;
+- ``folder``: the same video tree, without annotation files;
+- ``ucf101``: ``UCF-101/<Class>/v_<Class>_gNN_c01.avi``, ``ucfTrainTestlist/classInd.txt``,
+  ``trainlist0{1,2,3}.txt`` (with 1-based labels), ``testlist0{1,2,3}.txt`` (paths only), CRLF;
+- ``hmdb51``: ``hmdb51_org/<class>/<video>.avi`` and
+  ``testTrainMulti_7030_splits/<class>_test_split{1,2,3}.txt`` (``video.avi 1|2`` lines);
+- ``ssv2``: ``20bn-something-something-v2/<id>.webm`` and ``labels/labels.json``,
+  ``labels/train.json``, ``labels/validation.json`` (one JSON entry per line).
+
+Folds of UCF101 and HMDB51: fold 1 tests on the generator's val clips, so it matches the
+Kinetics layout's split exactly; folds 2 and 3 test on other, rotated, blocks of clips.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from videotrain.data.synthetic import CLASSES, Clip, SyntheticSpec, write_video
+
+FOLDS = (1, 2, 3)
+
+
+def clip_number(spec: SyntheticSpec, clip: Clip) -> int:
+    """The clip's index within its class over both splits (train first)."""
+    return clip.i + (spec.train_per_class if clip.split == "val" else 0)
+
+
+def in_test_fold(spec: SyntheticSpec, j: int, fold: int) -> bool:
+    """Whether clip ``j`` of a class is a test clip of ``fold`` (a rotating block)."""
+    n = spec.train_per_class + spec.val_per_class
+    return (j - spec.train_per_class - spec.val_per_class * (fold - 1)) % n < spec.val_per_class
+
+
+def camel(name: str) -> str:
+    """UCF101 class names are CamelCase: ``right_then_down`` -> ``RightThenDown``."""
+    return "".join(w.capitalize() for w in name.split("_"))
+
+
+def ssv2_template(name: str) -> str:
+    return "Moving [something] " + name.replace("_", " ")
+
+
+def write_kinetics(root: Path, spec: SyntheticSpec, clips: Iterable[Clip],
+                   annotations: bool = True) -> None:
+    lines: dict[str, list[str]] = {"train": [], "val": []}
+    for clip in clips:
+        name = CLASSES[clip.label]
+        rel = f"{clip.split}/{name}/{name}_{clip.i:04d}.mp4"
+        write_video(root / rel, clip.frames, spec.fps)
+        lines[clip.split].append(f"{rel} {clip.label}")
+    if annotations:
+        for split, split_lines in lines.items():
+            (root / f"{split}.csv").write_text("\n".join(split_lines) + "\n")
+        (root / "classes.txt").write_text("\n".join(CLASSES) + "\n")
+
+
+def write_folder(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
+    write_kinetics(root, spec, clips, annotations=False)
+
+
+def write_ucf101(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
+    entries = []  # (label, j, relative path)
+    for clip in clips:
+        cls, j = camel(CLASSES[clip.label]), clip_number(spec, clip)
+        rel = f"{cls}/v_{cls}_g{j + 1:02d}_c01.avi"
+        write_video(root / "UCF-101" / rel, clip.frames, spec.fps)
+        entries.append((clip.label, j, rel))
+    entries.sort()
+    lists = root / "ucfTrainTestlist"
+    lists.mkdir(parents=True)
+
+    def write(name: str, lines: list[str]) -> None:  # the official files use CRLF
+        (lists / name).write_bytes("".join(f"{ln}\r\n" for ln in lines).encode())
+
+    write("classInd.txt", [f"{k + 1} {camel(n)}" for k, n in enumerate(CLASSES)])
+    for fold in FOLDS:
+        write(f"trainlist0{fold}.txt",
+              [f"{rel} {label + 1}" for label, j, rel in entries if not in_test_fold(spec, j, fold)])
+        write(f"testlist0{fold}.txt",
+              [rel for _, j, rel in entries if in_test_fold(spec, j, fold)])
+
+
+def write_hmdb51(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
+    videos: dict[int, list[tuple[int, str]]] = {}
+    for clip in clips:
+        name, j = CLASSES[clip.label], clip_number(spec, clip)
+        video = f"Synth_{j:03d}_{name}_u_nm_np1_fr_med_0.avi"
+        write_video(root / "hmdb51_org" / name / video, clip.frames, spec.fps)
+        videos.setdefault(clip.label, []).append((j, video))
+    lists = root / "testTrainMulti_7030_splits"
+    lists.mkdir(parents=True)
+    for label, items in videos.items():
+        for fold in FOLDS:
+            lines = [f"{video} {2 if in_test_fold(spec, j, fold) else 1} \n"  # sic: trailing space
+                     for j, video in sorted(items, key=lambda x: x[1])]
+            (lists / f"{CLASSES[label]}_test_split{fold}.txt").write_text("".join(lines))
+
+
+def write_ssv2(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
+    entries: dict[str, list[dict]] = {"train": [], "val": []}
+    for number, clip in enumerate(clips, start=1):
+        vid, name = str(number), CLASSES[clip.label]
+        write_video(root / "20bn-something-something-v2" / f"{vid}.webm", clip.frames, spec.fps)
+        entries[clip.split].append({
+            "id": vid, "label": f"moving box {name.replace('_', ' ')}",
+            "template": ssv2_template(name), "placeholders": ["box"],
+        })
+    labels = root / "labels"
+    labels.mkdir(parents=True)
+    mapping = {ssv2_template(n).replace("[", "").replace("]", ""): str(k)
+               for k, n in enumerate(CLASSES)}
+    (labels / "labels.json").write_text(json.dumps(mapping, indent=1) + "\n")
+    for split, fname in (("train", "train.json"), ("val", "validation.json")):
+        body = ",\n".join(json.dumps(e, separators=(",", ":")) for e in entries[split])
+        (labels / fname).write_text(f"[\n{body}\n]\n")
+
+
+WRITERS: dict[str, Callable[[Path, SyntheticSpec, Iterable[Clip]], None]] = {
+    "kinetics": write_kinetics,
+    "folder": write_folder,
+    "ucf101": write_ucf101,
+    "hmdb51": write_hmdb51,
+    "ssv2": write_ssv2,
+}
+LAYOUTS = tuple(WRITERS)

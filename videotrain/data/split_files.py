@@ -1,0 +1,164 @@
+"""UCF101 and HMDB51 from their official split files, selected by ``data.fold`` (1, 2 or 3).
+
+UCF101 ships ``ucfTrainTestlist/`` with ``classInd.txt`` (``1 ApplyEyeMakeup``),
+``trainlist0N.txt`` (``ApplyEyeMakeup/v_ApplyEyeMakeup_g08_c01.avi 1``, 1-based labels) and
+``testlist0N.txt`` (paths only: the class is the folder), next to the videos in ``UCF-101/``.
+pytorchvideo's ``Ucf101`` reads a ``path label`` CSV with 0-based labels, which is neither
+file, so the lists are parsed here.
+
+HMDB51 ships ``testTrainMulti_7030_splits/<class>_test_splitN.txt``, one per class and fold,
+with ``<video>.avi <id>`` lines (1 = train, 2 = test, 0 = unused), next to the videos in
+``hmdb51_org/<class>/``. pytorchvideo's ``Hmdb51LabeledVideoPaths`` reads the same files, but
+a malformed line surfaces as a bare ``IndexError``/``ValueError`` naming no file, and its labels
+are class-name strings; the tests check that both readers select the same videos.
+
+Both splits take their class list from the dataset (``classInd.txt``, the split-file names),
+so train and test share the label numbering even when a class is missing from one of them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+
+from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
+
+from videotrain.data.annotations import (
+    AnnotationError,
+    VideoIndex,
+    check_split,
+    require_file,
+    under,
+)
+
+FOLDS = (1, 2, 3)
+HMDB_IDS = {"train": 1, "val": 2}  # 0 marks videos used in neither split of a fold
+
+
+def check_fold(fold: int) -> int:
+    if fold not in FOLDS:
+        raise ValueError(f"data.fold must be one of {FOLDS}, got {fold!r}")
+    return int(fold)
+
+
+def _lines(path: Path):
+    """(line number, stripped text) of the non-blank lines (the official files use CRLF)."""
+    for lineno, raw in enumerate(path.read_text().splitlines(), start=1):
+        if raw.strip():
+            yield lineno, raw.strip()
+
+
+def _video_dir(root: Path, video_dir: str | None) -> Path:
+    path = under(root, video_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"data.video_dir: video folder not found: {path}")
+    return path
+
+
+def ucf101_class_index(path: Path) -> list[str]:
+    """``classInd.txt``: ``<1-based index> <ClassName>`` lines, indices 1..K in order."""
+    names: list[str] = []
+    for lineno, line in _lines(require_file(path, "data.split_dir")):
+        parts = line.split()
+        if len(parts) != 2 or not parts[0].isdigit():
+            raise AnnotationError(f"{path}:{lineno}: expected 'index ClassName', got {line!r}")
+        if int(parts[0]) != len(names) + 1:
+            raise AnnotationError(f"{path}:{lineno}: index {parts[0]} out of order "
+                                  f"(expected {len(names) + 1})")
+        if parts[1] in names:
+            raise AnnotationError(f"{path}:{lineno}: duplicate class {parts[1]!r}")
+        names.append(parts[1])
+    if not names:
+        raise AnnotationError(f"{path}: no classes")
+    return names
+
+
+def ucf101_index(
+    root: str | Path,
+    split: str,
+    num_classes: int | None = None,
+    *,
+    fold: int = 1,
+    split_dir: str = "ucfTrainTestlist",
+    video_dir: str = "UCF-101",
+) -> VideoIndex:
+    """``trainlist0{fold}.txt`` or ``testlist0{fold}.txt`` (for ``split="val"``)."""
+    check_split(split)
+    fold, root = check_fold(fold), Path(root)
+    lists = under(root, split_dir)
+    names = ucf101_class_index(lists / "classInd.txt")
+    by_name = {n: i for i, n in enumerate(names)}
+    path = require_file(lists / f"{'trainlist' if split == 'train' else 'testlist'}0{fold}.txt",
+                        "data.split_dir")
+    items: list[tuple[str, int]] = []
+    for lineno, line in _lines(path):
+        parts = line.split()
+        if len(parts) not in (1, 2):
+            raise AnnotationError(f"{path}:{lineno}: expected 'Class/video.avi [label]', got {line!r}")
+        rel = parts[0]
+        folder = PurePosixPath(rel).parent.name
+        if folder not in by_name:
+            raise AnnotationError(f"{path}:{lineno}: class folder {folder!r} of {rel!r} is not "
+                                  f"in {lists / 'classInd.txt'}")
+        label = by_name[folder]
+        if len(parts) == 2:  # trainlists carry the 1-based label; it must agree with the folder
+            if not parts[1].isdigit():
+                raise AnnotationError(f"{path}:{lineno}: label {parts[1]!r} is not an integer")
+            value = int(parts[1])
+            if value - 1 != label:
+                which = names[value - 1] if 1 <= value <= len(names) else "not in classInd.txt"
+                raise AnnotationError(f"{path}:{lineno}: label {value} ({which}) disagrees with "
+                                      f"the folder {folder!r} of {rel!r}")
+        items.append((rel, label))
+    if not items:
+        raise AnnotationError(f"{path}: no videos")
+    n = num_classes or len(names)
+    if n != len(names):
+        raise AnnotationError(f"{lists / 'classInd.txt'} lists {len(names)} classes, but "
+                              f"data.num_classes={num_classes}")
+    prefix = _video_dir(root, video_dir)
+    return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(path))
+
+
+_HMDB_FILE = re.compile(r"^(?P<name>.+)_test_split(?P<fold>\d+)\.txt$")
+
+
+def hmdb51_index(
+    root: str | Path,
+    split: str,
+    num_classes: int | None = None,
+    *,
+    fold: int = 1,
+    split_dir: str = "testTrainMulti_7030_splits",
+    video_dir: str = "hmdb51_org",
+) -> VideoIndex:
+    """The ``*_test_split{fold}.txt`` files; classes are the sorted names in the file names."""
+    check_split(split)
+    fold, root = check_fold(fold), Path(root)
+    lists = under(root, split_dir)
+    if not lists.is_dir():
+        raise FileNotFoundError(f"data.split_dir: split folder not found: {lists}")
+    files = sorted(p for p in lists.iterdir()
+                   if (m := _HMDB_FILE.match(p.name)) and int(m["fold"]) == fold)
+    if not files:
+        raise AnnotationError(f"{lists}: no *_test_split{fold}.txt files")
+    names = [_HMDB_FILE.match(p.name)["name"] for p in files]  # sorted with the files
+    wanted = HMDB_IDS[split]
+    items: list[tuple[str, int]] = []
+    for label, (path, name) in enumerate(zip(files, names, strict=True)):
+        for lineno, line in _lines(path):
+            parts = line.rsplit(None, 1)
+            if len(parts) != 2 or parts[1] not in ("0", "1", "2"):
+                raise AnnotationError(f"{path}:{lineno}: expected 'video.avi 0|1|2', got {line!r}")
+            if int(parts[1]) == wanted:
+                items.append((f"{name}/{parts[0]}", label))
+    if not items:
+        raise AnnotationError(f"{lists}: no videos marked {wanted} ({split}) in the "
+                              f"*_test_split{fold}.txt files")
+    n = num_classes or len(names)
+    if n != len(names):
+        raise AnnotationError(f"{lists}: split files name {len(names)} classes, but "
+                              f"data.num_classes={num_classes}")
+    source = str(lists / f"*_test_split{fold}.txt")
+    prefix = _video_dir(root, video_dir)
+    return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, source)

@@ -1,0 +1,142 @@
+"""Something-Something v2 from its native JSON trio, over WebM (as shipped) or MP4 videos.
+
+``labels.json`` maps each template with the brackets removed to its index
+(``{"Putting something on a surface": "87", ...}``); ``train.json`` and ``validation.json``
+are lists of ``{"id": "78687", "template": "Putting [something] on a surface", ...}``; the
+videos are ``20bn-something-something-v2/<id>.webm``. The label rule (strip ``[`` and ``]``
+from the template, look it up) is pytorchvideo's (``pytorchvideo.data.ssv2``), whose reader
+itself expects frames extracted to JPEG plus a frame-list CSV, so it cannot read the videos.
+
+Why the JSON is walked entry by entry: a bad entry is reported with its file *and line*
+(the official files hold one entry per line), which ``json.load`` cannot give.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
+
+from videotrain.data.annotations import (
+    AnnotationError,
+    VideoIndex,
+    check_split,
+    require_file,
+    under,
+)
+
+VIDEO_EXTS = ("webm", "mp4")
+
+
+def _decode_error(path: Path, err: json.JSONDecodeError) -> AnnotationError:
+    return AnnotationError(f"{path}:{err.lineno}:{err.colno}: invalid JSON ({err.msg})")
+
+
+def json_array_lines(path: Path) -> list[tuple[int, Any]]:
+    """The entries of a top-level JSON array, each with the line it starts on."""
+    text = path.read_text()
+    decoder = json.JSONDecoder()
+
+    def skip(i: int) -> int:
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    i = skip(0)
+    if i >= len(text) or text[i] != "[":
+        raise AnnotationError(f"{path}:1: expected a JSON array of videos")
+    out: list[tuple[int, Any]] = []
+    i = skip(i + 1)
+    if i < len(text) and text[i] == "]":
+        return out
+    while True:
+        try:
+            entry, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as err:
+            raise _decode_error(path, err) from None
+        out.append((text.count("\n", 0, i) + 1, entry))
+        i = skip(end)
+        if i < len(text) and text[i] == ",":
+            i = skip(i + 1)
+            continue
+        if i < len(text) and text[i] == "]":
+            if skip(i + 1) != len(text):
+                raise AnnotationError(f"{path}:{text.count(chr(10), 0, i) + 1}: data after the array")
+            return out
+        line = text.count("\n", 0, i) + 1
+        raise AnnotationError(f"{path}:{line}: expected ',' or ']' after the entry on line {out[-1][0]}")
+
+
+def read_labels(path: Path) -> list[str]:
+    """``labels.json``: template (brackets removed) -> index; returns names by index."""
+    try:
+        mapping = json.loads(require_file(path, "data.labels_file").read_text())
+    except json.JSONDecodeError as err:
+        raise _decode_error(path, err) from None
+    if not isinstance(mapping, dict) or not mapping:
+        raise AnnotationError(f"{path}: expected a JSON object {{template: index}}")
+    names: dict[int, str] = {}
+    for name, idx in mapping.items():
+        try:
+            value = int(idx)
+        except (TypeError, ValueError):
+            raise AnnotationError(f"{path}: index {idx!r} of {name!r} is not an integer") from None
+        if value in names:
+            raise AnnotationError(f"{path}: index {value} is used by {names[value]!r} and {name!r}")
+        names[value] = name
+    if sorted(names) != list(range(len(names))):
+        raise AnnotationError(f"{path}: indices must be 0..{len(names) - 1}")
+    return [names[i] for i in range(len(names))]
+
+
+def template_key(template: str) -> str:
+    """pytorchvideo's rule: the template with its placeholder brackets removed."""
+    return template.replace("[", "").replace("]", "")
+
+
+def ssv2_index(
+    root: str | Path,
+    split: str,
+    num_classes: int | None = None,
+    *,
+    labels_file: str = "labels/labels.json",
+    train_file: str = "labels/train.json",
+    val_file: str = "labels/validation.json",
+    video_dir: str = "20bn-something-something-v2",
+    video_ext: str = "auto",
+) -> VideoIndex:
+    """One split of SSv2. ``video_ext``: ``webm``, ``mp4``, or ``auto`` (per video, ``.webm``
+    when it exists, else ``.mp4``)."""
+    check_split(split)
+    if video_ext not in (*VIDEO_EXTS, "auto"):
+        raise ValueError(f"data.video_ext must be one of webm, mp4, auto; got {video_ext!r}")
+    root = Path(root)
+    names = read_labels(under(root, labels_file))
+    index = {n: i for i, n in enumerate(names)}
+    key = "data.train_file" if split == "train" else "data.val_file"
+    path = require_file(under(root, train_file if split == "train" else val_file), key)
+    videos = under(root, video_dir)
+    if not videos.is_dir():
+        raise FileNotFoundError(f"data.video_dir: video folder not found: {videos}")
+    items: list[tuple[str, int]] = []
+    for lineno, entry in json_array_lines(path):
+        where = f"{path}:{lineno}"
+        if not isinstance(entry, dict) or "id" not in entry or "template" not in entry:
+            raise AnnotationError(f"{where}: expected an object with 'id' and 'template', "
+                                  f"got {json.dumps(entry)[:120]}")
+        label = index.get(template_key(str(entry["template"])))
+        if label is None:
+            raise AnnotationError(f"{where}: template {entry['template']!r} of video "
+                                  f"{entry['id']!r} is not in {under(root, labels_file)}")
+        ext = video_ext
+        if ext == "auto":
+            ext = next((e for e in VIDEO_EXTS if (videos / f"{entry['id']}.{e}").exists()), "webm")
+        items.append((f"{entry['id']}.{ext}", label))
+    if not items:
+        raise AnnotationError(f"{path}: no videos")
+    if num_classes and num_classes != len(names):
+        raise AnnotationError(f"{under(root, labels_file)} lists {len(names)} classes, but "
+                              f"data.num_classes={num_classes}")
+    return VideoIndex(LabeledVideoPaths(items, path_prefix=str(videos)), names, str(path))

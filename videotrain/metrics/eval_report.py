@@ -1,0 +1,89 @@
+"""What an evaluation writes: ``eval.json`` (the summary), ``per_class.csv`` and
+``confusion.png`` (row-normalised video-level confusion matrix with class names)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EVAL_JSON, PER_CLASS_CSV, CONFUSION_PNG = "eval.json", "per_class.csv", "confusion.png"
+# above this many classes the tick labels would overlap: the axes show indices instead
+MAX_LABELLED_CLASSES = 60
+
+
+def per_class_rows(confusion: torch.Tensor, class_names: list[str]) -> list[dict[str, Any]]:
+    """One row per class: videos, top-1 hits, accuracy, and the class it is most often taken
+    for (the largest off-diagonal count of its row)."""
+    rows = []
+    for i, name in enumerate(class_names):
+        row = confusion[i].clone()
+        total, correct = float(row.sum()), float(row[i])
+        row[i] = -1
+        j = int(row.argmax()) if len(row) > 1 else i
+        confused = float(row[j]) if j != i else 0.0
+        rows.append({
+            "class_index": i, "class_name": name, "videos": int(total), "correct": int(correct),
+            "top1": correct / total if total else None,
+            "most_confused_with": class_names[j] if confused > 0 else "",
+            "confused_videos": int(confused),
+        })
+    return rows
+
+
+def write_per_class_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["class_index"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ("" if v is None else f"{v:.4f}" if isinstance(v, float) else v)
+                             for k, v in r.items()})
+
+
+def plot_confusion(path: Path, confusion: torch.Tensor, class_names: list[str], title: str) -> None:
+    """Rows are true classes, columns predictions, each row normalised to sum to 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = len(class_names)
+    norm = confusion / confusion.sum(dim=1, keepdim=True).clamp_min(1)
+    side = min(max(5.0, 0.28 * k + 2.5), 40.0)
+    fig, ax = plt.subplots(figsize=(side + 1.5, side))
+    image = ax.imshow(norm.numpy(), cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
+    if k <= MAX_LABELLED_CLASSES:
+        ax.set_xticks(range(k), class_names, rotation=90, fontsize=7)
+        ax.set_yticks(range(k), class_names, fontsize=7)
+        if k <= 20:  # small enough to print the counts
+            for i in range(k):
+                for j in range(k):
+                    if confusion[i, j]:
+                        ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7,
+                                color="white" if norm[i, j] > 0.5 else "black")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_eval_report(out_dir: str | Path, summary: dict[str, Any], confusion: torch.Tensor,
+                      class_names: list[str]) -> dict[str, str]:
+    """Write the three files into ``out_dir``; returns their paths by kind."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"eval": str(out_dir / EVAL_JSON), "per_class": str(out_dir / PER_CLASS_CSV),
+             "confusion": str(out_dir / CONFUSION_PNG)}
+    write_per_class_csv(out_dir / PER_CLASS_CSV, per_class_rows(confusion, class_names))
+    title = (f"video top-1 {summary['video_top1']:.3f}, mean class acc "
+             f"{summary['mean_class_acc']:.3f} ({summary['videos']} videos, {summary['clips']} clips "
+             f"x {summary['crops']} crops, {summary['aggregate']} of softmax)")
+    plot_confusion(out_dir / CONFUSION_PNG, confusion, class_names, title)
+    (out_dir / EVAL_JSON).write_text(json.dumps({**summary, "files": files}, indent=2) + "\n")
+    return files
