@@ -162,7 +162,8 @@ def run_bench(
             child_spec = {"overrides": spec["overrides"], "steps": steps, "warmup": warmup,
                           "batch_size": batch_size, "frames": frames, "size": size,
                           "num_classes": num_classes, "device": device, "seed": 0,
-                          "threads": threads, "free_grads": free_grads}
+                          "threads": threads, "free_grads": free_grads,
+                          "compile_budget": spec.get("compile_budget")}
             res = run_child(child_spec, timeout)
             per_row[i].append(res)
             tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
