@@ -52,6 +52,14 @@ def under(root: Path, rel: str | None) -> Path:
     return path if path.is_absolute() else root / path
 
 
+def check_class_count(names: list[str], num_classes: int | None, source: str,
+                      verb: str = "lists") -> None:
+    """A set ``data.num_classes`` must agree with the classes the dataset's own files name."""
+    if num_classes and num_classes != len(names):
+        raise AnnotationError(f"{source} {verb} {len(names)} classes, but "
+                              f"data.num_classes={num_classes}")
+
+
 def require_file(path: Path, key: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{key}: annotation file not found: {path}")

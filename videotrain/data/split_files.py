@@ -26,6 +26,7 @@ from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 from videotrain.data.annotations import (
     AnnotationError,
     VideoIndex,
+    check_class_count,
     check_split,
     require_file,
     under,
@@ -112,10 +113,7 @@ def ucf101_index(
         items.append((rel, label))
     if not items:
         raise AnnotationError(f"{path}: no videos")
-    n = num_classes or len(names)
-    if n != len(names):
-        raise AnnotationError(f"{lists / 'classInd.txt'} lists {len(names)} classes, but "
-                              f"data.num_classes={num_classes}")
+    check_class_count(names, num_classes, str(lists / "classInd.txt"))
     prefix = _video_dir(root, video_dir)
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(path))
 
@@ -155,10 +153,7 @@ def hmdb51_index(
     if not items:
         raise AnnotationError(f"{lists}: no videos marked {wanted} ({split}) in the "
                               f"*_test_split{fold}.txt files")
-    n = num_classes or len(names)
-    if n != len(names):
-        raise AnnotationError(f"{lists}: split files name {len(names)} classes, but "
-                              f"data.num_classes={num_classes}")
+    check_class_count(names, num_classes, f"{lists}: split files", verb="name")
     source = str(lists / f"*_test_split{fold}.txt")
     prefix = _video_dir(root, video_dir)
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, source)

@@ -22,6 +22,7 @@ from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 from videotrain.data.annotations import (
     AnnotationError,
     VideoIndex,
+    check_class_count,
     check_split,
     require_file,
     under,
@@ -136,7 +137,5 @@ def ssv2_index(
         items.append((f"{entry['id']}.{ext}", label))
     if not items:
         raise AnnotationError(f"{path}: no videos")
-    if num_classes and num_classes != len(names):
-        raise AnnotationError(f"{under(root, labels_file)} lists {len(names)} classes, but "
-                              f"data.num_classes={num_classes}")
+    check_class_count(names, num_classes, str(under(root, labels_file)))
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(videos)), names, str(path))
