@@ -307,17 +307,22 @@ def test_unexpected_worker_error_surfaces_instead_of_hanging(
             pass
 
 
+def _misbehave_on(monkeypatch: pytest.MonkeyPatch, name: str, action) -> None:
+    """Make decoding the video whose path ends in ``name`` run ``action()`` first (in the worker)."""
+    real = VideoClipDataset._decode
+
+    def decode(self, path):
+        if path.endswith(name):
+            action()
+        return real(self, path)
+
+    monkeypatch.setattr(VideoClipDataset, "_decode", decode)
+
+
 @pytest.mark.timeout(120)
 def test_crashed_worker_stops_the_loader(tiny_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A decoder that kills its process (a segfault in FFmpeg) fails the run promptly."""
-    real = VideoClipDataset._decode
-
-    def crashing(self, path):
-        if path.endswith("left_then_up_0002.mp4"):
-            os.kill(os.getpid(), signal.SIGSEGV)
-        return real(self, path)
-
-    monkeypatch.setattr(VideoClipDataset, "_decode", crashing)
+    _misbehave_on(monkeypatch, "left_then_up_0002.mp4", lambda: os.kill(os.getpid(), signal.SIGSEGV))
     with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly"):
         for _ in _loader(tiny_root):
             pass
@@ -326,14 +331,7 @@ def test_crashed_worker_stops_the_loader(tiny_root: Path, monkeypatch: pytest.Mo
 @pytest.mark.timeout(120)
 def test_stuck_decoder_times_out(tiny_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A decoder that never returns fails the run after data.worker_timeout seconds."""
-    real = VideoClipDataset._decode
-
-    def stuck(self, path):
-        if path.endswith("right_then_up_0001.mp4"):
-            time.sleep(600)
-        return real(self, path)
-
-    monkeypatch.setattr(VideoClipDataset, "_decode", stuck)
+    _misbehave_on(monkeypatch, "right_then_up_0001.mp4", lambda: time.sleep(600))
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="DataLoader timed out after 1 seconds"):
         for _ in _loader(tiny_root, worker_timeout=1):
