@@ -231,32 +231,25 @@ class _SavedProp(ShapeProp):
         n.meta["work_fwd"] = fwd.transient()
         n.meta["work_bwd"], n.meta["grad_alias"] = self._backward_work(n, result, leaves)
         packed_keys = {_storage_key(t) for t in packed}
-        known, input_keys = set(), set()
+        arg_keys: dict[fx.Node, set[int]] = {}  # input node -> storages of its value
+        input_keys: set[int] = set()
         for arg in tree_flatten((n.args, n.kwargs))[0]:
             t = self.env.get(arg) if isinstance(arg, fx.Node) else arg
-            for leaf in tree_flatten(t)[0]:
-                if isinstance(leaf, torch.Tensor):
-                    input_keys.add(_storage_key(leaf))
-            if isinstance(arg, fx.Node) and any(
-                isinstance(leaf, torch.Tensor) and _storage_key(leaf) in packed_keys
-                for leaf in tree_flatten(t)[0]
-            ):
-                arg.meta["output_saved"] = True
-        known |= input_keys
+            keys = {_storage_key(leaf) for leaf in tree_flatten(t)[0] if isinstance(leaf, torch.Tensor)}
+            input_keys |= keys
+            if isinstance(arg, fx.Node):
+                arg_keys[arg] = keys
+                if keys & packed_keys:
+                    arg.meta["output_saved"] = True
         out_keys = {_storage_key(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)}
-        known |= out_keys
         if out_keys & packed_keys:
             n.meta["output_saved"] = True
         n.meta["alias"] = bool(out_keys) and out_keys <= input_keys
-        n.meta["alias_of"] = [
-            a for a in n.all_input_nodes
-            if any(isinstance(t, torch.Tensor) and _storage_key(t) in out_keys
-                   for t in tree_flatten(self.env.get(a))[0])
-        ] if n.meta["alias"] else []
+        n.meta["alias_of"] = [a for a, keys in arg_keys.items() if keys & out_keys] if n.meta["alias"] else []
+        known = input_keys | out_keys
         if n.op == "call_module":
-            root = getattr(self, "fake_module", None) or self.module
-            known |= {_storage_key(p) for p in root.get_submodule(str(n.target)).parameters()}
-        # parameters (fake copies under a fake mode) are leaves that require grad: not activations
+            known |= {_storage_key(p) for p in self.module.get_submodule(str(n.target)).parameters()}
+        # parameters are leaves that require grad: not activations
         extra = {
             _storage_key(t): t.untyped_storage().nbytes()
             for t in packed
