@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from itertools import chain
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from videotrain.memory.recompute import collect_held
 
 
 def synthetic_batch(batch_size: int, frames: int, size: int, num_classes: int,
@@ -27,15 +30,15 @@ def synthetic_batch(batch_size: int, frames: int, size: int, num_classes: int,
     return video, labels
 
 
-def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
-    """Bytes of the unique storages autograd saves for backward in one forward of ``model``.
-
-    Parameters, buffers and the inputs themselves are not counted (they exist anyway), nor are
-    views counted twice. Deterministic, so good for tests; 0 under ``no_grad``. Every saved
-    tensor is held until the count is done, so a freed storage's address cannot be reused and
-    confused with another. Run it in training mode to see what a training step keeps.
-    """
-    skip = {t.untyped_storage().data_ptr() for t in chain(model.parameters(), model.buffers(), inputs)}
+@contextmanager
+def saved_bytes(*exclude: torch.Tensor) -> Iterator[Callable[[], int]]:
+    """Count what a forward run in the body keeps for backward: the unique storages autograd
+    saves plus the inputs checkpointed segments hold for their recompute
+    (``recompute.collect_held``; they are not saved tensors). Storages of ``exclude`` (parameters,
+    buffers, the inputs: they exist anyway) are not counted, nor are views counted twice. The
+    yielded function gives the bytes so far; every counted tensor is held until the body ends, so
+    a freed storage's address cannot be reused and confused with another."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
     held: list[torch.Tensor] = []
     sizes: dict[int, int] = {}
 
@@ -50,11 +53,27 @@ def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
             sizes[ptr] = max(sizes.get(ptr, 0), storage.nbytes())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def total() -> int:
+        for t in held_inputs():  # checkpoint boundaries, held outside autograd until their recompute
+            pack(t)
+        return sum(sizes.values())
+
+    with collect_held() as held_inputs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        try:
+            yield total
+        finally:
+            held.clear()
+
+
+def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes one forward of ``model`` keeps for backward (see :func:`saved_bytes`).
+    Deterministic, so good for tests; 0 under ``no_grad``. Run it in training mode to see what a
+    training step keeps."""
+    with saved_bytes(*model.parameters(), *model.buffers(), *inputs) as total:
         out = model(*inputs)
-    del out
-    held.clear()
-    return sum(sizes.values())
+        nbytes = total()
+        del out
+    return nbytes
 
 
 def step_stats(times: list[float], peaks: list[float], fwd_bwd: list[float],

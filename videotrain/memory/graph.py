@@ -51,6 +51,7 @@ class Graph:
     work_fwd: list[float] | None = None  # bytes an op allocates and frees inside its forward
     work_bwd: list[float] | None = None  # ... inside its backward (beyond its input gradients)
     grad_alias: list[bool] | None = None  # backward hands its inputs views of its own gradient
+    saves: list[bool] | None = None  # the op saves some activation for its backward; default all
     succ_mask: list[int] = field(init=False)
     pred_mask: list[int] = field(init=False)
 
@@ -63,7 +64,8 @@ class Graph:
         self.work_fwd = self.work_fwd or [0.0] * n
         self.work_bwd = self.work_bwd or [0.0] * n
         self.grad_alias = self.grad_alias or [False] * n
-        self.peak_cache: dict[tuple[int, int], float] = {}
+        self.saves = self.saves or [True] * n
+        self.peak_cache: dict[tuple, float] = {}
         self.pred_mask = [sum(1 << p for p in ps) for ps in self.preds]
         self.succ_mask = [0] * n
         for v, ps in enumerate(self.preds):
@@ -196,6 +198,7 @@ class _SavedProp(ShapeProp):
     charges a vertex only what autograd really keeps, or its peak is several times too high."""
 
     _lifted: list[torch.Tensor] | None = None
+    _param_keys: set[int] = set()  # storages of parameters (also when lifted from get_attr)
 
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple:
         """Inputs as fresh leaves that require grad, so one node's backward can run alone."""
@@ -203,11 +206,16 @@ class _SavedProp(ShapeProp):
         if self._lifted is None:
             return args, kwargs
 
-        def lift(t: object) -> object:
+        memo: dict[int, torch.Tensor] = {}
+
+        def lift(t: object) -> object:  # one leaf per input value: MHA(x, x, x) must see q is k
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                leaf = t.detach().requires_grad_()
-                self._lifted.append(leaf)
-                return leaf
+                if id(t) not in memo:
+                    memo[id(t)] = t.detach().requires_grad_()
+                    self._lifted.append(memo[id(t)])
+                    if isinstance(t, nn.Parameter):
+                        self._param_keys.add(_storage_key(t))
+                return memo[id(t)]
             return t
 
         return tree_map(lift, (args, kwargs))
@@ -222,14 +230,16 @@ class _SavedProp(ShapeProp):
             return t
 
         self._lifted = []
+        self._param_keys = set()
+        if n.op == "call_module":
+            self._param_keys = {_storage_key(p) for p in self.module.get_submodule(str(n.target)).parameters()}
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     LiveBytes() as fwd:
                 result = super().run_node(n)
         finally:
             leaves, self._lifted = self._lifted, None
-        n.meta["work_fwd"] = fwd.transient()
-        n.meta["work_bwd"], n.meta["grad_alias"] = self._backward_work(n, result, leaves)
+        n.meta["work_fwd"] = fwd.above_end()
         packed_keys = {_storage_key(t) for t in packed}
         arg_keys: dict[fx.Node, set[int]] = {}  # input node -> storages of its value
         input_keys: set[int] = set()
@@ -250,18 +260,25 @@ class _SavedProp(ShapeProp):
         if n.op == "call_module":
             known |= {_storage_key(p) for p in self.module.get_submodule(str(n.target)).parameters()}
         # parameters are leaves that require grad: not activations
-        extra = {
-            _storage_key(t): t.untyped_storage().nbytes()
+        internals = {  # storage key -> (weak ref, bytes)
+            _storage_key(t): (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
             for t in packed
-            if t.dim() > 0 and not (t.is_leaf and t.requires_grad)
+            if t.dim() > 0 and not (t.is_leaf and t.requires_grad) and _storage_key(t) not in known
         }
-        n.meta["extra_saved_bytes"] = sum(b for k, b in extra.items() if k not in known)
+        n.meta["extra_saved_bytes"] = sum(b for _, b in internals.values())
+        n.meta["saves"] = any(_storage_key(t) not in self._param_keys for t in packed)  # not params
+        packed.clear()  # the autograd graph alone holds the internals now: backward frees them
+        n.meta["work_bwd"], n.meta["grad_alias"] = self._backward_work(n, result, leaves, internals)
         return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, result)
 
-    def _backward_work(self, n: fx.Node, result: object, leaves: list[torch.Tensor]) -> tuple[float, bool]:
-        """(bytes the node's backward allocates and frees again, e.g. attention internals;
-        whether the input gradients it returns share storage with its output gradient, as for
-        add, cat and views: that storage then lives as long as any of those gradients)."""
+    def _backward_work(self, n: fx.Node, result: object, leaves: list[torch.Tensor],
+                       internals: dict[int, tuple[StorageWeakRef, int]]) -> tuple[float, bool]:
+        """(bytes the node's backward allocates and frees again beyond what its saved internals
+        release meanwhile, e.g. attention: the peak of those internals still alive plus the
+        backward's own temporaries, less the internals' total, which ``Graph.saved`` already
+        charges (so it can be negative); whether the input gradients it returns share storage
+        with its output gradient, as for add, cat and views: that storage then lives as long as
+        any of those gradients)."""
         outs = [t for t in tree_flatten(result)[0]
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         if not outs:
@@ -271,9 +288,10 @@ class _SavedProp(ShapeProp):
             params = [p for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
         targets = [t for t in (*leaves, *params) if t.requires_grad]
         grad_outs = [torch.ones_like(o) for o in outs]
-        with LiveBytes() as bwd:
+        with LiveBytes(watch=internals) as bwd:
             grads = torch.autograd.grad(outs, targets, grad_outs, allow_unused=True)
-        work = bwd.transient()  # while the gradients are alive: they are not transient
+        # while the gradients are alive: they are not transient
+        work = bwd.transient() - sum(b for _, b in internals.values())
         out_keys = {_storage_key(g) for g in grad_outs}
         alias = any(g is not None and _storage_key(g) in out_keys for g in grads[: len(leaves)])
         del grads
@@ -282,14 +300,21 @@ class _SavedProp(ShapeProp):
 
 class LiveBytes(TorchDispatchMode):
     """Storages created by the ops run under it; ``transient()`` is the peak of those that are
-    freed again before the end (workspace, internals), i.e. what outputs do not account for.
+    freed again before the end (workspace, internals), i.e. what outputs do not account for,
+    plus, at each moment, the ``watch``ed storages (created earlier) still alive.
     Dispatch modes are thread-local: on CUDA the backward runs on the autograd device thread and
     is not seen (its internals are then not charged)."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: dict[int, tuple[StorageWeakRef, int]] | None = None) -> None:
         super().__init__()
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
         self.timeline: list[list[int]] = []
+        self.watch = dict(watch or {})
+        self.watched: list[int] = []
+
+    def __enter__(self) -> LiveBytes:
+        self.watched.append(sum(b for r, b in self.watch.values() if not r.expired()))
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
@@ -297,15 +322,29 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 ref = StorageWeakRef(storage)
+                if ref.cdata in self.watch:  # a view of a watched storage: not a new one
+                    continue
                 if ref.cdata not in self.refs or self.refs[ref.cdata][0].expired():
                     self.refs[ref.cdata] = (ref, storage.nbytes())
         self.timeline.append([k for k, (r, _) in self.refs.items() if not r.expired()])
+        self.watched.append(sum(b for r, b in self.watch.values() if not r.expired()))
         return out
+
+    def above_end(self) -> float:
+        """Peak of all storages created under the mode, less what is still alive at the end
+        (an op's saved internals and output, which the planner charges on their own): the
+        op's temporaries beyond them, never counting one that becomes saved twice."""
+        end = sum(b for r, b in self.refs.values() if not r.expired())
+        alive = [sum(self.refs[k][1] for k in live) for live in self.timeline]
+        return float(max(alive, default=0) - end)
 
     def transient(self) -> float:
         end = {k for k, (r, _) in self.refs.items() if not r.expired()}
-        return float(max((sum(self.refs[k][1] for k in live if k not in end)
-                          for live in self.timeline), default=0))
+        created = [sum(self.refs[k][1] for k in live if k not in end) for live in self.timeline]
+        # watched[i] is the state before op i (watched[0]: on entry); the peak can be either side
+        points = [self.watched[0]] + [c + max(w0, w1) for c, w0, w1 in
+                                      zip(created, self.watched[:-1], self.watched[1:], strict=True)]
+        return float(max(points, default=0))
 
 
 def make_out_of_place(gm: fx.GraphModule) -> fx.GraphModule:
@@ -350,6 +389,7 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
     work_fwd: list[float] = []
     work_bwd: list[float] = []
     grad_alias: list[bool] = []
+    saves: list[bool] = []
     tensor_preds: dict[str, set[int]] = {}  # node -> vertex preds, through contracted non-tensor nodes
     for node in gm.graph.nodes:
         ps: set[int] = set()
@@ -367,7 +407,9 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
             work_fwd.append(float(node.meta.get("work_fwd", 0.0)))
             work_bwd.append(float(node.meta.get("work_bwd", 0.0)))
             grad_alias.append(bool(node.meta.get("grad_alias", False)))
+            saves.append(bool(node.meta.get("saves", True)))
             cost.append(_flops(node, gm, out_bytes))
         else:
             tensor_preds[node.name] = ps
-    return gm, Graph(names, preds, mem, cost, saved, keeps, work_fwd, work_bwd, grad_alias), index
+    return gm, Graph(names, preds, mem, cost, saved, keeps, work_fwd, work_bwd, grad_alias,
+                     saves), index

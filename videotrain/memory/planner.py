@@ -11,15 +11,32 @@ until their block runs), too high because autograd keeps only the tensors some b
 (``Graph.saved``: a BN output that feeds a ReLU is freed in forward) and frees each vertex's
 saved tensors and gradient as soon as its backward has run. So we simulate the block instead:
 
-    peak_i   = sum_{j<i} M(Wj) + block_peak(L(i-1), L(i))
     block_peak = max(recompute scan, backward scan)
       recompute (or forward) scan, p ascending in Vi:
           grads already pushed into L(i)  +  saved bytes of Vi up to p
           + outputs not kept by autograd that still have a consumer to run (boundary: all)
+          + the block's dying inputs (below): the caller holds a segment's arguments
       backward scan, p descending in Vi:
           saved bytes of Vi up to p  +  live gradients: those pushed into L(i) from later
           blocks, those of Vi's vertices with a consumer already run, p's and p's inputs'
-    overhead = sum_{i<k} T(Vi) - T(Wi)                          (the last block is never recomputed)
+          + the dying inputs autograd keeps
+    overhead = sum_{i<k} T(Vi) - T(Wi)     (the last block, and blocks that save nothing, are
+                                            never recomputed)
+
+Retained boundaries are not all live all the time. The executor (``recompute.checkpoint_call``)
+lets go of a segment's inputs once its recompute is done, so a boundary tensor ``w`` of block
+``j`` lives in the forward, then in backward only until the recompute of its *first* consumer
+block ``c`` (the last one backward reaches); during blocks ``j+1 .. c-1`` it is gone. A stem cut
+``conv, BN | ReLU, ...`` therefore frees the BN output as soon as the ReLU is recomputed, and
+the stem's backward holds three feature maps instead of four. The DP state is the lower set
+plus its *dormant* boundaries (retained, first consumer not yet reached):
+
+    block i = L(i) \\ L(i-1), dormant D, live retained R (boundaries whose first consumer came):
+      forward   = R + M(D) + no-grad scan of Vi (checkpointed forwards keep no saved tensors)
+      backward  = R + block_peak(L(i-1), L(i), dying = D ∩ inputs(Vi))
+      then R += M(dying),  D = (D \\ dying) ∪ Wi
+    A block whose ops save nothing is never recomputed and holds no inputs: its dying set is
+    empty (those boundaries stay dormant).
 
 This is an upper bound of the measured peak of activations and activation gradients on the test
 models (parameter gradients are not activations and are left out) and within 25% of it.
@@ -94,10 +111,42 @@ class _Gradients:
             self.bytes -= entry[0]
 
 
-def block_peak(g: Graph, lower: int, upper: int) -> float:
+def _last_use(g: Graph, verts: list[int], upper: int) -> dict[int, int]:
+    """Per vertex of a block (and its inputs): the last block vertex that reads it; ``g.n``
+    for outputs that feed a later block (or are the graph output): kept to the block's end."""
+    block = sum(1 << v for v in verts)
+    last: dict[int, int] = {}
+    for v in verts:
+        later = g.succ_mask[v]
+        last[v] = g.n if later & ~upper or not later else (later & block).bit_length() - 1
+    return last
+
+
+def forward_scan(g: Graph, lower: int, upper: int) -> float:
+    """Peak of a checkpointed block's first forward: outputs live until their last use (boundary
+    outputs to the end), no saved tensors (checkpoint drops them), nothing pushed yet. Cached."""
+    key = ("fwd", lower, upper)
+    if key in g.peak_cache:
+        return g.peak_cache[key]
+    verts = list(g.members(upper & ~lower))
+    last = _last_use(g, verts, upper)
+    live: dict[int, float] = {}
+    peak = 0.0
+    for p in verts:
+        live[p] = g.mem[p]
+        peak = max(peak, sum(live.values()) + g.work_fwd[p])
+        for u in [u for u in live if last[u] <= p]:
+            del live[u]
+    g.peak_cache[key] = peak
+    return peak
+
+
+def block_peak(g: Graph, lower: int, upper: int, dying: int = 0) -> float:
     """Peak of recomputing (or first computing) and back-propagating block ``upper \\ lower``,
-    on top of the boundaries retained from earlier blocks; see the module docstring. Cached."""
-    key = (lower, upper)
+    on top of the retained boundaries still live; ``dying``: earlier boundaries whose last
+    consumer backward reaches is this block (live through the recompute, through the backward
+    too if autograd keeps them). See the module docstring. Cached."""
+    key = (lower, upper, dying)
     if key in g.peak_cache:
         return g.peak_cache[key]
     block = upper & ~lower
@@ -111,19 +160,17 @@ def block_peak(g: Graph, lower: int, upper: int) -> float:
         else:
             grads.join(v, ("own", v), g.mem[v])  # accumulated from several: its own storage
     peak, saved = 0.0, 0.0
+    # dying inputs: the caller holds a segment's arguments for its whole (re)computation;
+    # afterwards only the ones some consumer saved (``keeps``: conservatively, all backward)
+    passed = g.mem_of(dying)
+    held = sum(g.mem[w] for w in g.members(dying) if g.keeps[w])
+    last_use = _last_use(g, verts, upper)
     transient: dict[int, float] = {}  # outputs autograd does not keep -> bytes, until last use
-    last_use = {}
-    for v in verts:
-        later = g.succ_mask[v]
-        if later & ~upper or not later:  # feeds a later block (or is the output): kept to the end
-            last_use[v] = g.n
-        else:
-            last_use[v] = (later & block).bit_length() - 1
     for p in verts:  # recompute (or first forward) of the block, pushed gradients waiting
         saved += g.saved[p]
         if not g.keeps[p]:
             transient[p] = g.mem[p]
-        peak = max(peak, grads.bytes + saved + sum(transient.values()) + g.work_fwd[p])
+        peak = max(peak, grads.bytes + passed + saved + sum(transient.values()) + g.work_fwd[p])
         for u in [u for u in transient if last_use[u] <= p]:
             del transient[u]
     for p in reversed(verts):  # backward through the block
@@ -137,7 +184,7 @@ def block_peak(g: Graph, lower: int, upper: int) -> float:
                 grads.join(u, grads.group[p], 0.0)
             else:
                 grads.join(u, ("own", u), g.mem[u])
-        peak = max(peak, saved + grads.bytes + g.work_bwd[p])
+        peak = max(peak, held + saved + grads.bytes + g.work_bwd[p])
         grads.leave(p)
         saved -= g.saved[p]
     peak += SCALAR_SLACK
@@ -145,17 +192,46 @@ def block_peak(g: Graph, lower: int, upper: int) -> float:
     return peak
 
 
+def step(g: Graph, lower: int, upper: int, dormant: int) -> tuple[float, float, int, float]:
+    """One block of a chain, given the dormant boundaries before it: (its peak on top of the
+    live retained bytes, bytes that join the live retained, the dormant set after it, its
+    recompute cost).
+
+    A checkpointed block whose ops save nothing (views, adds, dropout with p=0) is never
+    recomputed: nothing asks for its tensors in backward, so its inputs are not held for it and
+    it costs no recompute."""
+    key = ("step", lower, upper, dormant)
+    if key in g.peak_cache:
+        return g.peak_cache[key]  # type: ignore[return-value]
+    block = upper & ~lower
+    inputs = 0
+    for v in g.members(block):
+        inputs |= g.pred_mask[v]
+    inputs &= ~block
+    last = upper == g.full
+    holds = last or any(g.saves[v] for v in g.members(block))
+    dying = dormant & inputs if holds else 0
+    peak = block_peak(g, lower, upper, dying)
+    if not last:  # the checkpointed first forward holds every retained boundary
+        peak = max(peak, g.mem_of(dormant) + forward_scan(g, lower, upper) + SCALAR_SLACK)
+    cost = g.cost_of(block) - g.cost_of(g.boundary(block, upper)) if holds and not last else 0.0
+    # still dormant: not yet held by a consumer, and with a consumer to come (a tensor whose
+    # consumers all ran without holding it is gone once the forward has passed it)
+    after = ((dormant & ~dying) | g.boundary(block, upper)) & g.boundary(upper, upper)
+    out = (peak, g.mem_of(dying), after, cost)
+    g.peak_cache[key] = out  # type: ignore[assignment]
+    return out
+
+
 def evaluate(g: Graph, chain: list[int]) -> tuple[float, float]:
     """(predicted peak, overhead) of a chain of lower sets ending at V."""
-    retained = peak = overhead = 0.0
-    prev = 0
-    for i, s in enumerate(chain):
-        block = s & ~prev
-        peak = max(peak, retained + block_peak(g, prev, s))
-        w = g.boundary(block, s)
-        if i < len(chain) - 1:
-            overhead += g.cost_of(block) - g.cost_of(w)
-        retained += g.mem_of(w)
+    live = peak = overhead = 0.0
+    prev = dormant = 0
+    for s in chain:
+        bp, joins, dormant, cost = step(g, prev, s, dormant)
+        peak = max(peak, live + bp)
+        overhead += cost
+        live += joins
         prev = s
     return peak, overhead
 
@@ -182,44 +258,52 @@ def family(g: Graph, cap: int = 500) -> tuple[list[int], bool]:
 
 
 def dp(g: Graph, budget: float, sets: list[int], buckets: int | None = None) -> Plan | None:
-    """Least-overhead chain within ``sets`` whose predicted peak fits ``budget`` (None: none)."""
+    """Least-overhead chain within ``sets`` whose predicted peak fits ``budget`` (None: none).
+
+    States are (lower set, dormant boundaries); per state the Pareto front of (overhead, live
+    retained bytes). A transition is admissible only if its block's peak fits the budget, and
+    future peaks depend on the past only through the state and the retained bytes, so pruning
+    dominated pairs is exact."""
     quantum = (sum(g.cost) / buckets) if buckets else 0.0
-    # front[L]: {overhead key: (retained, overhead, previous L, previous key)}
-    front: dict[int, dict[float, tuple[float, float, int, float]]] = {0: {0.0: (0.0, 0.0, -1, 0.0)}}
+    # front[(L, D)]: {overhead key: (retained, overhead, previous state, previous key)}
+    front: dict[tuple[int, int], dict[float, tuple[float, float, tuple[int, int] | None, float]]] = {
+        (0, 0): {0.0: (0.0, 0.0, None, 0.0)}}
+    dormants: dict[int, set[int]] = {0: {0}}
     for a in sets:
-        if a not in front or a == g.full:
+        if a == g.full:
             continue
-        _prune(front[a])  # every transition into `a` is done: sets are sorted by size
-        pareto = list(front[a].items())
-        for b in sets:
-            if b & a != a or b == a:
-                continue
-            block = b & ~a
-            bp = block_peak(g, a, b)
-            w = g.boundary(block, b)
-            extra = 0.0 if b == g.full else g.cost_of(block) - g.cost_of(w)
-            m_w = g.mem_of(w)
-            for key, (ret, over, _, _) in pareto:
-                if ret + bp > budget:
+        for d in sorted(dormants.get(a, ())):
+            state = (a, d)
+            _prune(front[state])  # every transition into `a` is done: sets are sorted by size
+            pareto = list(front[state].items())
+            for b in sets:
+                if b & a != a or b == a:
                     continue
-                o = over + extra
-                k = round(o / quantum) * quantum if quantum else o
-                cur = front.setdefault(b, {}).get(k)
-                if cur is None or ret + m_w < cur[0] or (ret + m_w == cur[0] and o < cur[1]):
-                    front[b][k] = (ret + m_w, o, a, key)
-    if g.full not in front:
+                bp, joins, nd, extra = step(g, a, b, d)
+                for key, (ret, over, _, _) in pareto:
+                    if ret + bp > budget:
+                        continue
+                    o = over + extra
+                    k = round(o / quantum) * quantum if quantum else o
+                    nxt = front.setdefault((b, nd), {})
+                    dormants.setdefault(b, set()).add(nd)
+                    cur = nxt.get(k)
+                    if cur is None or ret + joins < cur[0] or (ret + joins == cur[0] and o < cur[1]):
+                        nxt[k] = (ret + joins, o, state, key)
+    ends = front.get((g.full, 0))
+    if not ends:
         return None
-    key, (_, _, prev, pkey) = min(front[g.full].items(), key=lambda kv: (kv[1][1], kv[1][0]))
-    chain, s, k = [g.full], prev, pkey
-    while s > 0:
-        chain.append(s)
-        _, _, s, k = front[s][k]
+    key, (_, _, prev, pkey) = min(ends.items(), key=lambda kv: (kv[1][1], kv[1][0]))
+    chain = [g.full]
+    while prev is not None and prev[0] > 0:
+        chain.append(prev[0])
+        _, _, prev, pkey = front[prev][pkey]
     chain.reverse()
     peak, overhead = evaluate(g, chain)
     return Plan(chain, peak, overhead)
 
 
-def _prune(states: dict[float, tuple[float, float, int, float]]) -> None:
+def _prune(states: dict[float, tuple]) -> None:
     """Drop Pareto-dominated (overhead, retained) pairs: same or more overhead, no less retained."""
     best = float("inf")
     for key, val in sorted(states.items(), key=lambda kv: (kv[1][1], kv[1][0])):
@@ -232,24 +316,28 @@ def _prune(states: dict[float, tuple[float, float, int, float]]) -> None:
 def min_peak(g: Graph, sets: list[int]) -> float:
     """Smallest predicted peak of any chain in ``sets`` (the smallest feasible budget).
 
-    Exact DP with Pareto pruning on (peak so far, retained): future block peaks depend on the
-    past only through the retained memory, so a pair dominated in both is never needed.
+    Exact DP over (lower set, dormant boundaries) with Pareto pruning on (peak so far, live
+    retained): future block peaks depend on the past only through those, so a pair dominated in
+    both is never needed.
     """
-    front: dict[int, list[tuple[float, float]]] = {0: [(0.0, 0.0)]}
+    front: dict[tuple[int, int], list[tuple[float, float]]] = {(0, 0): [(0.0, 0.0)]}
+    dormants: dict[int, set[int]] = {0: {0}}
     for a in sets:
-        if a not in front or a == g.full:
+        if a == g.full:
             continue
-        pairs, kept, best = sorted(front[a]), [], float("inf")
-        for peak, ret in pairs:
-            if ret < best:
-                kept.append((peak, ret))
-                best = ret
-        for b in sets:
-            if b & a != a or b == a:
-                continue
-            bp, m_w = block_peak(g, a, b), g.mem_of(g.boundary(b & ~a, b))
-            front.setdefault(b, []).extend((max(peak, ret + bp), ret + m_w) for peak, ret in kept)
-    return min(peak for peak, _ in front[g.full])
+        for d in sorted(dormants.get(a, ())):
+            pairs, kept, best = sorted(front[(a, d)]), [], float("inf")
+            for peak, ret in pairs:
+                if ret < best:
+                    kept.append((peak, ret))
+                    best = ret
+            for b in sets:
+                if b & a != a or b == a:
+                    continue
+                bp, joins, nd, _ = step(g, a, b, d)
+                dormants.setdefault(b, set()).add(nd)
+                front.setdefault((b, nd), []).extend((max(peak, ret + bp), ret + joins) for peak, ret in kept)
+    return min(peak for peak, _ in front[(g.full, 0)])
 
 
 def plan(g: Graph, budget: float | None, objective: str = "time", cap: int = 500,

@@ -34,6 +34,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.bench.child import saved_activation_bytes
+from videotrain.bench.child import saved_activation_bytes, saved_bytes
 from videotrain.engine.precision import Precision
 from videotrain.memory.base import MemoryStrategy
 from videotrain.memory.e2e import EndToEnd
@@ -216,14 +217,21 @@ class StepProbe:
             torch.cuda.synchronize(self.device)
 
     def _step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-              times: list[float] | None = None) -> None:
-        """One step as ``Trainer`` takes it (one micro-batch); ``times`` gets fwd, bwd, opt."""
+              times: list[float] | None = None, kept: list[int] | None = None) -> None:
+        """One step as ``Trainer`` takes it (one micro-batch); ``times`` gets fwd, bwd, opt;
+        ``kept`` the bytes the forward kept for backward (a lower bound of the step's peak)."""
         scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.key == "16")
         t0 = time.perf_counter()
         video = self.video[: self.clips].to(self.device)  # (B, T, C, H, W): inside the step, as in the trainer
         labels = self.labels[: self.clips].to(self.device)
-        with self.precision.autocast():
-            logits = model(video)  # (B, K)
+        with ExitStack() as stack:
+            count = None
+            if kept is not None:
+                count = stack.enter_context(saved_bytes(*model.parameters(), *model.buffers(), video))
+            with self.precision.autocast():
+                logits = model(video)  # (B, K)
+            if count is not None:
+                kept[:] = [count()]
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
         self._sync()
         t1 = time.perf_counter()
@@ -332,7 +340,11 @@ class StepProbe:
                 # and split, allocator state settles): measure the second, as the trainer's
                 # reported peak leaves out the first step
                 self._step(model, optimizer)
-                peak = self._metered(lambda: self._step(model, optimizer, times))
+                kept: list[int] = []
+                peak = self._metered(lambda: self._step(model, optimizer, times, kept))
+                # what the forward kept was allocated in the step: a floor under the meter, whose
+                # CPU reading can miss a small model's tensors (reused heap memory reads as 0)
+                peak = max(peak, float(kept[0]) if kept else 0.0)
             finally:
                 unprepare(model.backbone)
                 model.strategy = EndToEnd()

@@ -25,6 +25,7 @@ meanwhile snapshots the state then and re-enters it around its recompute.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -75,23 +76,90 @@ def replay_on_recompute(provider: ReplayProvider) -> Iterator[None]:
         _replay_providers.remove(provider)
 
 
+class _Held:
+    """A checkpointed call's inputs, from its forward until its recompute. Reported to any
+    :func:`collect_held` watching, so memory accounting can see them: saved-tensor hooks do not."""
+
+    __slots__ = ("__weakref__", "args", "kwargs")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args: tuple[Any, ...] | None = args
+        self.kwargs: dict[str, Any] | None = kwargs
+        for watcher in _watchers:
+            watcher.append(weakref.ref(self))
+
+
+_watchers: list[list[weakref.ref[_Held]]] = []
+
+
+@contextmanager
+def collect_held() -> Iterator[Callable[[], list[torch.Tensor]]]:
+    """In the body, checkpointed calls are noted; the yielded function lists the tensors those
+    calls still hold for their recompute (what a forward made there keeps beyond saved tensors)."""
+    seen: list[weakref.ref[_Held]] = []
+    _watchers.append(seen)
+
+    def held() -> list[torch.Tensor]:
+        holders = [h for h in (ref() for ref in seen) if h is not None and h.args is not None]
+        return [t for h in holders for t in (*h.args, *(h.kwargs or {}).values())
+                if isinstance(t, torch.Tensor)]
+
+    try:
+        yield held
+    finally:
+        _watchers.remove(seen)
+
+
 def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint; recomputes leave BN stats alone
-    and re-enter the forward-time contexts registered with :func:`replay_on_recompute`."""
+    and re-enter the forward-time contexts registered with :func:`replay_on_recompute`.
+
+    The inputs are let go once the recompute is done. ``torch.utils.checkpoint`` would keep
+    them until the whole segment's backward is over, although the recomputed ops already hold
+    whatever they save; releasing them is what lets a boundary tensor die as soon as the last
+    segment that reads it has been recomputed (the planner's cost model counts on it: a stem cut
+    ``conv, BN | ReLU`` frees the BN output before the stem's backward). So the inputs are passed
+    through a holder, not as checkpoint arguments; a zero-size anchor on their device stays an
+    argument so checkpoint still stashes and replays that device's RNG and autocast state.
+    In-place changes to an input between the forward and the recompute are refused (the check
+    ``torch.utils.checkpoint`` would have made on its saved inputs), and so is a second
+    recompute (a second backward through the segment with ``retain_graph=True``).
+    """
     calls = [0]
     replays = [provider() for provider in _replay_providers]  # snapshots, taken now
+    held = _Held(args, kwargs)
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    versions = [t._version for t in tensors]
+    anchor = torch.empty(0, device=tensors[0].device if tensors else "cpu")
+    del tensors
 
-    def run(*a: Any, **kw: Any) -> Any:
+    def run(_anchor: torch.Tensor) -> Any:
         calls[0] += 1
-        if calls[0] == 1 or not (bns or replays):
-            return fn(*a, **kw)
-        with ExitStack() as stack:  # a recompute in backward
-            for replay in replays:
-                stack.enter_context(replay())
-            stack.enter_context(isolated_bn_stats(bns))
-            return fn(*a, **kw)
+        if calls[0] == 1:
+            return fn(*held.args, **held.kwargs)
+        if held.args is None:
+            raise RuntimeError(
+                "a checkpointed segment was recomputed twice: its inputs are released after the "
+                "first recompute, so backward through it once per forward (no retain_graph=True)")
+        a, kw = held.args, held.kwargs
+        held.args = held.kwargs = None
+        try:
+            now = [t._version for t in (*a, *kw.values()) if isinstance(t, torch.Tensor)]
+            if now != versions:
+                raise RuntimeError(
+                    "an input of a checkpointed segment was modified in place after the forward; "
+                    "its recompute would not reproduce the forward")
+            if not (bns or replays):
+                return fn(*a, **kw)
+            with ExitStack() as stack:  # a recompute in backward
+                for replay in replays:
+                    stack.enter_context(replay())
+                stack.enter_context(isolated_bn_stats(bns))
+                return fn(*a, **kw)
+        finally:
+            del a, kw
 
-    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+    return checkpoint(run, anchor, use_reentrant=False)
 
 
 class CheckpointedForward:
