@@ -34,14 +34,14 @@ plus its *dormant* boundaries (retained, first consumer not yet reached):
     block i = L(i) \\ L(i-1), dormant D, live retained R (boundaries whose first consumer came):
       forward   = R + M(D) + no-grad scan of Vi (checkpointed forwards keep no saved tensors)
       backward  = R + block_peak(L(i-1), L(i), dying = D ∩ inputs(Vi))
-      then R += M(dying),  D = (D \\ dying) ∪ Wi
+      then R += M(dying),  D = ((D \\ dying) ∪ Wi) ∩ ∂(Li)
     A block whose ops save nothing is never recomputed and holds no inputs: its dying set is
-    empty (those boundaries stay dormant).
+    empty (those boundaries stay dormant, and are gone once no consumer is left to come).
 
 This is an upper bound of the measured peak of activations and activation gradients on the test
 models (parameter gradients are not activations and are left out) and within 25% of it.
 
-The exact DP keeps, per lower set, the Pareto front of (overhead, retained memory); a
+The exact DP keeps, per state, the Pareto front of (overhead, live retained memory); a
 transition is admissible only if its block's peak fits the budget, so pruning dominated pairs
 is exact. With ``buckets`` the overhead is quantized to ~``buckets`` distinct values (the
 paper's trick to bound the front). Above ``cap`` lower sets, the family of lower sets is the
