@@ -129,3 +129,16 @@ def test_cap_switches_to_the_approximate_family() -> None:
     g = random_dag(10, 1, p=0.15)
     p, _, exact = plan(g, budget=None, cap=3)
     assert not exact and p.chain[-1] == g.full
+
+
+def test_a_block_that_saves_nothing_is_never_recomputed() -> None:
+    """Adds and views save nothing: a checkpointed block of them is never recomputed, so it
+    costs no overhead and does not hold its input (which stays out of the live retained)."""
+    names, preds = [f"v{i}" for i in range(5)], [[], [0], [1], [2], [3]]
+    mem, cost = [4.0, 4.0, 4.0, 4.0, 1.0], [1.0, 2.0, 3.0, 5.0, 1.0]
+    chain_ = [0b00011, 0b01111, 0b11111]  # {v0, v1} | {v2, v3} | {v4}
+    saving = Graph(names, preds, mem, cost)
+    silent = Graph(names, preds, mem, cost, saves=[True, True, False, False, True])
+    assert evaluate(saving, chain_)[1] == 1.0 + 3.0  # each block recomputes all but its boundary
+    assert evaluate(silent, chain_)[1] == 1.0  # the middle block is never recomputed
+    assert evaluate(silent, chain_)[0] <= evaluate(saving, chain_)[0]
