@@ -256,9 +256,7 @@ class _SavedProp(ShapeProp):
             n.meta["output_saved"] = True
         n.meta["alias"] = bool(out_keys) and out_keys <= input_keys
         n.meta["alias_of"] = [a for a, keys in arg_keys.items() if keys & out_keys] if n.meta["alias"] else []
-        known = input_keys | out_keys
-        if n.op == "call_module":
-            known |= {_storage_key(p) for p in self.module.get_submodule(str(n.target)).parameters()}
+        known = input_keys | out_keys | self._param_keys
         # parameters are leaves that require grad: not activations
         internals = {  # storage key -> (weak ref, bytes)
             _storage_key(t): (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())

@@ -34,7 +34,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -224,10 +224,8 @@ class StepProbe:
         t0 = time.perf_counter()
         video = self.video[: self.clips].to(self.device)  # (B, T, C, H, W): inside the step, as in the trainer
         labels = self.labels[: self.clips].to(self.device)
-        with ExitStack() as stack:
-            count = None
-            if kept is not None:
-                count = stack.enter_context(saved_bytes(*model.parameters(), *model.buffers(), video))
+        counting = nullcontext() if kept is None else saved_bytes(*model.parameters(), *model.buffers(), video)
+        with counting as count:
             with self.precision.autocast():
                 logits = model(video)  # (B, K)
             if count is not None:

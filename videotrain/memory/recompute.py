@@ -92,6 +92,10 @@ class _Held:
 _watchers: list[list[weakref.ref[_Held]]] = []
 
 
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+
+
 @contextmanager
 def collect_held() -> Iterator[Callable[[], list[torch.Tensor]]]:
     """In the body, checkpointed calls are noted; the yielded function lists the tensors those
@@ -101,8 +105,7 @@ def collect_held() -> Iterator[Callable[[], list[torch.Tensor]]]:
 
     def held() -> list[torch.Tensor]:
         holders = [h for h in (ref() for ref in seen) if h is not None and h.args is not None]
-        return [t for h in holders for t in (*h.args, *(h.kwargs or {}).values())
-                if isinstance(t, torch.Tensor)]
+        return [t for h in holders for t in _tensors(h.args, h.kwargs)]
 
     try:
         yield held
@@ -128,7 +131,7 @@ def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm], *args: Any, *
     calls = [0]
     replays = [provider() for provider in _replay_providers]  # snapshots, taken now
     held = _Held(args, kwargs)
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    tensors = _tensors(args, kwargs)
     versions = [t._version for t in tensors]
     anchor = torch.empty(0, device=tensors[0].device if tensors else "cpu")
     del tensors
@@ -144,8 +147,7 @@ def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm], *args: Any, *
         a, kw = held.args, held.kwargs
         held.args = held.kwargs = None
         try:
-            now = [t._version for t in (*a, *kw.values()) if isinstance(t, torch.Tensor)]
-            if now != versions:
+            if [t._version for t in _tensors(a, kw)] != versions:
                 raise RuntimeError(
                     "an input of a checkpointed segment was modified in place after the forward; "
                     "its recompute would not reproduce the forward")
