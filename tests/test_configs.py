@@ -84,7 +84,7 @@ def _shrunk(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 def _instantiate_all(cfg: DictConfig) -> VideoClassifier:
     """What ``videotrain.run.train`` builds before its first step, without training."""
     settings = run.trainer_settings(cfg)
-    precision = Precision(cfg.trainer.precision, CPU)
+    precision = Precision(cfg.trainer.precision, CPU, cfg.trainer.cpu_conv_backward)
     assert cfg.sched.name == "cosine", "run.train accepts only sched.name=cosine"
     data, bad = run.build_data_from_cfg(cfg, CPU)
     assert bad == [] and data.num_classes == 4
@@ -161,7 +161,7 @@ def test_data_keys_are_build_data_arguments(compose_cfg, option: str) -> None:
 def test_trainer_keys_are_trainer_settings(compose_cfg, option: str) -> None:
     keys = set(compose_cfg([f"trainer={option}"]).trainer)
     fields = {f.name for f in dataclasses.fields(TrainerSettings)} - {"max_bad_fraction"}
-    run_level = {"precision", "sync_bn"}  # read by run.train, not by the loop
+    run_level = {"precision", "cpu_conv_backward", "sync_bn"}  # read by run.train, not by the loop
     assert keys == fields | run_level, keys ^ (fields | run_level)
 
 

@@ -140,7 +140,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(spec["overrides"]))
     device = resolve_device(cfg.device)
-    precision = Precision(cfg.trainer.precision, device)
+    precision = Precision(cfg.trainer.precision, device, cfg.trainer.cpu_conv_backward)
     seed_everything(cfg.seed)
     model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
     if spec.get("compile_budget") is not None:  # the torch.compile peer: min-cut recompute
@@ -163,7 +163,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     def step(measured: bool = False) -> float | None:
         with precision.autocast():
             logits = model(video)  # (B, K)
-        scaler.scale(F.cross_entropy(logits.float(), labels)).backward()
+        precision.backward(F.cross_entropy(logits.float(), labels))
         fwd_bwd = meter.stop() if measured else None  # high-water mark so far, not reset
         scaler.step(optimizer)
         scaler.update()
@@ -197,6 +197,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "device": str(device),
         "precision": precision.key,
+        "cpu_conv_backward": precision.cpu_conv_backward,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }

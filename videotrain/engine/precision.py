@@ -1,10 +1,16 @@
-"""Mixed precision: one autocast context and one GradScaler, chosen by ``trainer.precision``."""
+"""How a training step's arithmetic runs: autocast and the GradScaler (``trainer.precision``),
+and which CPU kernels compute convolution backwards (``trainer.cpu_conv_backward``, see
+``videotrain.engine.conv_backward``). The trainer, ``memory=auto``'s profiling steps and the
+benchmark all go through ``Precision.autocast`` and ``Precision.backward``, so the steps they
+measure are computed alike."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+from videotrain.engine.conv_backward import check_policy, conv_backward_kernels
 
 PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
 
@@ -14,10 +20,12 @@ class Precision:
 
     fp16 needs a GradScaler because its small exponent range underflows gradients; bf16 has
     fp32's range, so it needs none. On CPU, fp16 autocast is refused rather than silently
-    slow and unscaled.
+    slow and unscaled. ``cpu_conv_backward`` (``lean`` | ``onednn``) picks the CPU kernels of
+    convolution backwards in ``backward``; see ``videotrain.engine.conv_backward``.
     """
 
-    def __init__(self, precision: str | int, device: torch.device) -> None:
+    def __init__(self, precision: str | int, device: torch.device,
+                 cpu_conv_backward: str = "lean") -> None:
         key = str(precision)
         if key not in PRECISIONS:
             raise ValueError(f"trainer.precision must be one of 32, bf16, 16; got {precision!r}")
@@ -25,8 +33,15 @@ class Precision:
             raise ValueError("trainer.precision=16 needs CUDA; use trainer.precision=bf16 on CPU")
         self.key, self.dtype, self.device = key, PRECISIONS[key], device
         self.scaler = torch.amp.GradScaler(device.type, enabled=key == "16")
+        self.cpu_conv_backward = check_policy(cpu_conv_backward)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+        """``scaler.scale(loss).backward()`` (default: this run's scaler) under the CPU
+        convolution-backward policy."""
+        with conv_backward_kernels(self.cpu_conv_backward, self.device):
+            (scaler or self.scaler).scale(loss).backward()

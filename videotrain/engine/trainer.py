@@ -274,7 +274,7 @@ class Trainer:
             labels = batch["label"].to(self.device, non_blocking=True)
             with self._sync_context(last_micro=micro + 1 == s.grad_accum):
                 loss = self._loss(video, labels)
-                self.precision.scaler.scale(loss / s.grad_accum).backward()
+                self.precision.backward(loss / s.grad_accum)
             loss_sum += float(loss.detach())
             micro += 1
             st.consumed += batch_size

@@ -233,7 +233,7 @@ class StepProbe:
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
         self._sync()
         t1 = time.perf_counter()
-        scaler.scale(loss).backward()
+        self.precision.backward(loss, scaler)
         self._sync()
         t2 = time.perf_counter()
         if self.grad_clip:
