@@ -32,7 +32,10 @@ CPU = torch.device("cpu")
 
 def test_rule_is_weight_heavy_fp32_on_the_cpu() -> None:
     w = torch.empty(512, 512, 3, 3)  # 2.36M elements
-    assert routes_to_native(torch.empty(32, 512, 4, 4), w)  # 262k-element input
+    assert routes_to_native(torch.empty(32, 512, 4, 4), w)  # 262k-element input: 9x
+    assert routes_to_native(torch.empty(1, 576, 32, 32), w)  # exactly 4x
+    assert not routes_to_native(torch.empty(1, 577, 32, 32), w)  # just under 4x
+    assert not routes_to_native(torch.empty(32, 256, 7, 7), torch.empty(256, 256, 3, 3))  # 1.5x
     assert not routes_to_native(torch.empty(32, 64, 28, 28), torch.empty(64, 64, 3, 3))
     assert not routes_to_native(torch.empty(32, 512, 4, 4, dtype=torch.bfloat16), w.bfloat16())
     assert not routes_to_native(torch.empty(32, 512, 4, 4, device="meta"), w.to("meta"))
@@ -41,12 +44,12 @@ def test_rule_is_weight_heavy_fp32_on_the_cpu() -> None:
 def _resnet_and_batch(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
     model = torchvision.models.resnet18(num_classes=5).train()
-    x = torch.randn(4, 3, 64, 64)  # layer3 at 4x4, layer4 at 2x2: their 3x3 convs are weight-heavy
+    x = torch.randn(4, 3, 64, 64)  # layer4 at 2x2: its 3x3 convs' weights are 36x their input
     return model, x, torch.tensor([0, 1, 2, 3])
 
 
 def _weight_heavy_convs(model: nn.Module, x: torch.Tensor) -> int:
-    """How many convolutions of one forward have a weight larger than their input."""
+    """How many convolutions of one forward ``lean`` routes (weight >= 4x input)."""
     seen: list[bool] = []
     hooks = [m.register_forward_hook(lambda m, i, o: seen.append(routes_to_native(i[0], m.weight)))
              for m in model.modules() if isinstance(m, nn.Conv2d)]
@@ -133,8 +136,8 @@ def test_bf16_autocast_keeps_onednn() -> None:
 
 def test_precision_backward_runs_under_the_policy_and_uses_the_given_scaler() -> None:
     model, x, y = _resnet_and_batch()
-    precision = Precision("32", CPU)
-    assert precision.cpu_conv_backward == "lean"  # the default
+    assert Precision("32", CPU).cpu_conv_backward == "onednn"  # the default: PyTorch's kernels
+    precision = Precision("32", CPU, "lean")
     calls: list[torch.Tensor] = []
 
     class Spy(torch.amp.GradScaler):
@@ -159,7 +162,7 @@ def test_precision_backward_runs_under_the_policy_and_uses_the_given_scaler() ->
 
 
 def test_policy_is_validated_and_a_no_op_off_the_cpu() -> None:
-    with pytest.raises(ValueError, match="trainer.cpu_conv_backward must be one of lean, onednn"):
+    with pytest.raises(ValueError, match="trainer.cpu_conv_backward must be one of onednn, lean"):
         Precision("32", CPU, "fast")
     assert isinstance(conv_backward_kernels("onednn", CPU), contextlib.nullcontext)
     assert isinstance(conv_backward_kernels("lean", torch.device("cuda")), contextlib.nullcontext)

@@ -119,10 +119,10 @@ def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
     failed = [r for r in runs if r.get("error")]
     res = dict(failed[0] if failed else runs[0])
     if not failed and len(runs) > 1:
-        pooled = {k: [x for r in runs for x in r[k]]
-                  for k in ("step_times_s", "peak_mems_mb", "fwd_bwd_mems_mb")}
+        pooled = {k: [x for r in runs for x in r.get(k, [])]
+                  for k in ("step_times_s", "peak_mems_mb", "fwd_bwd_mems_mb", "metered_step_times_s")}
         res.update(step_stats(pooled["step_times_s"], pooled["peak_mems_mb"],
-                              pooled["fwd_bwd_mems_mb"], batch_size))
+                              pooled["fwd_bwd_mems_mb"], batch_size, pooled["metered_step_times_s"]))
     res["wall_s"] = sum(r.get("wall_s", 0.0) for r in runs)
     res["rounds"] = len(runs)
     row = {**spec, **res, "device": res.get("device", device)}

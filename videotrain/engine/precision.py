@@ -20,12 +20,12 @@ class Precision:
 
     fp16 needs a GradScaler because its small exponent range underflows gradients; bf16 has
     fp32's range, so it needs none. On CPU, fp16 autocast is refused rather than silently
-    slow and unscaled. ``cpu_conv_backward`` (``lean`` | ``onednn``) picks the CPU kernels of
+    slow and unscaled. ``cpu_conv_backward`` (``onednn`` | ``lean``) picks the CPU kernels of
     convolution backwards in ``backward``; see ``videotrain.engine.conv_backward``.
     """
 
     def __init__(self, precision: str | int, device: torch.device,
-                 cpu_conv_backward: str = "lean") -> None:
+                 cpu_conv_backward: str = "onednn") -> None:
         key = str(precision)
         if key not in PRECISIONS:
             raise ValueError(f"trainer.precision must be one of 32, bf16, 16; got {precision!r}")

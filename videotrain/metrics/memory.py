@@ -6,8 +6,11 @@ CPU (no allocator statistics): reset the kernel's high-water mark by writing ``5
 ``/proc/self/clear_refs``, run the step, then read ``VmHWM - VmRSS(before)``. glibc keeps
 freed small blocks in its heap, so large tensors must come from ``mmap`` and go back to the
 OS when freed; ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` does that (the same as starting the
-process with ``MALLOC_MMAP_THRESHOLD_=65536``). Where ``clear_refs`` is not writable the meter
-reports ``None`` rather than a wrong number.
+process with ``MALLOC_MMAP_THRESHOLD_=65536``). Memory freed to the heap *before* that (for
+example by an earlier model in the same process) stays resident, and malloc serves large
+requests from it without the resident set growing, so ``start`` first hands free heap pages back
+(``malloc_trim(0)``). Where ``clear_refs`` is not writable the meter reports ``None`` rather than
+a wrong number.
 """
 
 from __future__ import annotations
@@ -19,8 +22,17 @@ from pathlib import Path
 
 import torch
 
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest M_MMAP_THRESHOLD on 64-bit
 _mmap_threshold_set = False
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
 
 
 def _set_mmap_threshold(nbytes: int = 65536) -> None:
@@ -28,11 +40,32 @@ def _set_mmap_threshold(nbytes: int = 65536) -> None:
     if _mmap_threshold_set:
         return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(_M_MMAP_THRESHOLD, nbytes)
-    except (OSError, AttributeError):
+        _libc().mallopt(_M_MMAP_THRESHOLD, nbytes)
+    except AttributeError:  # no libc, or not glibc
         pass
     _mmap_threshold_set = True
+
+
+def keep_freed_memory() -> None:
+    """For timing, not metering: glibc keeps freed memory for reuse (mmap threshold at its
+    maximum, no trimming) instead of handing every large tensor back to the OS, so a step no
+    longer pays a fresh mapping and page faults for each allocation; roughly what a caching
+    allocator such as PyTorch's on CUDA does. The meter's setting stays undone for the rest of
+    the process: a CPU ``StepPeakMemory`` would under-read after this."""
+    try:
+        libc = _libc()
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
+    except AttributeError:
+        pass
+
+
+def _trim_heap() -> None:
+    """Return free heap pages to the OS, so reusing them shows in the resident set again."""
+    try:
+        _libc().malloc_trim(0)
+    except AttributeError:
+        pass
 
 
 def _status_kb(field: str) -> int:
@@ -65,6 +98,7 @@ class StepPeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            _trim_heap()
             self._ok = _reset_hwm()
             self._base = _status_kb("VmRSS") * 1024
 
