@@ -63,6 +63,14 @@ class _FullBatchStatsBN(torch.autograd.Function):
 
     which is e2e's BN backward when the absent rows are constants (their ``g`` is zero). With
     all rows present it is exactly e2e's BN backward. Only ``x`` is saved, like native BN.
+
+    The two per-channel sums come from ATen's fused BN backward in eval mode (its weight and
+    bias gradients are exactly ``sum(g * xhat)`` and ``sum(g)``), and ``dx`` from four in-place
+    passes over one fp32 buffer: ``w * invstd * g + (x - mean) * b + c`` with per-channel ``b``
+    and ``c``. ``(x - mean)`` is formed first, so a large mean does not cancel. This is the same
+    formula as computing ``xhat`` and ``centered`` in full-size temporaries, with the same
+    rounding against a float64 reference, in about half the time and one allocation instead of
+    seven (the step's BN backward was the largest Python-level cost of an SBP step).
     """
 
     @staticmethod
@@ -71,23 +79,28 @@ class _FullBatchStatsBN(torch.autograd.Function):
         mean: torch.Tensor, var: torch.Tensor, eps: float, count: int,
     ) -> torch.Tensor:
         y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)  # (n, C, *)
-        ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + eps))
-        ctx.count, ctx.has_bias = count, bias is not None
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.count, ctx.eps, ctx.has_bias = count, eps, bias is not None
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, mean, var = ctx.saved_tensors
         shape = (1, -1) + (1,) * (x.dim() - 2)  # broadcast (C,) over (n, C, *)
-        dims = [0, *range(2, x.dim())]
-        g = grad.float()
-        xhat = (x.float() - mean.view(shape)) * invstd.view(shape)
-        sum_g, sum_gx = g.sum(dims), (g * xhat).sum(dims)  # (C,), (C,)
+        # eval-mode BN backward with (mean, var) as its statistics: grad_weight = sum(g * xhat),
+        # grad_bias = sum(g); the weight only gives the shape when the layer has none
+        w = weight if weight is not None else torch.ones_like(mean)
+        _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
+            grad, x, w, mean, var, None, None, False, ctx.eps, [False, True, True])  # (C,), (C,)
+        sum_gx, sum_g = sum_gx.float(), sum_g.float()
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            scale = invstd if weight is None else invstd * weight.float()
-            centered = g - (sum_g / ctx.count).view(shape) - xhat * (sum_gx / ctx.count).view(shape)
-            gx = (centered * scale.view(shape)).to(x.dtype)
+            invstd = torch.rsqrt(var + ctx.eps)
+            scale = invstd if weight is None else invstd * weight.float()  # (C,)
+            gx = (x - mean.view(shape)).float()  # (n, C, *) fp32, one buffer
+            gx.mul_((-scale * invstd * sum_gx / ctx.count).view(shape))
+            gx.add_((-scale * sum_g / ctx.count).view(shape)).addcmul_(grad, scale.view(shape))
+            gx = gx.to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             gw = sum_gx.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
