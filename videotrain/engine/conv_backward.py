@@ -5,12 +5,13 @@ computes the weight gradient into a buffer in its own blocked layout and then re
 the plain tensor that autograd adds into ``.grad``, so two weight-sized buffers are alive at
 once. ATen's native kernel (what PyTorch runs with oneDNN switched off) writes the weight
 gradient once. For most convolutions the difference is noise, but not where the weight is
-larger than the input: a ResNet's last stage (512x512x3x3, 9.4 MB of weight against a 1 MB input
-for 32 frames of 112 px) is the first thing backward reaches, while every stored activation is
-still alive, so oneDNN's extra copy lands on top of the step's peak, in every memory strategy
-alike. Measured on the project's CPU (resnet18, B=2, T=16, 112 px): one such backward peaks at
-18.9 MB with oneDNN and 10.2 MB with the native kernel; the whole step's peak drops by about
-8.4 MB for e2e, SBP and frame dropout alike (see the README's benchmark section).
+larger than the input: a ResNet's last stage (512x512x3x3, 9.0 MiB of weight against a 1 MB
+input for 32 frames of 112 px) is the first thing backward reaches, while every stored activation
+is still alive, so oneDNN's extra copy lands on top of the step's peak, in every memory strategy
+alike. Measured on the project's CPU: one such backward (16 frames) peaks at 18.4 MB with oneDNN
+and 9.6 MB with the native kernel (``tests/engine/test_conv_backward.py``); at the bench setting
+(resnet18, B=2, T=16, 112 px) the whole step's peak drops by 8.4 MB for e2e, SBP and frame
+dropout alike (see the README's benchmark section).
 
 Policies:
 
@@ -23,9 +24,9 @@ every activation alive. By the time backward reaches a layer whose weight is abo
 size (resnet18's third stage at 32 frames), enough has been freed that oneDNN's copy no longer
 sets the peak, and routing it would only cost time (measured: routing resnet18's 7 layers with
 weight > input gave the same peak as routing its 3 layers at 4x, at a higher step time).
-Applies to fp32 on the CPU only. CUDA convolutions use cuDNN and are never touched, and bf16 keeps oneDNN, since
-the native bf16 kernel is far slower (about 80x on that 512x512 layer). The gradients are the
-same up to float rounding. The native kernel is slower (inside resnet18 at the bench setting,
+Applies to fp32 on the CPU only. CUDA convolutions use cuDNN and are never touched, and bf16
+keeps oneDNN, since the native bf16 kernel is far slower (about 80x on that 512x512 layer). The
+gradients are the same up to float rounding. The native kernel is slower (inside resnet18 at the bench setting,
 about 50 ms more per routed layer: e2e's backward 40% slower, its step about 20%), which is why
 it is not the default: it is for CPU runs where memory, not time, is what runs out.
 

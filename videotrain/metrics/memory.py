@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import re
 from pathlib import Path
 
@@ -28,6 +29,7 @@ _MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest M_MMAP_THRESHOLD on 64-bit
 _mmap_threshold_set = False
 
 
+@functools.cache  # find_library runs ldconfig: once per process, not once per step
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c"))
