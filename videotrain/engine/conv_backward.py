@@ -27,7 +27,7 @@ weight > input gave the same peak as routing its 3 layers at 4x, at a higher ste
 Applies to fp32 on the CPU only. CUDA convolutions use cuDNN and are never touched, and bf16
 keeps oneDNN, since the native bf16 kernel is far slower (about 80x on that 512x512 layer). The
 gradients are the same up to float rounding. The native kernel is slower (inside resnet18 at the bench setting,
-about 50 ms more per routed layer: e2e's backward 40% slower, its step about 20%), which is why
+about 50 ms more per routed layer: e2e's backward 40% slower, its step 27%), which is why
 it is not the default: it is for CPU runs where memory, not time, is what runs out.
 
 How: a dispatch mode is active only around ``loss.backward()`` (``Precision.backward``). The CPU
