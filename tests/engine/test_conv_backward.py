@@ -134,7 +134,8 @@ def test_bf16_autocast_keeps_onednn() -> None:
     assert all(p.grad.isfinite().all() for p in model.parameters())
 
 
-def test_precision_backward_runs_under_the_policy_and_uses_the_given_scaler() -> None:
+def test_precision_backward_runs_under_the_policy_and_uses_the_given_scaler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     model, x, y = _resnet_and_batch()
     assert Precision("32", CPU).cpu_conv_backward == "onednn"  # the default: PyTorch's kernels
     precision = Precision("32", CPU, "lean")
@@ -152,11 +153,8 @@ def test_precision_backward_runs_under_the_policy_and_uses_the_given_scaler() ->
         routed.append(self.routed)
         return real(self, *exc)
 
-    LeanConvBackward.__exit__ = record_exit
-    try:
-        precision.backward(F.cross_entropy(model(x), y), Spy("cpu", enabled=False))
-    finally:
-        LeanConvBackward.__exit__ = real
+    monkeypatch.setattr(LeanConvBackward, "__exit__", record_exit)
+    precision.backward(F.cross_entropy(model(x), y), Spy("cpu", enabled=False))
     assert len(calls) == 1 and routed == [_weight_heavy_convs(model, x)]
     assert all(p.grad is not None for p in model.parameters())
 

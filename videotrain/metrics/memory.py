@@ -37,14 +37,18 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+def _libc_call(name: str, *args: int) -> None:
+    """Call glibc's ``name``; a no-op where there is no libc, or it is not glibc."""
+    fn = getattr(_libc(), name, None)
+    if fn is not None:
+        fn(*args)
+
+
 def _set_mmap_threshold(nbytes: int = 65536) -> None:
     global _mmap_threshold_set
     if _mmap_threshold_set:
         return
-    try:
-        _libc().mallopt(_M_MMAP_THRESHOLD, nbytes)
-    except AttributeError:  # no libc, or not glibc
-        pass
+    _libc_call("mallopt", _M_MMAP_THRESHOLD, nbytes)
     _mmap_threshold_set = True
 
 
@@ -54,20 +58,8 @@ def keep_freed_memory() -> None:
     longer pays a fresh mapping and page faults for each allocation; roughly what a caching
     allocator such as PyTorch's on CUDA does. The meter's setting stays undone for the rest of
     the process: a CPU ``StepPeakMemory`` would under-read after this."""
-    try:
-        libc = _libc()
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-        libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
-    except AttributeError:
-        pass
-
-
-def _trim_heap() -> None:
-    """Return free heap pages to the OS, so reusing them shows in the resident set again."""
-    try:
-        _libc().malloc_trim(0)
-    except AttributeError:
-        pass
+    _libc_call("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    _libc_call("mallopt", _M_TRIM_THRESHOLD, 2**30)
 
 
 def _status_kb(field: str) -> int:
@@ -100,7 +92,7 @@ class StepPeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            _trim_heap()
+            _libc_call("malloc_trim", 0)  # free heap pages back: reusing them shows in RSS again
             self._ok = _reset_hwm()
             self._base = _status_kb("VmRSS") * 1024
 
