@@ -291,7 +291,7 @@ def test_describe_and_validation() -> None:
     assert (d["granularity"], d["sampler"], d["bn_policy"], d["grad_scale"]) == (
         "block", "uniform", "full_batch", "none")
     for bad in ({"keep_ratio": 0.0}, {"granularity": "layer"}, {"grad_scale": "sqrt"},
-                {"bn_policy": "split"}, {"nograd_chunk": 0}, {"sampler": "stride"}):
+                {"bn_policy": "split"}, {"nograd_chunk": 0}, {"sampler": "stride"}, {"lockstep": "no"}):
         with pytest.raises(ValueError):
             sbp(**bad)
     with pytest.raises(ValueError, match="blocks"):

@@ -1,6 +1,10 @@
 """SBP composed with recomputation (``memory=sbp memory.checkpoint=POLICY``): the kept-frame
 path is checkpointed, and nothing else changes: same logits, loss, gradients and BN buffers as
-plain SBP with the same mask seed, under both BN policies; fewer saved activations."""
+plain SBP with the same mask seed, under both BN policies; fewer saved activations.
+
+Composed SBP computes full-batch BN by record/apply (the lockstep pass does not checkpoint), so
+the plain twin uses ``lockstep=False`` for a bit-exact comparison; lockstep and record/apply
+agree to float rounding (``tests/memory/test_sbp_lockstep.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ def pair(kit, backbone: str, policy: str, bn_policy: str = "full_batch", keep_ra
     bb = kit.BACKBONES[backbone]()
     head = kit.make_head(bb.feature_dim)
     plain = VideoClassifier(copy.deepcopy(bb), copy.deepcopy(head),
-                            StochasticBackprop(keep_ratio, bn_policy=bn_policy, seed=3))
+                            StochasticBackprop(keep_ratio, bn_policy=bn_policy, seed=3,
+                                                               lockstep=False))
     composed = VideoClassifier(bb, head, StochasticBackprop(keep_ratio, bn_policy=bn_policy, seed=3,
                                                             checkpoint=policy))
     return plain.train(), composed.train()

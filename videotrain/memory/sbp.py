@@ -29,19 +29,28 @@ Two separate forwards (kept, dropped) would give two different batch statistics 
 running statistics twice. The policies:
 
 ``full_batch`` (default): forward output equals e2e's and running statistics update exactly
-once per step. The split unit (the whole backbone for ``frame``, a residual branch for
-``block``) first runs once under ``no_grad`` over *all* frames with BN's own training forward,
-which is e2e's forward: it updates the running statistics (once) and each BN records its
-full-batch mean and biased variance; the dropped frames' outputs come from this pass. The kept
-frames then rerun with autograd, and every BN normalizes them with the recorded statistics
-(forward equal to e2e's up to float rounding). Its backward is e2e's BN backward with the
-dropped frames held constant: gradients flow through the kept frames' share of the batch mean
-and variance, not through the dropped frames' share (their activations do not exist). So with
-BN the gradient differs from "e2e with the dropped *features* detached", which would also
-differentiate the dropped frames' activations through the statistics. Cost: one extra
-``no_grad`` forward of the kept frames (F(1+r) forward instead of F), and the no_grad pass is
-not chunked (exact statistics need every frame at every layer), so its transient is that of a
-plain no_grad forward over all B*T frames. Not supported with SyncBatchNorm.
+once per step. Every BN normalizes all frames with the batch statistics of all frames, computed
+by the layer's own training forward (e2e's forward, so the running statistics update once), and
+its backward is e2e's BN backward with the dropped frames held constant: gradients flow through
+the kept frames' share of the batch mean and variance, not through the dropped frames' share
+(their activations do not exist). So with BN the gradient differs from "e2e with the dropped
+*features* detached", which would also differentiate the dropped frames' activations through
+the statistics. Not supported with SyncBatchNorm. Two ways to compute it, the same values:
+
+- ``lockstep=true`` (default, frame granularity): one forward. The backbone is traced with
+  ``torch.fx`` and kept frames (autograd) and dropped frames (``no_grad``) run side by side;
+  at every BN they are put back together for the full-batch forward, whose rows are both
+  parts' outputs (``videotrain.memory.sbp_lockstep``). The BN forward is e2e's bit for bit.
+- record/apply (``lockstep=false``; block granularity; composed with ``checkpoint``; a
+  backbone ``torch.fx`` cannot trace): the split unit (the backbone, or one residual branch)
+  first runs under ``no_grad`` over *all* frames, recording each BN's statistics, and the
+  dropped frames' outputs come from that pass; the kept frames then rerun with autograd,
+  normalized with the recorded statistics (equal to e2e's up to float rounding). Cost: an
+  extra forward of the kept frames (F(1+r) instead of F); measured on the CPU bench at r=0.5,
+  it kept SBP's step at 0.95x of e2e's where lockstep measures 0.75x.
+
+Neither can chunk the dropped frames (exact statistics need every frame at every layer), so
+the transient is that of a plain no_grad forward over all B*T frames.
 
 ``frozen``: BN layers run in eval mode inside ``encode`` (running statistics normalize and are
 never updated), the official code's choice for pretrained backbones. Every frame is then
@@ -65,11 +74,12 @@ the paper's code.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from videotrain.memory.base import FrameFeatures, all_positions, encode_all_frames
@@ -77,6 +87,7 @@ from videotrain.memory.checkpoint import Recompute
 from videotrain.memory.recompute import replay_on_recompute
 from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
 from videotrain.memory.sbp_blocks import BlockSplitter, PatchedBlock, select_blocks
+from videotrain.memory.sbp_lockstep import lockstep_forward, lockstep_graph
 from videotrain.memory.sbp_split import (
     BN_POLICIES,
     FullBatchNorm,
@@ -108,6 +119,7 @@ class StochasticBackprop(SamplerStateMixin):
         rank: int | None = None,
         checkpoint: str | None = None,
         checkpoint_budget_frac: float | None = None,
+        lockstep: bool = True,
     ) -> None:
         n_keep(keep_ratio, 1)  # validates the ratio
         for key, value, allowed in (
@@ -118,6 +130,8 @@ class StochasticBackprop(SamplerStateMixin):
         ):
             if value not in allowed:
                 raise ValueError(f"memory.{key} must be one of {', '.join(allowed)}; got {value!r}")
+        if not isinstance(lockstep, bool):
+            raise ValueError(f"memory.lockstep must be true or false, got {lockstep!r}")
         if nograd_chunk < 1:
             raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
         if checkpoint is not None and granularity != "frame":
@@ -134,6 +148,9 @@ class StochasticBackprop(SamplerStateMixin):
         self.grad_scale = grad_scale
         self.blocks_spec = blocks if blocks is None or isinstance(blocks, int | float) else list(blocks)
         self.bn_policy = bn_policy
+        self.lockstep = lockstep
+        # (the backbone, its lockstep graph or None when untraceable), traced at first use
+        self._traced: tuple[weakref.ref[nn.Module], fx.Graph | None] | None = None
         self.sampler = FrameSampler(sampler, seed, rank)
         self.norm = FullBatchNorm()
         self.splitter = BlockSplitter(self.norm, self.nograd_chunk)
@@ -189,6 +206,12 @@ class StochasticBackprop(SamplerStateMixin):
         idx = self.sampler.sample(b, t, keep, video.device)  # (B, n)
         keep_rows, drop_rows = flat_rows(idx, t)  # (B*n,), (B*(T-n),)
         self.last_keep = idx
+        needs_stats = has_train_batchnorm(backbone.modules())
+        graph = self._lockstep_graph(backbone) if needs_stats else None
+        if graph is not None:  # full-batch BN in one pass (kept and dropped rows in lockstep)
+            feats = lockstep_forward(
+                graph, backbone, video.flatten(0, 1), keep_rows, drop_rows, self.norm, scale)
+            return FrameFeatures(feats.view(b, t, -1), all_positions(video))  # (B, T, D)
         kept_fn = None
         if self.recompute is not None:  # checkpoint the kept path (traced for its shape)
             kept_fn = self.recompute.kept_path(backbone, video.flatten(0, 1)[: b * keep])
@@ -198,7 +221,7 @@ class StochasticBackprop(SamplerStateMixin):
             keep_rows,
             drop_rows,
             self.norm,
-            needs_stats=has_train_batchnorm(backbone.modules()),
+            needs_stats=needs_stats,
             chunk=self.nograd_chunk,
             scale=scale,
             kept_fn=kept_fn,
@@ -217,6 +240,20 @@ class StochasticBackprop(SamplerStateMixin):
             self.last_block_keep[i] = idx
         with self.splitter.step(b * t, rows, scale):
             return encode_all_frames(backbone, video)  # wrapped blocks split their branches
+
+    def _lockstep_graph(self, backbone: nn.Module) -> fx.Graph | None:
+        """The lockstep graph of ``backbone`` (traced once per backbone object), or ``None``:
+        ``lockstep=False``, SBP composed with recomputation, or an untraceable backbone."""
+        if not self.lockstep or self.recompute is not None:
+            return None
+        if self._traced is None or self._traced[0]() is not backbone:
+            self._traced = (weakref.ref(backbone), lockstep_graph(backbone))
+        return self._traced[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_traced"] = None  # a weak reference does not pickle; copies trace their own
+        return state
 
     def _check_prepared(self, backbone: nn.Module) -> None:
         modules = list(backbone.modules())
@@ -243,4 +280,5 @@ class StochasticBackprop(SamplerStateMixin):
             "blocks": self.block_indices if self.granularity == "block" else None,
             "seed": self.sampler.seed,
             "checkpoint": None if self.recompute is None else self.recompute.policy,
+            "lockstep": self.lockstep,
         }

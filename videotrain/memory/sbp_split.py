@@ -20,6 +20,9 @@ unit (see ``videotrain.memory.sbp`` for the user-facing description):
 
 Without train-mode BN (LayerNorm ViTs, ``bn_policy=frozen``) there is nothing to record: the
 dropped rows run under ``no_grad`` in chunks of ``chunk`` frames and the kept rows run once.
+
+At frame granularity the default computes the same BN semantics in one pass instead of two
+(``videotrain.memory.sbp_lockstep``); record/apply remains the general path.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class ScaleGrad(torch.autograd.Function):
 class _FullBatchStatsBN(torch.autograd.Function):
     """BatchNorm of a subset of rows with statistics recorded over the full batch.
 
-    Forward: ``(x - mean) / sqrt(var + eps) * w + b`` with the recorded ``mean``, ``var``.
+    Forward: ``(x - mean) / sqrt(var + eps) * w + b`` with the recorded ``mean``, ``var``, or
+    ``out`` when given (the kept rows of the full-batch forward's output, which is that value).
     Backward (``xhat`` normalized input, ``g`` output grad, sums over the rows present and
     the spatial positions, ``M = count`` elements per channel in the *full* batch)::
 
@@ -77,8 +81,13 @@ class _FullBatchStatsBN(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
         mean: torch.Tensor, var: torch.Tensor, eps: float, count: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)  # (n, C, *)
+        if out is None:
+            y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)  # (n, C, *)
+        else:  # already computed by the full-batch forward (lockstep); returned as the output
+            ctx.mark_dirty(out)
+            y = out
         ctx.save_for_backward(x, weight, mean, var)
         ctx.count, ctx.eps, ctx.has_bias = count, eps, bias is not None
         return y
@@ -105,7 +114,7 @@ class _FullBatchStatsBN(torch.autograd.Function):
             gw = sum_gx.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = sum_g.to(grad.dtype if weight is None else weight.dtype)
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None
 
 
 class FullBatchNorm:
@@ -307,9 +316,17 @@ def split_forward(
                     out = y.new_empty((x.shape[0], *y.shape[1:]))
                 out.index_copy_(0, rows, y)
         kept = (kept_fn or fn)(x.index_select(0, keep_rows))  # (n, ...) with autograd
+    return merge_rows(kept, out, keep_rows, scale)
+
+
+def merge_rows(
+    kept: torch.Tensor, out: torch.Tensor | None, keep_rows: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """The kept rows ``(n, ...)`` written into ``out (N, ...)``, which holds the dropped rows
+    and no graph; the result's graph holds only the kept rows. ``scale`` multiplies the kept
+    rows' gradient. ``out=None``: nothing was dropped, the result is ``kept``."""
     if scale is not None and scale != 1.0:
         kept = ScaleGrad.apply(kept, scale)
-    if out is None:  # nothing dropped
+    if out is None:
         return kept
-    # in place into a tensor without history: the result's graph holds only the kept rows
-    return out.index_copy_(0, keep_rows, kept.to(out.dtype))
+    return out.index_copy_(0, keep_rows, kept.to(out.dtype))  # in place, into a graph-free tensor

@@ -1,0 +1,171 @@
+"""Lockstep full-batch BN (``sbp_lockstep``): the same values, statistics, gradients and stored
+activations as record/apply (``lockstep=False``), with every frame's convolutions run once; the
+general path when a backbone cannot be traced; no state left behind by an error.
+
+The SBP specification itself (gradient spec, forward = e2e, ratios) is tested in
+``test_sbp.py``, where lockstep is the default path for the BN ResNet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from videotrain.memory import StochasticBackprop
+from videotrain.memory.sbp_lockstep import lockstep_forward, lockstep_graph
+from videotrain.memory.sbp_split import FullBatchNorm, split_forward
+
+
+def sbp(**kw) -> StochasticBackprop:
+    return StochasticBackprop(**{"keep_ratio": 0.375, "seed": 0, "rank": 0, **kw})
+
+
+class OddNet(nn.Module):
+    """A BN net whose graph has every node kind the interpreter handles: modules, functions,
+    methods, a parameter read (get_attr), a tuple argument and a value used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(6, momentum=None)  # cumulative average: its own bookkeeping
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 6).view(6, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 3, H, W) -> (N, 12)
+        y = torch.relu(self.bn(self.conv(x))) * self.gain  # (N, 6, H, W)
+        z = self.bn2(self.conv2(y)) + y  # y used twice: its dropped rows must survive bn2
+        pooled = z.mean(dim=(2, 3))  # (N, 6), call_method
+        return torch.cat((pooled, pooled.square()), dim=1)  # tuple of split values
+
+
+class Untraceable(OddNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace it
+            x = x * 2
+        return super().forward(x)
+
+
+def _rows(n: int = 8, keep: tuple[int, ...] = (1, 4, 6)) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[list(keep)] = True
+    return mask.nonzero().flatten(), (~mask).nonzero().flatten()
+
+
+def _run(net: nn.Module, x: torch.Tensor, lockstep: bool) -> tuple[torch.Tensor, dict, dict]:
+    norm = FullBatchNorm()
+    norm.patch(net)
+    keep, drop = _rows(x.shape[0])
+    if lockstep:
+        graph = lockstep_graph(net)
+        assert graph is not None
+        out = lockstep_forward(graph, net, x, keep, drop, norm)
+    else:
+        out = split_forward(net, x, keep, drop, norm, needs_stats=True, chunk=2)
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    return out.detach(), grads, {n: b.clone() for n, b in net.named_buffers()}
+
+
+def test_every_node_kind_matches_record_apply(kit) -> None:
+    x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    got = _run(OddNet().train(), x, lockstep=True)
+    x_grad, x.grad = x.grad.clone(), None
+    want = _run(OddNet().train(), x, lockstep=False)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    kit.assert_close_dicts(got[1], want[1], rtol=1e-4, atol=1e-6)
+    kit.assert_close_dicts(got[2], want[2], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(x_grad, x.grad, rtol=1e-4, atol=1e-6)
+    keep, drop = _rows()
+    assert x_grad[drop].abs().sum() == 0 and x_grad[keep].abs().sum() > 0
+    assert int(got[2]["bn.num_batches_tracked"]) == int(got[2]["bn2.num_batches_tracked"]) == 1
+
+
+def test_forward_is_e2e_forward_bit_for_bit() -> None:
+    """Every BN's output is the full-batch forward's own rows: the kept rows' values come from
+    the same kernel call as the dropped rows', not from a second normalisation."""
+    x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(2))
+    ref = OddNet().train()
+    with torch.no_grad():
+        want = ref(x)
+    got = _run(OddNet().train(), x, lockstep=True)[0]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_model_level_matches_record_apply_and_runs_each_frame_once(kit) -> None:
+    x = kit.video()
+    out: dict[bool, tuple] = {}
+    for lockstep in (True, False):
+        _, model = kit.model_pair("resnet", sbp(lockstep=lockstep))
+        rows: list[int] = []
+        conv1 = model.backbone.net.conv1
+        hook = conv1.register_forward_hook(lambda _m, args, _o, rows=rows: rows.append(args[0].shape[0]))
+        logits = kit.step(model, x)
+        hook.remove()
+        out[lockstep] = (logits, kit.grads(model), kit.bn_buffers(model), rows)
+    n_rows, n_keep = kit.B * kit.T, kit.B * 3  # 0.375 * 8 = 3 frames per clip
+    assert out[True][3] == [n_keep, n_rows - n_keep]  # kept (autograd) + dropped: once each
+    assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
+    backbone = {k: v for k, v in out[True][1].items() if k.startswith("backbone.")}
+    kit.assert_close_dicts(backbone, {k: out[False][1][k] for k in backbone}, rtol=1e-4, atol=1e-6)
+    for name, buf in out[True][2].items():
+        if name.startswith("backbone."):  # the backbone's statistics: e2e's forward in both
+            assert torch.equal(buf, out[False][2][name]), name
+
+
+def test_stores_what_record_apply_stores(kit) -> None:
+    x = kit.video()
+    sizes = {}
+    for lockstep in (True, False):
+        strategy = sbp(keep_ratio=0.5, lockstep=lockstep)
+        bb = strategy.prepare(kit.BACKBONES["resnet"]().train())
+        sizes[lockstep] = kit.saved_bytes(lambda bb=bb, s=strategy: s.encode(bb, x), exclude=bb)
+    assert sizes[True] == sizes[False], sizes  # the same kept-row activations
+
+
+def test_untraceable_backbone_falls_back_to_record_apply() -> None:
+    net = Untraceable().train()
+    assert lockstep_graph(net) is None
+    assert lockstep_graph(OddNet()) is not None
+    x = torch.randn(8, 3, 6, 6)
+    strategy = sbp()
+    strategy.prepare(net)
+    out = strategy.encode(net, x.view(2, 4, 3, 6, 6))  # record/apply: still works
+    assert out.features.shape == (2, 4, 12) and out.features.requires_grad
+
+
+def test_error_mid_pass_leaves_no_phase_behind() -> None:
+    class Twice(OddNet):  # one BN called twice: full_batch refuses it
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.bn(self.conv(x))).flatten(1)
+
+    net = Twice().train()
+    norm = FullBatchNorm()
+    norm.patch(net)
+    keep, drop = _rows()
+    graph = lockstep_graph(net)
+    with pytest.raises(RuntimeError, match="ran twice"):
+        lockstep_forward(graph, net, torch.randn(8, 3, 6, 6), keep, drop, norm)
+    assert norm.phase is None and norm.stats == {}
+    with norm.record():  # usable again
+        pass
+
+
+def test_graph_is_traced_once_per_backbone_and_not_pickled(kit) -> None:
+    strategy = sbp()
+    bb = strategy.prepare(kit.BACKBONES["resnet"]().train())
+    x = kit.video()
+    strategy.encode(bb, x)
+    traced = strategy._traced
+    strategy.encode(bb, x)
+    assert strategy._traced is traced and traced[1] is not None
+    assert strategy.__getstate__()["_traced"] is None
+    assert sbp(lockstep=False).describe()["lockstep"] is False
+
+
+def test_composed_with_recomputation_uses_record_apply(kit) -> None:
+    strategy = sbp(checkpoint="sqrt")
+    bb = strategy.prepare(kit.BACKBONES["resnet"]().train())
+    assert strategy._lockstep_graph(bb) is None
