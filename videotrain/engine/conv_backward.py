@@ -8,32 +8,35 @@ gradient once. For most convolutions the difference is noise, but not where the 
 larger than the input: a ResNet's last stage (512x512x3x3, 9.0 MiB of weight against a 1 MB
 input for 32 frames of 112 px) is the first thing backward reaches, while every stored activation
 is still alive, so oneDNN's extra copy lands on top of the step's peak, in every memory strategy
-alike. Measured on the project's CPU: one such backward (16 frames) peaks at 18.4 MB with oneDNN
-and 9.6 MB with the native kernel (``tests/engine/test_conv_backward.py``); at the bench setting
-(resnet18, B=2, T=16, 112 px) the whole step's peak drops by 8.4 MB for e2e, SBP and frame
-dropout alike (see the README's benchmark section).
+alike (about 19 MB of e2e's 187 MB at the bench setting, and of SBP's 105 MB at r=0.5).
 
 Policies:
 
 ``onednn`` (default): PyTorch's own choice for every convolution.
 
-``lean``: a convolution whose weight has at least ``WEIGHT_TO_INPUT`` (4) times as
-many elements as its input runs its backward through the native kernel; every other convolution
-keeps oneDNN. Those are the layers where the copy matters: backward reaches them first, with
-every activation alive. By the time backward reaches a layer whose weight is about its input's
-size (resnet18's third stage at 32 frames), enough has been freed that oneDNN's copy no longer
-sets the peak, and routing it would only cost time (measured: routing resnet18's 7 layers with
-weight > input gave the same peak as routing its 3 layers at 4x, at a higher step time).
-Applies to fp32 on the CPU only. CUDA convolutions use cuDNN and are never touched, and bf16
-keeps oneDNN, since the native bf16 kernel is far slower (about 80x on that 512x512 layer). The
-gradients are the same up to float rounding. The native kernel is slower (inside resnet18 at the bench setting,
-about 50 ms more per routed layer: e2e's backward 40% slower, its step 27%), which is why
-it is not the default: it is for CPU runs where memory, not time, is what runs out.
+``lean``: a convolution whose weight has at least ``WEIGHT_TO_INPUT`` (4) times as many
+elements as its input computes its backward in two calls: the input gradient with oneDNN (its
+fastest kernel; its transient, a weight reorder, is freed before the next call), then the weight
+and bias gradients with the native kernel (one buffer). Every other convolution keeps oneDNN.
+Those are the layers where the copy matters: backward reaches them first, with every activation
+alive. Measured on the project's CPU: one 512x512 layer's backward at 32 frames peaks at 10.9 MB
+against oneDNN's 18.9 MB, in 38 against 41 ms in isolation; inside resnet18 at the bench
+setting the step peak drops by 8 MB for e2e, SBP and frame dropout alike. The step costs more
+than those kernel times suggest: e2e +2% pooled over three bench rounds, +5% (bare resnet18)
+to +13% (the bench model) alternating both policies in one process. Most of it is not the
+kernel: leaving oneDNN on for both calls cost the bare resnet18's backward +8 ms where
+switching it off cost +60 ms, in the same alternation. (With oneDNN off, PyTorch selects its
+NNPACK backend for these layers, ``torch._C._select_conv_backend``.) That is why it is not the
+default: it is for CPU runs where memory, not time, runs out. Applies to fp32 on the CPU only: CUDA convolutions use
+cuDNN and are never touched, and bf16 keeps oneDNN, since the native bf16 kernel is far slower
+(about 80x on that 512x512 layer). The gradients are the same up to float rounding.
 
-How: a dispatch mode is active only around ``loss.backward()`` (``Precision.backward``). The CPU
-autograd engine runs backward in the calling thread, so the mode sees each
-``aten.convolution_backward`` and re-runs the routed ones with oneDNN disabled for that call
-alone.
+How: ``LeanConv``, a torch function mode, is active during the training forward
+(``Precision.autocast``) and records each routed ``conv2d`` as ``_LeanConv2d``, whose backward
+makes the two calls. (An earlier version intercepted every operation of the backward with a
+dispatch mode and ran the whole backward natively: e2e's step +27%.) Calls under
+``no_grad``, autocast, ``torch.compile``'s tracing, fx proxies and tensor subclasses, and
+string paddings are left to PyTorch.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.overrides import TorchFunctionMode
 
 POLICIES = ("onednn", "lean")
 WEIGHT_TO_INPUT = 4  # lean routes a convolution whose weight has this many times its input's elements
@@ -71,24 +77,92 @@ def onednn_disabled() -> Iterator[None]:
         torch._C._set_mkldnn_enabled(before)
 
 
-class LeanConvBackward(TorchDispatchMode):
-    """Routes weight-heavy fp32 CPU convolution backwards to ATen's native kernel (``lean``).
+class _LeanConv2d(torch.autograd.Function):
+    """``F.conv2d`` whose backward is ``_split_backward``: what ``lean`` records in place of
+    autograd's own convolution node. It saves what that node saves (input and weight)."""
 
-    ``routed`` counts the calls it routed, so tests and users can see that it acted."""
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.conf = (stride, padding, dilation, groups)
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)  # (N, C_out, H', W')
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conf
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                ctx.bias_sizes is not None and ctx.needs_input_grad[2]]
+        gi, gw, gb = _split_backward(
+            grad.contiguous(), x, weight, ctx.bias_sizes, stride, padding, dilation, groups, mask)
+        return gi, gw, gb, None, None, None, None
+
+
+def _split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    bias_sizes: list[int] | None, stride: list[int], padding: list[int],
+                    dilation: list[int], groups: int, mask: list[bool]) -> tuple:
+    """One convolution backward as two calls: the input gradient through oneDNN (its fastest
+    kernel; its transient, a weight reorder, is freed before the next call), then the weight and
+    bias gradients through the native kernel, which writes the weight gradient once."""
+    def backward(output_mask: list[bool]) -> tuple:
+        return _CONV_BACKWARD(grad, x, weight, bias_sizes, stride, padding, dilation, False,
+                              [0] * len(stride), groups, output_mask)
+
+    grad_input = backward([True, False, False])[0] if mask[0] else None
+    grad_weight = grad_bias = None
+    if mask[1] or mask[2]:
+        with onednn_disabled():
+            _, grad_weight, grad_bias = backward([False, mask[1], mask[2]])
+    return grad_input, grad_weight, grad_bias
+
+
+def _pair(v: int | tuple[int, ...] | list[int]) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(i) for i in v]
+
+
+class LeanConv(TorchFunctionMode):
+    """Records weight-heavy fp32 CPU 2-d convolutions with ``_LeanConv2d`` (``lean``).
+
+    A function mode active during the *forward* (``Precision.autocast``): every torch call of
+    the forward passes through it, and only routed ``conv2d`` calls (three in resnet18) do more
+    than one identity check, where a dispatch mode around backward would intercept every
+    operation of the backward. A checkpointed segment's recompute, which runs in backward, uses
+    PyTorch's kernels. ``routed`` counts the convolutions it recorded, so tests and users can
+    see that it acted."""
 
     def __init__(self) -> None:
         super().__init__()
         self.routed = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        # convolution_backward(grad_output, input, weight, ...)
-        if func is _CONV_BACKWARD and routes_to_native(args[1], args[2]):
+        # torch.compile traces the forward itself: its graph keeps PyTorch's kernels
+        if func is F.conv2d and not torch.compiler.is_compiling() and _routed_call(args, kwargs):
             self.routed += 1
-            with onednn_disabled():
-                return func(*args, **kwargs)
+            x, weight, bias, stride, padding, dilation, groups = _conv2d_args(*args, **kwargs)
+            return _LeanConv2d.apply(x, weight, bias, _pair(stride), _pair(padding),
+                                     _pair(dilation), groups)
         return func(*args, **kwargs)
+
+
+def _routed_call(args: tuple, kwargs: dict) -> bool:
+    """Whether ``LeanConv`` records this ``conv2d`` call with ``_LeanConv2d``."""
+    x, weight, _, _, padding, _, _ = _conv2d_args(*args, **kwargs)
+    if type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter):
+        return False  # fx proxies, fake and other subclass tensors: left to PyTorch
+    return (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            and not isinstance(padding, str)  # "same" / "valid": left to PyTorch
+            and x.dim() == 4 and not torch.is_autocast_enabled("cpu")
+            and routes_to_native(x, weight))
+
+
+def _conv2d_args(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1) -> tuple:
+    return input, weight, bias, stride, padding, dilation, groups
 
 
 def check_policy(policy: str) -> str:
@@ -99,8 +173,8 @@ def check_policy(policy: str) -> str:
 
 
 def conv_backward_kernels(policy: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The context to run ``loss.backward()`` in: ``LeanConvBackward`` for ``lean`` on the CPU,
-    otherwise a no-op."""
+    """The context to run the training *forward* in (the backward follows what it recorded):
+    ``LeanConv`` for ``lean`` on the CPU, otherwise a no-op."""
     if check_policy(policy) == "lean" and device.type == "cpu":
-        return LeanConvBackward()
+        return LeanConv()
     return contextlib.nullcontext()

@@ -21,7 +21,8 @@ class Precision:
     fp16 needs a GradScaler because its small exponent range underflows gradients; bf16 has
     fp32's range, so it needs none. On CPU, fp16 autocast is refused rather than silently
     slow and unscaled. ``cpu_conv_backward`` (``onednn`` | ``lean``) picks the CPU kernels of
-    convolution backwards in ``backward``; see ``videotrain.engine.conv_backward``.
+    fp32 convolution backwards, recorded in the forward (``autocast``); see
+    ``videotrain.engine.conv_backward``.
     """
 
     def __init__(self, precision: str | int, device: torch.device,
@@ -36,12 +37,12 @@ class Precision:
         self.cpu_conv_backward = check_policy(cpu_conv_backward)
 
     def autocast(self) -> contextlib.AbstractContextManager:
+        """The context of a forward pass: autocast, or in fp32 the CPU convolution-backward
+        policy (which records the kernels the backward will run)."""
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return conv_backward_kernels(self.cpu_conv_backward, self.device)
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
-        """``scaler.scale(loss).backward()`` (default: this run's scaler) under the CPU
-        convolution-backward policy."""
-        with conv_backward_kernels(self.cpu_conv_backward, self.device):
-            (scaler or self.scaler).scale(loss).backward()
+        """``scaler.scale(loss).backward()`` (default: this run's scaler)."""
+        (scaler or self.scaler).scale(loss).backward()
