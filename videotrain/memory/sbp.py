@@ -47,7 +47,7 @@ the statistics. Not supported with SyncBatchNorm. Two ways to compute it, the sa
   dropped frames' outputs come from that pass; the kept frames then rerun with autograd,
   normalized with the recorded statistics (equal to e2e's up to float rounding). Cost: an
   extra forward of the kept frames (F(1+r) instead of F); measured on the CPU bench at r=0.5,
-  it kept SBP's step at 0.95x of e2e's where lockstep measures 0.75x.
+  it kept SBP's step at 0.95x of e2e's where lockstep measures 0.74-0.82x.
 
 Neither can chunk the dropped frames (exact statistics need every frame at every layer), so
 the transient is that of a plain no_grad forward over all B*T frames.
