@@ -31,6 +31,7 @@ with recomputation), uses record/apply instead; ``lockstep_graph`` returns ``Non
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -117,7 +118,7 @@ def lockstep_forward(
                 if node.op == "placeholder":
                     env[node] = Split(x.index_select(0, keep_rows), x.index_select(0, drop_rows))
                 elif node.op == "get_attr":
-                    env[node] = _fetch(root, str(node.target))
+                    env[node] = attrgetter(str(node.target))(root)  # a parameter or buffer
                 elif node.op == "output":
                     result = map_aggregate(node.args[0], lambda n: env[n] if isinstance(n, fx.Node) else n)
                 else:
@@ -132,13 +133,6 @@ def lockstep_forward(
     out = dropped.new_empty((n_rows, *dropped.shape[1:]))  # (N, ...), no graph
     out.index_copy_(0, drop_rows, dropped)
     return merge_rows(result.kept, out, keep_rows, scale)
-
-
-def _fetch(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for name in target.split("."):
-        obj = getattr(obj, name)
-    return obj
 
 
 def _run(
