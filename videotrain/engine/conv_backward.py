@@ -141,17 +141,17 @@ class LeanConv(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         # torch.compile traces the forward itself: its graph keeps PyTorch's kernels
-        if func is F.conv2d and not torch.compiler.is_compiling() and _routed_call(args, kwargs):
-            self.routed += 1
+        if func is F.conv2d and not torch.compiler.is_compiling():
             x, weight, bias, stride, padding, dilation, groups = _conv2d_args(*args, **kwargs)
-            return _LeanConv2d.apply(x, weight, bias, _pair(stride), _pair(padding),
-                                     _pair(dilation), groups)
+            if _routed_call(x, weight, padding):
+                self.routed += 1
+                return _LeanConv2d.apply(x, weight, bias, _pair(stride), _pair(padding),
+                                         _pair(dilation), groups)
         return func(*args, **kwargs)
 
 
-def _routed_call(args: tuple, kwargs: dict) -> bool:
+def _routed_call(x: Any, weight: Any, padding: Any) -> bool:
     """Whether ``LeanConv`` records this ``conv2d`` call with ``_LeanConv2d``."""
-    x, weight, _, _, padding, _, _ = _conv2d_args(*args, **kwargs)
     if type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter):
         return False  # fx proxies, fake and other subclass tensors: left to PyTorch
     return (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

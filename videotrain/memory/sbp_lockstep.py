@@ -39,7 +39,7 @@ from torch import fx, nn
 from torch.fx.node import map_aggregate
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.sbp_split import FullBatchNorm, _FullBatchStatsBN, merge_rows
+from videotrain.memory.sbp_split import FullBatchNorm, full_batch_stats_bn, merge_rows
 
 
 class Split:
@@ -181,6 +181,4 @@ def _batchnorm(
         dropped_out = out.index_select(0, drop_rows)  # (N - n, C, *)
         del out
     mean, var = norm.stats[bn]
-    count = n_rows * (kept[0, 0].numel() if kept.dim() > 2 else 1)  # elements per channel
-    kept_out = _FullBatchStatsBN.apply(kept, bn.weight, bn.bias, mean, var, bn.eps, count, kept_out)
-    return Split(kept_out, dropped_out)
+    return Split(full_batch_stats_bn(bn, kept, mean, var, n_rows, kept_out), dropped_out)

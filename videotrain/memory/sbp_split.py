@@ -198,8 +198,17 @@ class FullBatchNorm:
         if bn not in self.stats:
             raise RuntimeError(f"no recorded full-batch statistics for {type(bn).__name__}")
         mean, var = self.stats[bn]
-        count = self.total_rows * (x[0, 0].numel() if x.dim() > 2 else 1)  # elements / channel
-        return _FullBatchStatsBN.apply(x, bn.weight, bn.bias, mean, var, bn.eps, count)
+        return full_batch_stats_bn(bn, x, mean, var, self.total_rows)
+
+
+def full_batch_stats_bn(
+    bn: _BatchNorm, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, total_rows: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``bn`` on the rows ``x (n, C, *)`` of a ``total_rows``-row batch whose statistics are
+    ``mean``, ``var`` (``_FullBatchStatsBN``); ``out``: the forward value, when already known."""
+    count = total_rows * (x[0, 0].numel() if x.dim() > 2 else 1)  # elements per channel
+    return _FullBatchStatsBN.apply(x, bn.weight, bn.bias, mean, var, bn.eps, count, out)
 
 
 def _train_bn_with_stats(
