@@ -102,6 +102,12 @@ def test_time_prediction_orders_plans() -> None:
     cs = by_name(cands())
     assert cs["ckpt-a"].predicted_time < cs["ckpt-b"].predicted_time  # less recompute
     assert cs["sbp+checkpoint r=0.500"].predicted_time > cs["sbp r=0.500"].predicted_time
+    # a backbone that traces runs full-batch SBP in lockstep: one forward, no record pass
+    lock = by_name(cands(profile(lockstep=True)))
+    assert lock["sbp r=0.500"].predicted_time == pytest.approx(sbp_time(p, 0.5, record_pass=False))
+    assert lock["sbp r=0.500"].predicted_time < cs["sbp r=0.500"].predicted_time
+    assert lock["sbp+checkpoint r=0.500"].predicted_time == pytest.approx(  # still record/apply
+        cs["sbp+checkpoint r=0.500"].predicted_time)
 
 
 def test_keep_counts_are_distinct_frame_counts() -> None:

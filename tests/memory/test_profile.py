@@ -62,6 +62,7 @@ def test_profile_leaves_the_run_untouched(probed) -> None:
 def test_profile_figures_are_consistent(probed) -> None:
     _, _, prof, sbp, ckpt, _, _ = probed
     assert prof.frames == 16 and prof.has_batchnorm
+    assert prof.lockstep  # the resnet traces, so full-batch SBP runs in one forward
     assert 0 < prof.saved_backbone <= prof.saved_total
     assert prof.input_bytes == 16 * 3 * 96 * 96 * 4
     # the step holds every saved activation at once, and more (gradients in flight)

@@ -32,10 +32,11 @@ peak ``N`` of a ``no_grad`` backbone forward over all frames:
 
 Predicted step time (seconds), from the profile's phase times with the backbone's share of the
 forward ``s = t_fwd_backbone / t_fwd`` (the backward is split in the same proportion): e2e
-``t_fwd + t_bwd + t_opt``; checkpoint adds ``overhead_frac * t_fwd_backbone``; sbp runs the
-backbone forward ``1 + r`` times with full-batch BN (else once) and ``r`` of its backward; sbp+
-checkpoint adds ``r * t_fwd_backbone``; frame dropout is ``r`` of fwd+bwd. Times only break
-ties; memory decides.
+``t_fwd + t_bwd + t_opt``; checkpoint adds ``overhead_frac * t_fwd_backbone``; sbp runs ``r`` of
+the backbone's backward and its forward once, or ``1 + r`` times where full-batch BN statistics
+are recorded by a separate pass (the backbone does not trace for lockstep, ``Profile.lockstep``,
+and always for sbp+checkpoint, which adds ``r * t_fwd_backbone`` of recompute); frame dropout
+is ``r`` of fwd+bwd. Times only break ties; memory decides.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ def sbp_peak(p: Profile, keep: int, record_pass: bool, chunk: int) -> float:
 
 
 def sbp_time(p: Profile, r: float, record_pass: bool) -> float:
+    """Predicted SBP step (s); ``record_pass``: full-batch BN statistics recorded by an extra
+    ``no_grad`` forward before the kept frames' forward (record/apply, not lockstep)."""
     fb, fh, bb, bh = _split(p)
     return fb * ((1 + r) if record_pass else 1.0) + fh + r * bb + bh + p.opt_s
 
@@ -183,11 +186,13 @@ def build_candidates(p: Profile, checkpoint_plans: list[dict[str, Any]], opt: Op
         r = k / t
         full = p.has_batchnorm  # full_batch BN needs the unchunked record pass
         cands.append(Candidate(f"sbp r={r:.3f}", "sbp", {"keep_ratio": r, "bn_policy": "full_batch", **common},
-                               TIER_SBP, r, sbp_peak(p, k, full, opt.nograd_chunk), sbp_time(p, r, full)))
+                               TIER_SBP, r, sbp_peak(p, k, full, opt.nograd_chunk),
+                               sbp_time(p, r, full and not p.lockstep)))
         if opt.sbp_checkpoint:
             c = Candidate(f"sbp+checkpoint r={r:.3f}", "sbp_checkpoint",
                           {"keep_ratio": r, "bn_policy": "full_batch", "checkpoint": opt.sbp_checkpoint, **common},
-                          TIER_SBP, r, None, sbp_time(p, r, full) + r * _split(p)[0], isolated=True)
+                          TIER_SBP, r, None, sbp_time(p, r, full) + r * _split(p)[0],  # record/apply
+                          isolated=True)
             c.skip = opt.sbp_checkpoint_error
             cands.append(c)
         if p.has_batchnorm:
