@@ -158,6 +158,9 @@ def run_overrides(tiny_root: Path) -> Callable[..., list[str]]:
             *TINY_MODEL_OVERRIDES,
             "trainer.log_every_n_steps=1",
             "trainer.max_epochs=1",
+            # meter every step: in-process runs must not leave pytest's process in the fast
+            # allocator regime, where a later test's meter would misread
+            "trainer.cpu_metered_steps=null",
         ]
         return ov + [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
 

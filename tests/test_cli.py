@@ -17,7 +17,7 @@ def test_end_to_end_cli_from_any_directory(run_cli, tiny_root: Path, tiny_synthe
                                            tmp_path: Path) -> None:
     # the default data group (synthetic) finds the session dataset in $VIDEOTRAIN_CACHE
     args = [*tiny_synthetic_overrides, *shrink_overrides, *tiny_model_overrides,
-            "trainer.max_epochs=1", "trainer.log_every_n_steps=1"]
+            "trainer.max_epochs=1", "trainer.log_every_n_steps=1", "trainer.cpu_metered_steps=2"]
     cwd = tmp_path / "somewhere"
     cwd.mkdir()
     done = run_cli(args, cwd=cwd)
@@ -31,8 +31,13 @@ def test_end_to_end_cli_from_any_directory(run_cli, tiny_root: Path, tiny_synthe
         assert 0.0 <= results[key] <= 1.0, (key, results[key])
     assert results["val_top5"] == 1.0  # 4 classes: the label is always in the top 5
     peak = results["train_peak_mem_mb"]
+    rows = metrics_rows(run_dir)
+    steps = [r for r in rows if "train_loss" in r]
     if os.access("/proc/self/clear_refs", os.W_OK):  # the CPU meter can measure here
         assert isinstance(peak, float) and peak >= 0  # (a tiny model may reuse freed memory)
+        # trainer.cpu_metered_steps=2: steps 1 and 2 metered (the figure is step 2's), 3-4 not
+        assert [r["peak_mem_mb"] is not None for r in steps] == [True, True, False, False]
+        assert peak == steps[1]["peak_mem_mb"]
     else:  # it reports nothing rather than a wrong number
         assert peak is None
     assert results["step_time_s"] > 0 and results["clips_per_s"] > 0
@@ -41,8 +46,7 @@ def test_end_to_end_cli_from_any_directory(run_cli, tiny_root: Path, tiny_synthe
     assert results["class_names"] == (tiny_root / "classes.txt").read_text().split()
 
     assert (run_dir / "config.yaml").exists()
-    rows = metrics_rows(run_dir)
-    assert [r["step"] for r in rows if "train_loss" in r] == [1, 2, 3, 4]  # one line per step
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]  # one line per step
     val = [r for r in rows if "val_top1" in r]
     assert len(val) == 1 and val[0]["val_top1"] == results["val_top1"]
 
@@ -72,6 +76,7 @@ def test_cli_bad_value_fails_naming_it(run_cli, run_overrides, tmp_path: Path) -
         ("optim.name=foo", "optim.name must be 'adamw' or 'sgd', got 'foo'"),
         ("trainer.grad_accum=0", "trainer.grad_accum must be >= 1"),
         ("trainer.max_epochs=0", "trainer.max_epochs must be >= 1"),
+        ("trainer.cpu_metered_steps=1", "trainer.cpu_metered_steps must be >= 2"),
         ("sched.name=step", "sched.name must be 'cosine'"),
         ("logger.wandb.mode=sometimes", "logger.wandb.mode must be one of"),
         ("data.layout=csv", "data.layout must be one of kinetics, folder, ucf101, hmdb51, ssv2"),

@@ -171,7 +171,7 @@ def trainer_settings(cfg: DictConfig) -> TrainerSettings:
         grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
         log_every_n_steps=t.log_every_n_steps, checkpoint_every_n_steps=t.checkpoint_every_n_steps,
         val_every_n_epochs=t.val_every_n_epochs, max_bad_fraction=cfg.data.max_bad_fraction,
-        progress=t.progress, test_after_fit=t.test_after_fit,
+        progress=t.progress, test_after_fit=t.test_after_fit, cpu_metered_steps=t.cpu_metered_steps,
     )
 
 

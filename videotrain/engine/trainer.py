@@ -42,7 +42,7 @@ from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
 from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger
-from videotrain.metrics.memory import StepPeakMemory
+from videotrain.metrics.memory import StepPeakMemory, keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class TrainerSettings:
     max_bad_fraction: float = 0.1
     progress: bool = True
     test_after_fit: bool = False  # read by run.train: multi-view evaluation after the last step
+    cpu_metered_steps: int | None = None  # CPU: meter this process's first N steps only; None: all
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
@@ -70,6 +71,9 @@ class TrainerSettings:
             raise ValueError(f"trainer.max_steps must be >= 1 or null, got {self.max_steps}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"trainer.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.cpu_metered_steps is not None and self.cpu_metered_steps < 2:
+            raise ValueError("trainer.cpu_metered_steps must be >= 2 (step 1 allocates gradients and "
+                             f"optimizer state) or null, got {self.cpu_metered_steps}")
 
 
 def plan_steps(batches_per_epoch: int, settings: TrainerSettings) -> tuple[int, int]:
@@ -120,6 +124,7 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.state = TrainState(skipped=set(preflight_bad or []))
         self.meter = StepPeakMemory(device)
+        self.metered_here = 0  # steps this process metered (see _meters)
         self._split_paths: dict[str, set[str]] = {}  # per split, for its own bad fraction
         self.steps_per_epoch, self.total_steps = plan_steps(len(data.train), settings)
         # samples per epoch (per rank) that feed full optimizer steps; a tail smaller than
@@ -266,7 +271,9 @@ class Trainer:
             data_wait += waited
             self._note_skipped(batch["skipped"], self.data.train.dataset, "train split")
             if micro == 0:
-                self.meter.start()
+                metered = self._meters()
+                if metered:
+                    self.meter.start()
                 t_step, waited_in_step = time.perf_counter(), 0.0
             else:
                 waited_in_step += waited
@@ -286,7 +293,7 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
             st.step_times.append(time.perf_counter() - t_step - waited_in_step)
             st.data_waits.append(data_wait)
-            peak = self.meter.stop()
+            peak = self._stop_meter() if metered else None
             if peak is not None:
                 st.peaks.append(peak)
             st.step += 1
@@ -312,6 +319,30 @@ class Trainer:
             t_data = time.perf_counter()
         bar.close()
         return st.consumed >= self.epoch_samples
+
+    def _meters(self) -> bool:
+        """Whether this step's peak memory is metered. On CUDA always (the allocator keeps
+        statistics anyway). On CPU the meter makes every large allocation a fresh mapping that
+        is handed back when freed (``videotrain.metrics.memory``), and a metered step took 1.5-2.1x
+        as long as an unmetered one in the benchmark, so with ``cpu_metered_steps=N`` only this
+        process's first N steps are metered: a step's peak is the same from step 2 on (same
+        shapes, same number of kept frames). A strategy that observes every step's peak
+        (``memory=auto``) keeps the meter throughout."""
+        limit = self.s.cpu_metered_steps
+        if self.device.type != "cpu" or limit is None or isinstance(self.strategy, StepObserver):
+            return True
+        return self.metered_here < limit
+
+    def _stop_meter(self) -> float | None:
+        peak = self.meter.stop()
+        self.metered_here += 1
+        if self.device.type == "cpu" and self.metered_here == self.s.cpu_metered_steps \
+                and not isinstance(self.strategy, StepObserver):
+            # glibc keeps freed memory from now on; a meter in this process would misread after
+            keep_freed_memory()
+            log.info("peak memory metered on the first %d steps; the rest run without the CPU "
+                     "meter's allocator setting (trainer.cpu_metered_steps)", self.metered_here)
+        return peak
 
     def validate(self) -> dict[str, float]:
         self.comm.sync_buffers(self.module)
