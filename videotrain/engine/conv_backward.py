@@ -22,14 +22,16 @@ Those are the layers where the copy matters: backward reaches them first, with e
 alive. Measured on the project's CPU: one 512x512 layer's backward at 32 frames peaks at 10.9 MB
 against oneDNN's 18.9 MB, in 38 against 41 ms in isolation; inside resnet18 at the bench
 setting the step peak drops by 8 MB for e2e, SBP and frame dropout alike. The step costs more
-than those kernel times suggest: e2e +2% pooled over three bench rounds, +5% (bare resnet18)
-to +13% (the bench model) alternating both policies in one process. Most of it is not the
-kernel: leaving oneDNN on for both calls cost the bare resnet18's backward +8 ms where
-switching it off cost +60 ms, in the same alternation. (With oneDNN off, PyTorch selects its
-NNPACK backend for these layers, ``torch._C._select_conv_backend``.) That is why it is not the
-default: it is for CPU runs where memory, not time, runs out. Applies to fp32 on the CPU only: CUDA convolutions use
-cuDNN and are never touched, and bf16 keeps oneDNN, since the native bf16 kernel is far slower
-(about 80x on that 512x512 layer). The gradients are the same up to float rounding.
+than those kernel times suggest: e2e +2% pooled over three bench rounds, +1% to +13% alternating
+both policies in one process. Most of it is not the kernel's arithmetic: with oneDNN off,
+PyTorch selects its NNPACK backend for these layers (``torch._C._select_conv_backend``), which
+is faster than oneDNN in isolation but costs the model's backward 30-50 ms; splitting the
+backward with oneDNN on for both calls costs nothing but saves nothing, and ATen's plain kernel
+(NNPACK off too) materialises its columns (17.8 MB at 32 frames, as much as oneDNN). That is
+why it is not the default: it is for CPU runs where memory, not time, runs out. Applies to fp32
+on the CPU only: CUDA convolutions use cuDNN and are never touched, and bf16 keeps oneDNN, since
+the native bf16 kernel is far slower (about 80x on that 512x512 layer). The gradients are the
+same up to float rounding.
 
 How: ``LeanConv``, a torch function mode, is active during the training forward
 (``Precision.autocast``) and records each routed ``conv2d`` as ``_LeanConv2d``, whose backward
