@@ -84,7 +84,7 @@ def _shrunk(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 def _instantiate_all(cfg: DictConfig) -> VideoClassifier:
     """What ``videotrain.run.train`` builds before its first step, without training."""
     settings = run.trainer_settings(cfg)
-    precision = Precision(cfg.trainer.precision, CPU, cfg.trainer.cpu_conv_backward)
+    precision = Precision.from_config(cfg.trainer, CPU)
     assert cfg.sched.name == "cosine", "run.train accepts only sched.name=cosine"
     data, bad = run.build_data_from_cfg(cfg, CPU)
     assert bad == [] and data.num_classes == 4

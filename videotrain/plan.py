@@ -77,7 +77,7 @@ def auto_report(cfg: DictConfig) -> dict[str, Any]:
     from videotrain.run import build_model, plan_memory, resolve_device, seed_everything
 
     device = resolve_device(cfg.device)
-    precision = Precision(cfg.trainer.precision, device, cfg.trainer.cpu_conv_backward)
+    precision = Precision.from_config(cfg.trainer, device)
     seed_everything(cfg.seed)
     num_classes = int(cfg.data.get("num_classes") or 2)
     model = build_model(cfg, num_classes).to(device)

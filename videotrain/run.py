@@ -193,7 +193,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     comm = Comm(ctx)
     device = resolve_device(cfg.device, ctx)
     settings = trainer_settings(cfg)  # validate cheap settings before generating data
-    precision = Precision(cfg.trainer.precision, device, cfg.trainer.cpu_conv_backward)
+    precision = Precision.from_config(cfg.trainer, device)
     sync_bn = use_sync_bn(cfg, ctx, device)
     global_batch, lr = global_batch_size(cfg, ctx.world_size), effective_lr(cfg, ctx.world_size)
     seed_everything(cfg.seed, cfg.deterministic)  # the same initial weights on every rank

@@ -152,7 +152,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(spec["overrides"]))
     device = resolve_device(cfg.device)
-    precision = Precision(cfg.trainer.precision, device, cfg.trainer.cpu_conv_backward)
+    precision = Precision.from_config(cfg.trainer, device)
     seed_everything(cfg.seed)
     model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
     if spec.get("compile_budget") is not None:  # the torch.compile peer: min-cut recompute

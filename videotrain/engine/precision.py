@@ -7,6 +7,7 @@ measure are computed alike."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -35,6 +36,12 @@ class Precision:
         self.key, self.dtype, self.device = key, PRECISIONS[key], device
         self.scaler = torch.amp.GradScaler(device.type, enabled=key == "16")
         self.cpu_conv_backward = check_policy(cpu_conv_backward)
+
+    @classmethod
+    def from_config(cls, trainer: Any, device: torch.device) -> Precision:
+        """From the ``trainer`` config group (``precision``, ``cpu_conv_backward``): the one place
+        the trainer, ``memory=auto``'s planner and the benchmark read them, so their steps match."""
+        return cls(trainer.precision, device, trainer.cpu_conv_backward)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context of a forward pass: autocast, or in fp32 the CPU convolution-backward

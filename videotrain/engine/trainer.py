@@ -336,8 +336,7 @@ class Trainer:
     def _stop_meter(self) -> float | None:
         peak = self.meter.stop()
         self.metered_here += 1
-        if self.device.type == "cpu" and self.metered_here == self.s.cpu_metered_steps \
-                and not isinstance(self.strategy, StepObserver):
+        if not self._meters():  # the last metered step (CPU, with a limit, no observer)
             # glibc keeps freed memory from now on; a meter in this process would misread after
             keep_freed_memory()
             log.info("peak memory metered on the first %d steps; the rest run without the CPU "

@@ -7,7 +7,7 @@ backward costs only about two forwards, that rerun is most of what keeps an SBP 
 scaling with ``r``.
 
 This module runs the backbone once. It traces the backbone's forward into a ``torch.fx`` graph
-(once, at ``prepare``) and interprets it node by node, carrying every activation as a
+(once per backbone, at its first SBP step) and interprets it node by node, carrying every activation as a
 ``Split``: the kept rows (computed with autograd) and the dropped rows (computed under
 ``no_grad``). Every operation runs twice, on the two row sets, except training-mode BatchNorm,
 where the two meet:
