@@ -71,8 +71,6 @@ def test_cli_bad_value_fails_naming_it(run_cli, run_overrides, tmp_path: Path) -
     [
         ("trainer.precision=64", "trainer.precision must be one of 32, bf16, 16; got 64"),
         ("trainer.precision=16", "trainer.precision=16 needs CUDA"),
-        ("trainer.cpu_conv_backward=fast",
-         "trainer.cpu_conv_backward must be one of onednn, lean; got 'fast'"),
         ("optim.name=foo", "optim.name must be 'adamw' or 'sgd', got 'foo'"),
         ("trainer.grad_accum=0", "trainer.grad_accum must be >= 1"),
         ("trainer.max_epochs=0", "trainer.max_epochs must be >= 1"),

@@ -137,12 +137,9 @@ def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> st
     (out_dir / "bench.json").write_text(
         json.dumps({"rows": [public_row(r) for r in rows], "meta": meta}, indent=2) + "\n")
     s = meta["setting"]
-    # the CPU kernels of convolution backwards move every row's peak (trainer.cpu_conv_backward)
-    kernels = "/".join(sorted({r["cpu_conv_backward"] for r in rows if r.get("cpu_conv_backward")}))
     title = " · ".join(x for x in (
         meta["device"], f"torch {meta['torch']}", f"B={s['batch_size']} T={s['frames']} "
         f"{s['size']}px, {s['steps']} steps x {s.get('rounds', 1)} round(s)",
-        f"cpu conv backward: {kernels}" if meta["device"] == "cpu" and kernels else "",
         " ".join(s["extra_overrides"])) if x)
     header = f"# videotrain bench\n\n{title}\n\n"
     (out_dir / "bench.md").write_text(header + table)
