@@ -18,7 +18,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/videotrain
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY videotrain ./videotrain
 COPY configs ./configs
 COPY scripts ./scripts

@@ -20,8 +20,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import videotrain.run
-from videotrain.data.synthetic import SyntheticSpec, generate
+import videotrain.build
+from videotrain.data.layouts import generate
+from videotrain.data.synthetic import SyntheticSpec
 
 # One intra-op thread, here and in the subprocesses (see `isolated_env`): on a small, shared
 # CPU, OpenMP's spinning worker threads make these tiny models 10-30x slower, not faster.
@@ -137,7 +138,7 @@ def compose_cfg() -> Callable[..., DictConfig]:
     def _compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         key = tuple(overrides)
         if key not in cache:
-            with initialize_config_dir(config_dir=videotrain.run.CONFIG_DIR, version_base="1.3"):
+            with initialize_config_dir(config_dir=videotrain.build.CONFIG_DIR, version_base="1.3"):
                 cache[key] = compose(config_name="config", overrides=list(key))
         return copy.deepcopy(cache[key])
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+import videotrain.build as builder
 import videotrain.run as run
 from videotrain.engine import distributed
 from videotrain.engine.distributed import Comm
@@ -29,7 +30,7 @@ LAST_TRAINER: list[Trainer] = []
 
 
 def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=run.CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=builder.CONFIG_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from videotrain.bench import SUITES, row, run_bench, saved_activation_bytes, synthetic_batch
+from videotrain.bench import SUITES, row, run_bench, synthetic_batch
 from videotrain.bench.suites import resolve
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
-from videotrain.memory.sbp import StochasticBackprop
+from videotrain.memory.sbp.strategy import StochasticBackprop
+from videotrain.metrics.saved import saved_activation_bytes
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier

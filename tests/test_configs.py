@@ -13,7 +13,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-import videotrain.run as run
+import videotrain.build as builder
 from videotrain.data.loaders import READER_OPTIONS, build_data
 from videotrain.engine.optim import build_optimizer, warmup_cosine
 from videotrain.engine.precision import Precision
@@ -23,7 +23,7 @@ from videotrain.metrics.logger import WANDB_MODES
 from videotrain.models.backbones import FrameBackbone
 from videotrain.models.video import VideoClassifier
 
-CONFIG_DIR = Path(run.CONFIG_DIR)
+CONFIG_DIR = Path(builder.CONFIG_DIR)
 CPU = torch.device("cpu")
 
 
@@ -83,13 +83,13 @@ def _shrunk(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 def _instantiate_all(cfg: DictConfig) -> VideoClassifier:
     """What ``videotrain.run.train`` builds before its first step, without training."""
-    settings = run.trainer_settings(cfg)
+    settings = builder.trainer_settings(cfg)
     precision = Precision.from_config(cfg.trainer, CPU)
     assert cfg.sched.name == "cosine", "run.train accepts only sched.name=cosine"
-    data, bad = run.build_data_from_cfg(cfg, CPU)
+    data, bad = builder.build_data_from_cfg(cfg, CPU)
     assert bad == [] and data.num_classes == 4
-    model = run.build_model(cfg, data.num_classes)
-    optimizer = run.optimizer_from_cfg(cfg, model)
+    model = builder.build_model(cfg, data.num_classes)
+    optimizer = builder.optimizer_from_cfg(cfg, model)
     _, total = plan_steps(len(data.train), settings)
     warmup_cosine(optimizer, total, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio)
     data.train_sampler.set_epoch(0)
@@ -126,7 +126,7 @@ def test_backbone_head_pairs_build_and_run(compose_cfg, backbone: str, head: str
     # the two groups are independent: compose each option once, then pair them up
     cfg = compose_cfg([f"model/backbone={backbone}", "data.crop_size=32"])
     cfg.model.head = compose_cfg([f"model/head={head}", "data.crop_size=32"]).model.head
-    model = run.build_model(cfg, num_classes=4)
+    model = builder.build_model(cfg, num_classes=4)
     assert isinstance(model.backbone, FrameBackbone)
     model.eval()
     with torch.no_grad():
@@ -161,14 +161,14 @@ def test_data_keys_are_build_data_arguments(compose_cfg, option: str) -> None:
 def test_trainer_keys_are_trainer_settings(compose_cfg, option: str) -> None:
     keys = set(compose_cfg([f"trainer={option}"]).trainer)
     fields = {f.name for f in dataclasses.fields(TrainerSettings)} - {"max_bad_fraction"}
-    run_level = {"precision", "cpu_conv_backward", "sync_bn"}  # read by run.train, not by the loop
+    run_level = {"precision", "sync_bn"}  # read by run.train, not by the loop
     assert keys == fields | run_level, keys ^ (fields | run_level)
 
 
 @pytest.mark.parametrize("option", GROUPS["optim"])
 def test_optim_keys_are_build_optimizer_arguments(compose_cfg, option: str) -> None:
     keys = set(compose_cfg([f"optim={option}"]).optim)
-    scaling = {"lr_scaling", "base_batch_size"}  # turned into lr by run.effective_lr
+    scaling = {"lr_scaling", "base_batch_size"}  # turned into lr by build.effective_lr
     assert scaling <= keys and keys - scaling <= _params(build_optimizer) - {"model"}
 
 
@@ -200,7 +200,7 @@ def test_real_datasets_require_root(compose_cfg, option: str) -> None:
     cfg = compose_cfg([f"data={option}"])
     assert OmegaConf.is_missing(cfg.data, "root")
     with pytest.raises(ValueError, match=rf"data.root is required for data={option}"):
-        run.build_data_from_cfg(cfg, CPU)
+        builder.build_data_from_cfg(cfg, CPU)
 
 
 def test_kinetics_exp_overlays(compose_cfg, tiny_root: Path) -> None:

@@ -179,24 +179,24 @@ def test_sync_bn_choices(compose_cfg) -> None:
     import torch
     from torch import nn
 
-    import videotrain.run as run
+    import videotrain.build as builder
 
     cfg = compose_cfg(["model/backbone=resnet10", "trainer.sync_bn=true"])
     two = DistContext(rank=0, world_size=2)
     with pytest.raises(ValueError, match="trainer.sync_bn=true needs CUDA"):
-        run.use_sync_bn(cfg, two, torch.device("cpu"))
-    assert run.use_sync_bn(cfg, DistContext(), torch.device("cpu")) is False  # one process
-    model = run.build_model(cfg, num_classes=4, sync_bn=True)
+        builder.use_sync_bn(cfg, two, torch.device("cpu"))
+    assert builder.use_sync_bn(cfg, DistContext(), torch.device("cpu")) is False  # one process
+    model = builder.build_model(cfg, num_classes=4, sync_bn=True)
     kinds = {type(m) for m in model.modules()}
     assert nn.SyncBatchNorm in kinds and nn.BatchNorm2d not in kinds
     sbp = compose_cfg(["model/backbone=resnet10", "memory=sbp"])
     with pytest.raises(ValueError, match="trainer.sync_bn=true does not combine with"):
-        run.build_model(sbp, num_classes=4, sync_bn=True)
+        builder.build_model(sbp, num_classes=4, sync_bn=True)
 
 
 def test_device_under_ddp_names_the_key() -> None:
-    import videotrain.run as run
+    import videotrain.build as builder
 
     with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
-        run.resolve_device("tpu")
-    assert run.resolve_device("cpu", DistContext(rank=1, world_size=2)).type == "cpu"
+        builder.resolve_device("tpu")
+    assert builder.resolve_device("cpu", DistContext(rank=1, world_size=2)).type == "cpu"

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import videotrain.run as run
-from videotrain.engine.evaluate import evaluate
+from videotrain.engine.evaluate import EvalSettings, evaluate
 from videotrain.engine.precision import Precision
-from videotrain.eval import EvalSettings, apply_overrides
+from videotrain.eval import apply_overrides
 from videotrain.metrics.accuracy import MultiViewAccuracy
 from videotrain.metrics.eval_report import write_eval_report
 

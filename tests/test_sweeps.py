@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import videotrain.run as run
+import videotrain.build as builder
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "summarize_sweep.py"
@@ -128,7 +128,7 @@ def test_submitit_tasks_become_ddp_ranks(tiny_exp: Path, tmp_path: Path) -> None
 
 
 def test_job_dirname_stays_a_short_distinct_name() -> None:
-    assert run.job_dirname("memory=sbp,model/backbone=vit_tiny") == "memory=sbp,model_backbone=vit_tiny"
+    assert builder.job_dirname("memory=sbp,model/backbone=vit_tiny") == "memory=sbp,model_backbone=vit_tiny"
     long_a, long_b = "x=" + "a" * 300, "x=" + "a" * 299 + "b"
-    assert len(run.job_dirname(long_a)) == 160
-    assert run.job_dirname(long_a) != run.job_dirname(long_b)
+    assert len(builder.job_dirname(long_a)) == 160
+    assert builder.job_dirname(long_a) != builder.job_dirname(long_b)

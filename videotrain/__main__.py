@@ -18,8 +18,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from videotrain.build import CONFIG_DIR
 from videotrain.engine import distributed
-from videotrain.run import CONFIG_DIR, train
+from videotrain.run import train
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")

@@ -15,89 +15,26 @@ Otherwise the config is composed as usual and must describe the trained model.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from videotrain.data.loaders import DataBundle, check_bad_fraction
+from videotrain.build import (
+    CONFIG_DIR,
+    build_eval_data,
+    build_model,
+    build_precision,
+    eval_settings,
+    resolve_device,
+)
 from videotrain.engine import checkpoint as ckpt
-from videotrain.engine.evaluate import evaluate
-from videotrain.engine.precision import Precision
-from videotrain.metrics.accuracy import AGGREGATES, MultiViewAccuracy
-from videotrain.metrics.eval_report import write_eval_report
-from videotrain.run import CONFIG_DIR, build_data_from_cfg, build_model, resolve_device
+from videotrain.engine.evaluate import multi_view_test
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EvalSettings:
-    """The ``eval`` config group."""
-
-    clips: int = 10  # temporal clips per video, evenly spaced
-    crops: int = 3  # spatial crops per clip: 1 = centre, 3 = left/centre/right (or top/.../bottom)
-    aggregate: str = "mean"  # how the views' softmax becomes the video's scores
-    batch_size: int = 1  # videos per forward (each is clips x crops views)
-
-    def __post_init__(self) -> None:
-        for key in ("clips", "crops", "batch_size"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
-        if self.aggregate not in AGGREGATES:
-            raise ValueError(f"eval.aggregate must be one of {', '.join(AGGREGATES)}, "
-                             f"got {self.aggregate!r}")
-
-
-def eval_settings(cfg: DictConfig) -> EvalSettings:
-    return EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
-
-
-def build_eval_data(cfg: DictConfig, device: torch.device) -> tuple[DataBundle, list[str]]:
-    """The configured dataset with ``eval.clips x eval.crops`` views per val video; training
-    files are not stat-ed (only the class list is read from the train annotations)."""
-    s = eval_settings(cfg)
-    return build_data_from_cfg(cfg, device, val_clips=s.clips, val_crops=s.crops,
-                               val_batch_size=s.batch_size, preflight_train=False)
-
-
-def run_eval(cfg: DictConfig, model: torch.nn.Module, data: DataBundle, bad: list[str],
-             out_dir: str | Path, device: torch.device, precision: Precision,
-             checkpoint: str | None = None) -> dict[str, Any]:
-    """Evaluate ``model`` on ``data.val``; writes the report into ``out_dir``, returns the
-    summary that ``eval.json`` holds."""
-    s = eval_settings(cfg)
-    meter = MultiViewAccuracy((1, 5), data.num_classes, s.aggregate)
-    skipped = set(bad)
-    val_paths = {p for p, _ in data.val.dataset.index.paths}
-
-    def on_skipped(paths: list[str]) -> None:
-        skipped.update(paths)
-        check_bad_fraction(len(skipped & val_paths), len(val_paths), data.val.dataset.index.source,
-                           float(cfg.data.max_bad_fraction))
-
-    m = evaluate(model, data.val, precision, device, progress=bool(cfg.trainer.progress),
-                 on_skipped=on_skipped, meter=meter)
-    summary = {
-        "checkpoint": checkpoint, "split": "val", "source": data.val.dataset.index.source,
-        "clips": s.clips, "crops": s.crops, "views": s.clips * s.crops, "aggregate": s.aggregate,
-        "video_top1": m["val_top1"], "video_top5": m["val_top5"],
-        "clip_top1": m["val_clip_top1"], "clip_top5": m["val_clip_top5"],
-        "mean_class_acc": m["val_mean_class_acc"], "loss": m["val_loss"],
-        "videos": m["val_videos"], "num_classes": data.num_classes,
-        "skipped_videos": len(skipped), "skipped_paths": sorted(skipped),
-        "num_frames": int(cfg.data.num_frames), "crop_size": int(cfg.data.crop_size),
-    }
-    write_eval_report(out_dir, summary, meter.confusion, data.class_names)
-    log.info("eval (%d clips x %d crops, %s): video top-1 %.4f top-5 %.4f, clip top-1 %.4f, "
-             "mean class acc %.4f over %d videos; written to %s", s.clips, s.crops, s.aggregate,
-             summary["video_top1"], summary["video_top5"], summary["clip_top1"],
-             summary["mean_class_acc"], summary["videos"], out_dir)
-    return summary
 
 
 def find_run_config(checkpoint: Path) -> Path | None:
@@ -132,8 +69,8 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint: file not found: {path}")
     device = resolve_device(cfg.device)
-    precision = Precision(cfg.trainer.precision, device)
-    eval_settings(cfg)  # bad eval.* values fail before any data is read
+    precision = build_precision(cfg, device)
+    settings = eval_settings(cfg)  # bad eval.* values fail before any data is read
     data, bad = build_eval_data(cfg, device)
     model = build_model(cfg, data.num_classes)
     state = ckpt.load(path, map_location="cpu")
@@ -143,7 +80,10 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} does not fit the configured model (model/backbone, "
                          f"model/head and the number of classes must match training): {err}") from err
     model.to(device)
-    return run_eval(cfg, model, data, bad, out_dir, device, precision, checkpoint=str(path))
+    return multi_view_test(model, data, bad, settings, precision, device, out_dir,
+                           max_bad_fraction=float(cfg.data.max_bad_fraction),
+                           progress=bool(cfg.trainer.progress), checkpoint=str(path),
+                           num_frames=int(cfg.data.num_frames), crop_size=int(cfg.data.crop_size))
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")

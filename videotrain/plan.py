@@ -1,6 +1,6 @@
 """Recomputation plan viewer: ``python -m videotrain.plan [hydra overrides]``.
 
-Builds the configured model (``videotrain.run.build_model``) and plans the backbone for the
+Builds the configured model (``videotrain.build.build_model``) and plans the backbone for the
 training input ``(data.batch_size * data.num_frames, 3, data.crop_size, data.crop_size)``
 without running any activations (shape propagation uses fake tensors). Prints the segments, the
 predicted peak, the predicted recompute overhead, the e2e peak and the smallest
@@ -28,18 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from videotrain.memory.checkpoint import Recompute
-from videotrain.memory.planner import InfeasibleBudget
-
-
-def compose_cfg(overrides: list[str]) -> DictConfig:
-    from videotrain.run import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+from videotrain.build import (
+    build_model,
+    build_precision,
+    compose_cfg,
+    plan_memory,
+    resolve_device,
+    seed_everything,
+)
+from videotrain.memory.recompute import InfeasibleBudget, Recompute
 
 
 def strategy_from(cfg: DictConfig) -> Recompute:
@@ -57,8 +56,6 @@ def strategy_from(cfg: DictConfig) -> Recompute:
 
 def make_report(cfg: DictConfig) -> dict[str, Any]:
     """The plan report for ``cfg`` (raises ``InfeasibleBudget`` with the smallest budget)."""
-    from videotrain.run import build_model
-
     num_classes = int(cfg.data.get("num_classes") or 2)
     model = build_model(cfg, num_classes).train()
     d = cfg.data
@@ -73,11 +70,8 @@ def make_report(cfg: DictConfig) -> dict[str, Any]:
 
 def auto_report(cfg: DictConfig) -> dict[str, Any]:
     """``memory=auto``'s decision for ``cfg`` (raises ``NoPlanFits`` when nothing fits)."""
-    from videotrain.engine.precision import Precision
-    from videotrain.run import build_model, plan_memory, resolve_device, seed_everything
-
     device = resolve_device(cfg.device)
-    precision = Precision.from_config(cfg.trainer, device)
+    precision = build_precision(cfg, device)
     seed_everything(cfg.seed)
     num_classes = int(cfg.data.get("num_classes") or 2)
     model = build_model(cfg, num_classes).to(device)

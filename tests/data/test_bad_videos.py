@@ -16,8 +16,9 @@ import pytest
 import videotrain.run as run
 from videotrain.data.annotations import AnnotationError
 from videotrain.data.dataset import VideoClipDataset
+from videotrain.data.layouts import generate
 from videotrain.data.loaders import BadDataError, build_data
-from videotrain.data.synthetic import SyntheticSpec, generate
+from videotrain.data.synthetic import SyntheticSpec
 from videotrain.engine.trainer import Trainer
 
 VICTIM = "train/left_then_up/left_then_up_0001.mp4"  # a real file of the tiny dataset

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from videotrain.data.decode import VideoFile
-from videotrain.data.layouts import LAYOUTS, camel, in_test_fold
+from videotrain.data.layouts import LAYOUTS, camel, ensure_synthetic, generate, in_test_fold
 from videotrain.data.loaders import read_index
-from videotrain.data.synthetic import CLASSES, SyntheticSpec, ensure_synthetic, generate
+from videotrain.data.synthetic import CLASSES, SyntheticSpec
 
 # the first training clip of class 1 (right_then_up) in each layout
 FIRST = {

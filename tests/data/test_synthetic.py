@@ -10,13 +10,8 @@ import av
 import numpy as np
 import pytest
 
-from videotrain.data.synthetic import (
-    CLASSES,
-    SyntheticSpec,
-    default_cache_root,
-    ensure_synthetic,
-    render_clip,
-)
+from videotrain.data.layouts import default_cache_root, ensure_synthetic
+from videotrain.data.synthetic import CLASSES, SyntheticSpec, render_clip
 
 
 def test_generated_tree_layout(tiny_root: Path, tiny_spec: SyntheticSpec) -> None:

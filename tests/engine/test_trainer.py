@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+import videotrain.build as builder
 import videotrain.run as run
 from videotrain.engine.optim import build_optimizer, param_groups, warmup_cosine
 from videotrain.engine.trainer import Trainer, TrainerSettings, plan_steps
@@ -173,7 +174,7 @@ def test_step_peaks_reach_strategies_that_observe_them(run_overrides, compose_cf
     monkeypatch.setattr(EndToEnd, "observe_step", lambda self, step, peak: seen.append((step, peak)),
                         raising=False)
     grads: list[torch.Tensor] = []
-    real_build = run.build_optimizer
+    real_build = builder.build_optimizer
 
     def build(model, **kw):
         opt = real_build(model, **kw)
@@ -181,7 +182,7 @@ def test_step_peaks_reach_strategies_that_observe_them(run_overrides, compose_cf
         opt.register_step_pre_hook(lambda o, a, k: grads.append(first.grad))
         return opt
 
-    monkeypatch.setattr(run, "build_optimizer", build)
+    monkeypatch.setattr(builder, "build_optimizer", build)
     results = run.train(compose_cfg(run_overrides(trainer__max_epochs=2)), tmp_path)
     assert [s for s, _ in seen] == list(range(1, 9))  # 2 epochs of 4 steps
     assert all(isinstance(p, float) and p >= 0 for _, p in seen)

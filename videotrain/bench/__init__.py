@@ -8,8 +8,8 @@ The data suite (``--suite data``, ``data.py``) measures the loaders instead: dec
 with 0, 1 and 2 workers and pytorchvideo's ``LabeledVideoDataset`` pipeline on the same files.
 """
 
-from videotrain.bench.child import saved_activation_bytes, synthetic_batch
+from videotrain.bench.child import synthetic_batch
 from videotrain.bench.cli import main, run_bench
 from videotrain.bench.suites import SUITES, row
 
-__all__ = ["SUITES", "main", "row", "run_bench", "saved_activation_bytes", "synthetic_batch"]
+__all__ = ["SUITES", "main", "row", "run_bench", "synthetic_batch"]

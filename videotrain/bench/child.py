@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from videotrain.memory.recompute import collect_held
+from videotrain.metrics.saved import saved_activation_bytes
 
 
 def synthetic_batch(batch_size: int, frames: int, size: int, num_classes: int,
@@ -28,52 +25,6 @@ def synthetic_batch(batch_size: int, frames: int, size: int, num_classes: int,
     video = torch.randn(batch_size, frames, 3, size, size, generator=g)
     labels = torch.randint(0, num_classes, (batch_size,), generator=g)
     return video, labels
-
-
-@contextmanager
-def saved_bytes(*exclude: torch.Tensor) -> Iterator[Callable[[], int]]:
-    """Count what a forward run in the body keeps for backward: the unique storages autograd
-    saves plus the inputs checkpointed segments hold for their recompute
-    (``recompute.collect_held``; they are not saved tensors). Storages of ``exclude`` (parameters,
-    buffers, the inputs: they exist anyway) are not counted, nor are views counted twice. The
-    yielded function gives the bytes so far; every counted tensor is held until the body ends, so
-    a freed storage's address cannot be reused and confused with another."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    held: list[torch.Tensor] = []
-    sizes: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # e.g. sparse or wrapper tensors
-            return t
-        ptr = storage.data_ptr()
-        if ptr and ptr not in skip:
-            held.append(t)
-            sizes[ptr] = max(sizes.get(ptr, 0), storage.nbytes())
-        return t
-
-    def total() -> int:
-        for t in held_inputs():  # checkpoint boundaries, held outside autograd until their recompute
-            pack(t)
-        return sum(sizes.values())
-
-    with collect_held() as held_inputs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        try:
-            yield total
-        finally:
-            held.clear()
-
-
-def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
-    """Bytes one forward of ``model`` keeps for backward (see :func:`saved_bytes`).
-    Deterministic, so good for tests; 0 under ``no_grad``. Run it in training mode to see what a
-    training step keeps."""
-    with saved_bytes(*model.parameters(), *model.buffers(), *inputs) as total:
-        out = model(*inputs)
-        nbytes = total()
-        del out
-    return nbytes
 
 
 def step_stats(times: list[float], peaks: list[float], fwd_bwd: list[float],
@@ -141,18 +92,21 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     parameters, optimizer state, the input batch and, unless ``free_grads``, the parameter
     gradients (zeroed in place, as design.md's reference figures assume). What remains is what
     a memory strategy controls: stored activations and the transients of the step."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from videotrain.build import (
+        build_model,
+        build_precision,
+        compose_cfg,
+        resolve_device,
+        seed_everything,
+    )
     from videotrain.engine.optim import build_optimizer
-    from videotrain.engine.precision import Precision
     from videotrain.metrics.memory import StepPeakMemory, keep_freed_memory
-    from videotrain.run import CONFIG_DIR, build_model, resolve_device, seed_everything
 
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(spec["overrides"]))
+    cfg = compose_cfg(list(spec["overrides"]))
     device = resolve_device(cfg.device)
-    precision = Precision.from_config(cfg.trainer, device)
+    precision = build_precision(cfg, device)
     seed_everything(cfg.seed)
     model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
     if spec.get("compile_budget") is not None:  # the torch.compile peer: min-cut recompute
@@ -217,7 +171,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "device": str(device),
         "precision": precision.key,
-        "cpu_conv_backward": precision.cpu_conv_backward,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }

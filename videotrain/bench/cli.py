@@ -197,7 +197,7 @@ def run_data_bench(
     the median over its rounds."""
     import fnmatch
 
-    from videotrain.bench.data import compose_data_cfg
+    from videotrain.build import compose_cfg
     from videotrain.data.loaders import resolve_root
 
     device = resolve_device(device)
@@ -207,7 +207,7 @@ def run_data_bench(
              if not only or any(fnmatch.fnmatch(r["name"], p) for p in only)]
     if not specs:
         raise ValueError(f"no rows left after --only {only}")
-    d = compose_data_cfg(overrides).data
+    d = compose_cfg(overrides).data
     root = resolve_root(d.name, d.root, d.get("synthetic"), d.layout)  # generated once, here
     per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
     for rnd in range(rounds):

@@ -23,18 +23,9 @@ import torch
 PIPELINES = ("videotrain", "pytorchvideo")
 
 
-def compose_data_cfg(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from videotrain.run import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
 def videotrain_loader(cfg, num_workers: int, pin_memory: bool):
     """The training loader ``python -m videotrain`` builds for ``cfg``."""
-    from videotrain.run import build_data_from_cfg
+    from videotrain.build import build_data_from_cfg
 
     device = torch.device("cuda" if pin_memory else "cpu")
     data, _ = build_data_from_cfg(cfg, device, num_workers=num_workers)
@@ -91,7 +82,9 @@ def measure_data(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"pipeline must be one of {PIPELINES}, got {spec['pipeline']!r}")
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    cfg = compose_data_cfg(spec["overrides"])
+    from videotrain.build import compose_cfg
+
+    cfg = compose_cfg(spec["overrides"])
     pin = str(spec["device"]).startswith("cuda")
     build = videotrain_loader if spec["pipeline"] == "videotrain" else pytorchvideo_loader
     loader, root, videos = build(cfg, int(spec["num_workers"]), pin)

@@ -1,4 +1,5 @@
-"""Writers of the on-disk layouts the real datasets ship in, fed by the synthetic generator.
+"""Writers of the on-disk layouts the real datasets ship in, fed by the synthetic generator,
+and ``generate`` / ``ensure_synthetic``, which write (once, atomically) and cache a dataset.
 
 Each writer takes the same clips (``synthetic.render_all``) and writes videos and annotation
 files the way the dataset's own download does, so each reader is tested on files that no
@@ -21,10 +22,13 @@ Kinetics layout's split exactly; folds 2 and 3 test on other, rotated, blocks of
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 
-from videotrain.data.synthetic import CLASSES, Clip, SyntheticSpec, write_video
+from videotrain.data.synthetic import CLASSES, Clip, SyntheticSpec, render_all, write_video
 
 FOLDS = (1, 2, 3)
 
@@ -132,3 +136,43 @@ WRITERS: dict[str, Callable[[Path, SyntheticSpec, Iterable[Clip]], None]] = {
     "ssv2": write_ssv2,
 }
 LAYOUTS = tuple(WRITERS)
+
+
+def generate(root: str | Path, spec: SyntheticSpec | None = None, layout: str = "kinetics") -> Path:
+    """Write the dataset under ``root`` in ``layout`` (one of ``LAYOUTS``), atomically: a
+    finished tree has ``spec.json``.
+
+    Returns ``root``. Re-running with an existing finished tree does nothing, so this is
+    safe to call at the start of every run.
+    """
+    if layout not in WRITERS:
+        raise ValueError(f"layout must be one of {', '.join(WRITERS)}, got {layout!r}")
+    spec = spec or SyntheticSpec()
+    root = Path(root)
+    if (root / "spec.json").exists():
+        return root
+    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    WRITERS[layout](tmp, spec, render_all(spec))
+    (tmp / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(root)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def default_cache_root() -> Path:
+    """``$VIDEOTRAIN_CACHE`` or ``~/.cache/videotrain``."""
+    return Path(os.environ.get("VIDEOTRAIN_CACHE", Path.home() / ".cache" / "videotrain"))
+
+
+def ensure_synthetic(cache_dir: str | Path | None = None, layout: str = "kinetics",
+                     **spec_kwargs: int | float) -> Path:
+    """Generate (once) and return the synthetic dataset root for these spec values; the
+    folder is ``synthetic-<hash>`` for the Kinetics layout, ``synthetic-<layout>-<hash>`` else."""
+    spec = SyntheticSpec(**spec_kwargs)
+    base = Path(cache_dir) if cache_dir else default_cache_root()
+    name = "synthetic" if layout == "kinetics" else f"synthetic-{layout}"
+    return generate(base / f"{name}-{spec.digest()}", spec, layout)

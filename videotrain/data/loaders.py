@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from videotrain.data import annotations
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
+from videotrain.data.layouts import ensure_synthetic
 from videotrain.data.split_files import hmdb51_index, ucf101_index
 from videotrain.data.ssv2 import ssv2_index
-from videotrain.data.synthetic import ensure_synthetic
 from videotrain.data.transforms import eval_transform, train_transform
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ distribution of frame sets: an order-blind model is at chance (0.25) by construc
 only a head that uses frame order can solve the task.
 
 Files are written with PyAV, deterministically for a seed. The same clips can be written in
-the layout of each supported dataset (``layouts.py``): by default Kinetics-style,
+the layout of each supported dataset (``layouts.py``, which also generates and caches them): by default Kinetics-style,
 ``<split>/<class>/<class>_<i>.mp4`` plus ``train.csv`` / ``val.csv`` (``relative/path.mp4
 label``) and ``classes.txt``; also folder-per-class, UCF101 and HMDB51 split files over AVIs,
 and the Something-Something v2 JSON trio over WebM. The readers are thus tested on files
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -143,45 +141,3 @@ def render_all(spec: SyntheticSpec) -> Iterator[Clip]:
         for i in range(per_class):
             for label in range(len(CLASSES)):
                 yield Clip(split, i, label, render_clip(spec, label, rng))
-
-
-def generate(root: str | Path, spec: SyntheticSpec | None = None, layout: str = "kinetics") -> Path:
-    """Write the dataset under ``root`` in ``layout`` (one of ``LAYOUTS``), atomically: a
-    finished tree has ``spec.json``.
-
-    Returns ``root``. Re-running with an existing finished tree does nothing, so this is
-    safe to call at the start of every run.
-    """
-    from videotrain.data.layouts import WRITERS
-
-    if layout not in WRITERS:
-        raise ValueError(f"layout must be one of {', '.join(WRITERS)}, got {layout!r}")
-    spec = spec or SyntheticSpec()
-    root = Path(root)
-    if (root / "spec.json").exists():
-        return root
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    WRITERS[layout](tmp, spec, render_all(spec))
-    (tmp / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
-    root.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(root)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
-
-
-def default_cache_root() -> Path:
-    """``$VIDEOTRAIN_CACHE`` or ``~/.cache/videotrain``."""
-    return Path(os.environ.get("VIDEOTRAIN_CACHE", Path.home() / ".cache" / "videotrain"))
-
-
-def ensure_synthetic(cache_dir: str | Path | None = None, layout: str = "kinetics",
-                     **spec_kwargs: int | float) -> Path:
-    """Generate (once) and return the synthetic dataset root for these spec values; the
-    folder is ``synthetic-<hash>`` for the Kinetics layout, ``synthetic-<layout>-<hash>`` else."""
-    spec = SyntheticSpec(**spec_kwargs)
-    base = Path(cache_dir) if cache_dir else default_cache_root()
-    name = "synthetic" if layout == "kinetics" else f"synthetic-{layout}"
-    return generate(base / f"{name}-{spec.digest()}", spec, layout)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -229,3 +230,13 @@ def param_digest(model: nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def wrap_ddp(model: nn.Module, device: torch.device, ctx: DistContext) -> nn.Module:
+    """DDP over the whole classifier (one process per device). Every strategy gives every
+    parameter a gradient in every training step (SBP backpropagates kept frames through the
+    whole backbone, frame dropout computes only kept frames, recomputation is non-reentrant), so
+    neither ``find_unused_parameters`` nor ``static_graph`` is needed."""
+    if not ctx.enabled:
+        return model
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

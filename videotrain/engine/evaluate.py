@@ -1,16 +1,47 @@
-"""Evaluation over multi-view items: every strategy evaluates the same way (all frames)."""
+"""Evaluation over multi-view items: every strategy evaluates the same way (all frames).
+
+``evaluate`` runs the model over a loader and returns accuracies (validation during training);
+``multi_view_test`` is the paper-style test (``eval.clips`` x ``eval.crops`` views per video)
+that ``python -m videotrain.eval`` and ``trainer.test_after_fit`` run, writing its report.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from videotrain.data.loaders import DataBundle, check_bad_fraction
 from videotrain.engine.precision import Precision
-from videotrain.metrics.accuracy import MultiViewAccuracy
+from videotrain.metrics.accuracy import AGGREGATES, MultiViewAccuracy
+from videotrain.metrics.eval_report import write_eval_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSettings:
+    """The ``eval`` config group."""
+
+    clips: int = 10  # temporal clips per video, evenly spaced
+    crops: int = 3  # spatial crops per clip: 1 = centre, 3 = left/centre/right (or top/.../bottom)
+    aggregate: str = "mean"  # how the views' softmax becomes the video's scores
+    batch_size: int = 1  # videos per forward (each is clips x crops views)
+
+    def __post_init__(self) -> None:
+        for key in ("clips", "crops", "batch_size"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"eval.aggregate must be one of {', '.join(AGGREGATES)}, "
+                             f"got {self.aggregate!r}")
 
 
 @torch.no_grad()
@@ -46,3 +77,39 @@ def evaluate(
         acc.load(t.cpu())
     model.train(was_training)
     return acc.compute()
+
+
+def multi_view_test(model: torch.nn.Module, data: DataBundle, bad: list[str], settings: EvalSettings,
+                    precision: Precision, device: torch.device, out_dir: str | Path, *,
+                    max_bad_fraction: float, progress: bool = False,
+                    checkpoint: str | None = None, **describe: Any) -> dict[str, Any]:
+    """Evaluate ``model`` on ``data.val`` (built with ``settings``' views per video); writes
+    ``eval.json``, ``per_class.csv`` and ``confusion.png`` into ``out_dir`` and returns the
+    summary ``eval.json`` holds. ``describe`` adds fields to it (the clip shape, say)."""
+    s = settings
+    meter = MultiViewAccuracy((1, 5), data.num_classes, s.aggregate)
+    skipped = set(bad)
+    index = data.val.dataset.index
+    val_paths = {p for p, _ in index.paths}
+
+    def on_skipped(paths: list[str]) -> None:
+        skipped.update(paths)
+        check_bad_fraction(len(skipped & val_paths), len(val_paths), index.source, max_bad_fraction)
+
+    m = evaluate(model, data.val, precision, device, progress=progress, on_skipped=on_skipped,
+                 meter=meter)
+    summary = {
+        "checkpoint": checkpoint, "split": "val", "source": index.source,
+        "clips": s.clips, "crops": s.crops, "views": s.clips * s.crops, "aggregate": s.aggregate,
+        "video_top1": m["val_top1"], "video_top5": m["val_top5"],
+        "clip_top1": m["val_clip_top1"], "clip_top5": m["val_clip_top5"],
+        "mean_class_acc": m["val_mean_class_acc"], "loss": m["val_loss"],
+        "videos": m["val_videos"], "num_classes": data.num_classes,
+        "skipped_videos": len(skipped), "skipped_paths": sorted(skipped), **describe,
+    }
+    write_eval_report(out_dir, summary, meter.confusion, data.class_names)
+    log.info("eval (%d clips x %d crops, %s): video top-1 %.4f top-5 %.4f, clip top-1 %.4f, "
+             "mean class acc %.4f over %d videos; written to %s", s.clips, s.crops, s.aggregate,
+             summary["video_top1"], summary["video_top5"], summary["clip_top1"],
+             summary["mean_class_acc"], summary["videos"], out_dir)
+    return summary

@@ -52,7 +52,7 @@ class StepObserver(Protocol):
 @runtime_checkable
 class SelfPlanning(Protocol):
     """Optional: a strategy that chooses itself from measured training steps before training
-    (``memory=auto``). ``videotrain.run`` hands it a ``StepProbe`` and records
+    (``memory=auto``). ``videotrain.build.plan_memory`` hands it a ``StepProbe`` and records
     ``plan_report()`` in results.json as ``memory_plan``."""
 
     def plan(self, probe: Any) -> dict[str, Any]: ...

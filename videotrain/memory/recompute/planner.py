@@ -54,7 +54,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from videotrain.memory.graph import Graph, articulation_points, lower_sets
+from videotrain.memory.recompute.graph import Graph, articulation_points, lower_sets
 
 # Scalars the model does not track (the loss and its gradient, step counters): a few bytes that
 # would otherwise let a measured peak exceed an exact prediction.

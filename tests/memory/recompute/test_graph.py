@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from videotrain.memory.graph import articulation_points, lower_sets, trace
+from videotrain.memory.recompute.graph import articulation_points, lower_sets, trace
 from videotrain.models.backbones import resnet
 
 

@@ -43,7 +43,7 @@ small ViT 1.01-1.17x (the trace runs ``MultiheadAttention(x, x, x)`` with one in
 model does, so it takes the packed in-projection path).
 
 Composition with ``sbp``: ``memory=sbp memory.checkpoint=POLICY`` checkpoints SBP's kept-frame
-path with these policies (``kept_path``); see ``videotrain.memory.sbp``.
+path with these policies (``kept_path``); see ``videotrain.memory.sbp.strategy``.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from videotrain.memory.base import FrameFeatures, StatelessStrategy, all_positions
-from videotrain.memory.graph import Graph, trace
-from videotrain.memory.planner import Plan, evaluate, family, plan, sqrt_plan
-from videotrain.memory.recompute import CheckpointedSegment, wrap_forward
+from videotrain.memory.recompute.execute import CheckpointedSegment, wrap_forward
+from videotrain.memory.recompute.graph import Graph, trace
+from videotrain.memory.recompute.planner import Plan, evaluate, family, plan, sqrt_plan
 
 POLICIES = ("blocks", "sqrt", "optimal")
 OBJECTIVES = ("time", "memory")

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from videotrain.memory import StochasticBackprop
-from videotrain.memory.sbp_lockstep import lockstep_forward, lockstep_graph
-from videotrain.memory.sbp_split import FullBatchNorm, split_forward
+from videotrain.memory.sbp.lockstep import lockstep_forward, lockstep_graph
+from videotrain.memory.sbp.split import FullBatchNorm, split_forward
 
 
 def sbp(**kw) -> StochasticBackprop:

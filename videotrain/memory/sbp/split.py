@@ -7,7 +7,7 @@ granularity calls it with ``fn`` = one residual branch.
 
 BatchNorm couples frames through batch statistics, so two separate forwards (kept, dropped)
 would normalize with two different statistics. ``bn_policy=full_batch`` fixes this per split
-unit (see ``videotrain.memory.sbp`` for the user-facing description):
+unit (see ``videotrain.memory.sbp.strategy`` for the user-facing description):
 
 1. **record**: ``fn`` runs once under ``no_grad`` over *all* rows with the BN layers' own
    training-mode forward. This is exactly e2e's forward: batch statistics over all frames,
@@ -22,7 +22,7 @@ Without train-mode BN (LayerNorm ViTs, ``bn_policy=frozen``) there is nothing to
 dropped rows run under ``no_grad`` in chunks of ``chunk`` frames and the kept rows run once.
 
 At frame granularity the default computes the same BN semantics in one pass instead of two
-(``videotrain.memory.sbp_lockstep``); record/apply remains the general path.
+(``videotrain.memory.sbp.lockstep``); record/apply remains the general path.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.recompute import replay_on_recompute
+from videotrain.memory.recompute.execute import replay_on_recompute
 
 BN_POLICIES = ("full_batch", "frozen")
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from videotrain.memory.recompute import checkpoint_call, collect_held
+from videotrain.memory.recompute.execute import checkpoint_call
+from videotrain.metrics.saved import collect_held
 
 
 class Probe(torch.autograd.Function):

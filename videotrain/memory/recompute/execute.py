@@ -25,7 +25,6 @@ meanwhile snapshots the state then and re-enters it around its recompute.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -34,6 +33,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
+
+from videotrain.metrics.saved import note_held
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -77,40 +78,23 @@ def replay_on_recompute(provider: ReplayProvider) -> Iterator[None]:
 
 
 class _Held:
-    """A checkpointed call's inputs, from its forward until its recompute. Reported to any
-    :func:`collect_held` watching, so memory accounting can see them: saved-tensor hooks do not."""
+    """A checkpointed call's inputs, from its forward until its recompute. Reported to the
+    saved-activation counter (``videotrain.metrics.saved``), since saved-tensor hooks do not
+    see them."""
 
     __slots__ = ("__weakref__", "args", "kwargs")
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.args: tuple[Any, ...] | None = args
         self.kwargs: dict[str, Any] | None = kwargs
-        for watcher in _watchers:
-            watcher.append(weakref.ref(self))
+        note_held(self)
 
-
-_watchers: list[list[weakref.ref[_Held]]] = []
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [] if self.args is None else _tensors(self.args, self.kwargs)
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-
-
-@contextmanager
-def collect_held() -> Iterator[Callable[[], list[torch.Tensor]]]:
-    """In the body, checkpointed calls are noted; the yielded function lists the tensors those
-    calls still hold for their recompute (what a forward made there keeps beyond saved tensors)."""
-    seen: list[weakref.ref[_Held]] = []
-    _watchers.append(seen)
-
-    def held() -> list[torch.Tensor]:
-        holders = [h for h in (ref() for ref in seen) if h is not None and h.args is not None]
-        return [t for h in holders for t in _tensors(h.args, h.kwargs)]
-
-    try:
-        yield held
-    finally:
-        _watchers.remove(seen)
 
 
 def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm], *args: Any, **kwargs: Any) -> Any:

@@ -13,9 +13,7 @@ import torch
 from torch import nn
 
 import videotrain.run as run
-from videotrain.memory.auto import AutoStrategy
-from videotrain.memory.base import MemoryStrategy, SelfPlanning, StepObserver
-from videotrain.memory.candidates import (
+from videotrain.memory.auto.candidates import (
     TIER_DROPOUT,
     TIER_EXACT,
     TIER_SBP,
@@ -32,10 +30,12 @@ from videotrain.memory.candidates import (
     sbp_peak,
     sbp_time,
 )
-from videotrain.memory.checkpoint import Recompute
-from videotrain.memory.planner import InfeasibleBudget
-from videotrain.memory.profile import MB, Measured, Profile
-from videotrain.memory.sbp import StochasticBackprop
+from videotrain.memory.auto.profile import MB, Measured, Profile
+from videotrain.memory.auto.strategy import AutoStrategy
+from videotrain.memory.base import MemoryStrategy, SelfPlanning, StepObserver
+from videotrain.memory.recompute.checkpoint import Recompute
+from videotrain.memory.recompute.planner import InfeasibleBudget
+from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier
@@ -308,7 +308,7 @@ def test_auto_is_a_strategy_with_the_optional_hooks() -> None:
 
 
 def test_plan_switches_to_the_chosen_strategy(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="videotrain.memory.auto"):
+    with caplog.at_level(logging.INFO, logger="videotrain.memory.auto.strategy"):
         auto, model, probe = planned()
     assert probe.closed
     assert auto.active.name == "sbp r=0.375" and isinstance(auto.inner, StochasticBackprop)
@@ -335,7 +335,7 @@ def test_recheck_steps_down_and_records_it(caplog: pytest.LogCaptureFixture) -> 
     assert auto.recheck["measured_peak_mb"] == 50.0 and auto.step_downs == []
     auto.observe_step(3, 56.0)  # within the 2% tolerance of 55 MB
     assert auto.step_downs == []
-    with caplog.at_level(logging.WARNING, logger="videotrain.memory.auto"):
+    with caplog.at_level(logging.WARNING, logger="videotrain.memory.auto.strategy"):
         auto.observe_step(4, 60.0)  # 9.25 MB over the 50.75 MB estimate: r=0.25 (40.5 + 9.25) fits
     assert auto.active.name == "sbp r=0.250" and auto.inner.keep_ratio == 0.25
     (down,) = auto.step_downs
@@ -355,7 +355,7 @@ def test_recheck_with_nothing_smaller_continues_and_says_so(caplog: pytest.LogCa
     assert auto.active.name == "e2e"
     auto.observe_step(1, 1.0)
     auto.active = min(auto.candidates, key=lambda c: c.peak or 1e18)  # pretend: the smallest plan
-    with caplog.at_level(logging.WARNING, logger="videotrain.memory.auto"):
+    with caplog.at_level(logging.WARNING, logger="videotrain.memory.auto.strategy"):
         auto.observe_step(2, 500.0)
     assert auto.step_downs[-1]["to"] is None and "continuing over budget" in caplog.text
 

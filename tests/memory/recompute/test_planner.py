@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from videotrain.memory.graph import Graph, articulation_points, lower_sets
-from videotrain.memory.planner import (
+from videotrain.memory.recompute.graph import Graph, articulation_points, lower_sets
+from videotrain.memory.recompute.planner import (
     InfeasibleBudget,
     approximate_family,
     brute_force,

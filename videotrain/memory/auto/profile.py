@@ -44,14 +44,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.bench.child import saved_activation_bytes, saved_bytes
 from videotrain.engine.precision import Precision
 from videotrain.memory.base import MemoryStrategy
 from videotrain.memory.e2e import EndToEnd
-from videotrain.memory.recompute import CheckpointedForward
-from videotrain.memory.sbp_lockstep import lockstep_graph
-from videotrain.memory.sbp_split import PatchedBN
+from videotrain.memory.recompute.execute import CheckpointedForward
+from videotrain.memory.sbp.lockstep import lockstep_graph
+from videotrain.memory.sbp.split import PatchedBN
 from videotrain.metrics.memory import StepPeakMemory, _status_kb
+from videotrain.metrics.saved import saved_activation_bytes, saved_bytes
 
 MB = 2**20
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class StepProbe:
     """Runs training steps of a copy of ``model`` on a fixed random batch, as the trainer does.
 
     ``make_optimizer(model)`` builds the run's optimizer for a model (same type and settings);
-    ``video_shape`` is ``(B, T, C, H, W)``. Plain arguments only: ``videotrain.run`` reads the
+    ``video_shape`` is ``(B, T, C, H, W)``. Plain arguments only: ``videotrain.build`` reads the
     config and builds this.
     """
 

@@ -1,6 +1,6 @@
 """One forward for SBP with full-batch BatchNorm: kept and dropped frames in lockstep.
 
-``split_forward``'s ``full_batch`` record/apply scheme (``videotrain.memory.sbp_split``) runs
+``split_forward``'s ``full_batch`` record/apply scheme (``videotrain.memory.sbp.split``) runs
 the kept frames' convolutions twice, once without grad inside the all-frames statistics pass
 and once with autograd: a forward of ``(1 + r) F`` instead of ``F``. On a CPU, where a
 backward costs only about two forwards, that rerun is most of what keeps an SBP step from
@@ -39,7 +39,7 @@ from torch import fx, nn
 from torch.fx.node import map_aggregate
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.sbp_split import FullBatchNorm, full_batch_stats_bn, merge_rows
+from videotrain.memory.sbp.split import FullBatchNorm, full_batch_stats_bn, merge_rows
 
 
 class Split:

@@ -10,11 +10,11 @@ from torch import nn
 
 from videotrain.engine.optim import build_optimizer
 from videotrain.engine.precision import Precision
-from videotrain.memory.checkpoint import Recompute
-from videotrain.memory.profile import MB, StepProbe, device_free_bytes, unprepare
-from videotrain.memory.recompute import CheckpointedForward
-from videotrain.memory.sbp import StochasticBackprop
-from videotrain.memory.sbp_split import PatchedBN
+from videotrain.memory.auto.profile import MB, StepProbe, device_free_bytes, unprepare
+from videotrain.memory.recompute.checkpoint import Recompute
+from videotrain.memory.recompute.execute import CheckpointedForward
+from videotrain.memory.sbp.split import PatchedBN
+from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier

@@ -16,7 +16,7 @@ with the dropped frames held constant (for BN-free backbones: e2e with the dropp
 ``block`` (graph model): inside each selected residual block (default: the first 2/3 of
 ``backbone.blocks()``), the residual *branch* runs with autograd for a per-block random subset
 of frames and under ``no_grad`` for the rest, while the skip path carries gradient for every
-frame. See ``videotrain.memory.sbp_blocks`` for how branches are found. Savings are smaller
+frame. See ``videotrain.memory.sbp.blocks`` for how branches are found. Savings are smaller
 than at frame granularity: the skip path's tensors (a ResNet block's final ReLU output) stay
 for every frame, and each split branch saves its own copy of the kept input rows where e2e
 shares the block input with the previous layer. Measured saved activations on the CPU, r=0.5,
@@ -40,7 +40,7 @@ the statistics. Not supported with SyncBatchNorm. Two ways to compute it, the sa
 - ``lockstep=true`` (default, frame granularity): one forward. The backbone is traced with
   ``torch.fx`` and kept frames (autograd) and dropped frames (``no_grad``) run side by side;
   at every BN they are put back together for the full-batch forward, whose rows are both
-  parts' outputs (``videotrain.memory.sbp_lockstep``). The BN forward is e2e's bit for bit.
+  parts' outputs (``videotrain.memory.sbp.lockstep``). The BN forward is e2e's bit for bit.
 - record/apply (``lockstep=false``; block granularity; composed with ``checkpoint``; a
   backbone ``torch.fx`` cannot trace): the split unit (the backbone, or one residual branch)
   first runs under ``no_grad`` over *all* frames, recording each BN's statistics, and the
@@ -83,12 +83,12 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from videotrain.memory.base import FrameFeatures, all_positions, encode_all_frames
-from videotrain.memory.checkpoint import Recompute
-from videotrain.memory.recompute import replay_on_recompute
+from videotrain.memory.recompute.checkpoint import Recompute
+from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
-from videotrain.memory.sbp_blocks import BlockSplitter, PatchedBlock, select_blocks
-from videotrain.memory.sbp_lockstep import lockstep_forward, lockstep_graph
-from videotrain.memory.sbp_split import (
+from videotrain.memory.sbp.blocks import BlockSplitter, PatchedBlock, select_blocks
+from videotrain.memory.sbp.lockstep import lockstep_forward, lockstep_graph
+from videotrain.memory.sbp.split import (
     BN_POLICIES,
     FullBatchNorm,
     frozen_batchnorm,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.sbp_split import FullBatchNorm, has_train_batchnorm, split_forward
+from videotrain.memory.sbp.split import FullBatchNorm, has_train_batchnorm, split_forward
 
 # branch(fn, x) -> fn(x) for all N frames, with autograd only through the kept frames
 Branch = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]

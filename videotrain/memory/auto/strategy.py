@@ -3,11 +3,11 @@
 A user facing an out-of-memory error otherwise guesses among batch size, checkpointing and frame
 sampling. ``AutoStrategy`` decides, says why, and checks itself:
 
-1. **Profile** (``plan``, called by ``videotrain.run`` before training, and by
+1. **Profile** (``plan``, called by ``videotrain.build.plan_memory`` before training, and by
    ``python -m videotrain.plan``): one real e2e training step of the configured model and batch
-   on a copy of the model (:mod:`videotrain.memory.profile`), measured with the trainer's own
+   on a copy of the model (:mod:`videotrain.memory.auto.profile`), measured with the trainer's own
    per-step peak meter, so the budget means what ``train_peak_mem_mb`` means.
-2. **Candidates** (:mod:`videotrain.memory.candidates`): e2e; recomputation plans of the
+2. **Candidates** (:mod:`videotrain.memory.auto.candidates`): e2e; recomputation plans of the
    Kusumoto planner at several of its budgets; frame-level SBP at every keep ratio ``k/T``;
    SBP with checkpointing of the kept path (when ``StochasticBackprop`` takes ``checkpoint``);
    SBP with frozen BatchNorm; frame dropout only when allowed. SBP and frame dropout peaks are
@@ -23,7 +23,7 @@ sampling. ``AutoStrategy`` decides, says why, and checks itself:
    fits, shifting the predictions by the observed misprediction, and the step-down is logged
    and recorded. Strategies hold no parameters, so the optimizer is untouched.
 
-The concrete strategy is swapped in place: :func:`~videotrain.memory.profile.unprepare` undoes
+The concrete strategy is swapped in place: :func:`~videotrain.memory.auto.profile.unprepare` undoes
 the previous one's ``prepare`` on the backbone, then the next one is prepared.
 """
 
@@ -35,8 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from videotrain.memory.base import FrameFeatures, MemoryStrategy
-from videotrain.memory.candidates import (
+from videotrain.memory.auto.candidates import (
     Candidate,
     NoPlanFits,
     Options,
@@ -46,13 +45,14 @@ from videotrain.memory.candidates import (
     reason,
     render_table,
 )
-from videotrain.memory.checkpoint import Recompute
+from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
+from videotrain.memory.base import FrameFeatures, MemoryStrategy
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
-from videotrain.memory.planner import InfeasibleBudget
-from videotrain.memory.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
+from videotrain.memory.recompute.checkpoint import Recompute
+from videotrain.memory.recompute.planner import InfeasibleBudget
 from videotrain.memory.sampling import SAMPLERS
-from videotrain.memory.sbp import StochasticBackprop
+from videotrain.memory.sbp.strategy import StochasticBackprop
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class AutoStrategy:
         """``video (B, T, C, H, W)`` -> the active plan's features and positions."""
         if self.inner is None:
             raise RuntimeError("memory=auto has no plan yet: call AutoStrategy.plan(StepProbe(...)) "
-                               "before training (videotrain.run does)")
+                               "before training (videotrain.build.plan_memory does)")
         return self.inner.encode(backbone, video)
 
     # ------------------------------------------------------------------ the re-check

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from videotrain.memory.sbp_split import _train_bn_with_stats
+from videotrain.memory.sbp.split import _train_bn_with_stats
 
 
 class OwnForwardBN(nn.BatchNorm2d):

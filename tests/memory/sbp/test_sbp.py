@@ -10,11 +10,12 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
+from videotrain.build import CONFIG_DIR
 from videotrain.memory import EndToEnd, StochasticBackprop, encode_all_frames
 from videotrain.memory.sampling import keep_mask
-from videotrain.memory.sbp_blocks import branch_norms
+from videotrain.memory.sbp.blocks import branch_norms
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(CONFIG_DIR)
 GRANULARITIES = ("frame", "block")
 
 

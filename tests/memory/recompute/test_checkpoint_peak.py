@@ -13,9 +13,9 @@ import pytest
 import torch
 from test_checkpoint import SkipNet
 
-from videotrain.memory.checkpoint import Recompute
-from videotrain.memory.graph import LiveBytes, trace
-from videotrain.memory.planner import evaluate
+from videotrain.memory.recompute.checkpoint import Recompute
+from videotrain.memory.recompute.graph import LiveBytes, trace
+from videotrain.memory.recompute.planner import evaluate
 
 
 def measured_peak(module: torch.nn.Module, run: torch.nn.Module, x: torch.Tensor) -> int:

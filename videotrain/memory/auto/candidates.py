@@ -1,6 +1,6 @@
 """``memory=auto``'s candidate plans, their predicted cost, and the choice.
 
-Everything here is decision logic over numbers (a :class:`~videotrain.memory.profile.Profile`
+Everything here is decision logic over numbers (a :class:`~videotrain.memory.auto.profile.Profile`
 and a budget in bytes), so it is tested on synthetic profiles without running a model.
 
 Expected accuracy (the first sort key). Plans are grouped into tiers, best first:
@@ -46,8 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from videotrain.memory.planner import InfeasibleBudget
-from videotrain.memory.profile import MB, Profile
+from videotrain.memory.auto.profile import MB, Profile
+from videotrain.memory.recompute.planner import InfeasibleBudget
 
 TIER_EXACT, TIER_SBP, TIER_SBP_FROZEN, TIER_DROPOUT = 0, 1, 2, 3
 TIER_NAMES = {

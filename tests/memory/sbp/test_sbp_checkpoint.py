@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from videotrain.memory.sbp import StochasticBackprop
+from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.models.video import VideoClassifier
 
 POLICIES = ["blocks", "sqrt", "optimal"]

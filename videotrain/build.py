@@ -1,0 +1,201 @@
+"""Config -> objects: the one module that turns a Hydra config into the objects a command runs
+(model with its memory strategy, data, precision, optimizer, trainer settings).
+
+Every command builds through it (``python -m videotrain``, ``videotrain.eval``,
+``videotrain.plan``, ``videotrain.bench``), so they cannot drift apart, and everything below
+it (``data``, ``models``, ``memory``, ``engine``, ``metrics``) takes plain arguments and never
+reads the config.
+
+Importing it registers the ``${launch_time:...}`` and ``${job_dirname:...}`` resolvers that the
+root config's ``hydra.run.dir`` / ``hydra.sweep.subdir`` use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from videotrain.data.loaders import DataBundle, build_data
+from videotrain.engine import distributed
+from videotrain.engine.distributed import SINGLE_PROCESS, DistContext
+from videotrain.engine.evaluate import EvalSettings
+from videotrain.engine.optim import build_optimizer, scaled_lr
+from videotrain.engine.precision import Precision
+from videotrain.engine.trainer import TrainerSettings
+from videotrain.memory.base import SelfPlanning
+from videotrain.models.video import VideoClassifier
+
+log = logging.getLogger(__name__)
+
+
+def _config_dir() -> str:
+    """``configs/``: inside the installed package (a wheel carries it as ``videotrain/configs``),
+    else at the top of the source tree (an editable install), where users look for it."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parent / "configs"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"videotrain's Hydra configs were not found next to {here}")
+
+
+CONFIG_DIR = _config_dir()
+
+
+def job_dirname(overrides: str, limit: int = 160) -> str:
+    """A multirun job's folder name from its overrides (``hydra.job.override_dirname``): kept
+    as is up to ``limit`` characters, else cut and suffixed with a hash of the whole, so that
+    long override lists stay under the filesystem's 255-byte name limit and stay distinct."""
+    name = overrides.replace("/", "_")  # `model/backbone=x` must not become a sub-folder
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return f"{name[:limit - 11]}~{digest}"
+
+
+# `${launch_time:%H-%M-%S}` in hydra.run.dir / hydra.sweep.dir: Hydra's `${now:...}`, except
+# that all DDP ranks agree on it (rank 0's clock), so they share one output directory.
+OmegaConf.register_new_resolver("launch_time", distributed.launch_time, use_cache=True, replace=True)
+OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)
+
+
+def compose_cfg(overrides: list[str]) -> DictConfig:
+    """The root config with ``overrides``, composed outside a Hydra app (plan, bench)."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def resolve_device(name: str, ctx: DistContext = SINGLE_PROCESS) -> torch.device:
+    return distributed.resolve_device(name, ctx)
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
+    return Precision.from_config(cfg.trainer, device)
+
+
+def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False) -> VideoClassifier:
+    """Backbone (``model/backbone``), head (``model/head``) and strategy (``memory``).
+
+    ``sync_bn`` converts BatchNorm layers to SyncBatchNorm *before* the strategy prepares the
+    backbone, so that wrappers the strategy installs (checkpointed blocks) see the final layers.
+    """
+    backbone = instantiate(cfg.model.backbone, pretrained=cfg.model.get("pretrained"))
+    head = instantiate(cfg.model.head, in_dim=backbone.feature_dim, num_classes=num_classes)
+    if sync_bn:
+        if cfg.memory.get("bn_policy") == "full_batch":
+            raise ValueError("trainer.sync_bn=true does not combine with memory=sbp "
+                             "memory.bn_policy=full_batch (it records per-process BN statistics); "
+                             "use memory.bn_policy=frozen or trainer.sync_bn=false")
+        backbone = nn.SyncBatchNorm.convert_sync_batchnorm(backbone)
+        head = nn.SyncBatchNorm.convert_sync_batchnorm(head)
+    strategy = instantiate(cfg.memory)
+    return VideoClassifier(backbone, head, strategy)
+
+
+def use_sync_bn(cfg: DictConfig, ctx: DistContext, device: torch.device) -> bool:
+    """``trainer.sync_bn``, checked: it needs CUDA and matters only with several processes."""
+    if not cfg.trainer.sync_bn:
+        return False
+    if not ctx.enabled:
+        log.warning("trainer.sync_bn=true has no effect with a single process; plain BatchNorm is used")
+        return False
+    if device.type != "cuda":
+        raise ValueError("trainer.sync_bn=true needs CUDA (torch's SyncBatchNorm runs on GPUs only); "
+                         "set trainer.sync_bn=false for DDP on CPU")
+    return True
+
+
+def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision,
+                device: torch.device, num_classes: int) -> dict[str, Any] | None:
+    """Let a self-planning strategy (``memory=auto``) profile the configured model and batch
+    and choose its plan, before training. A no-op (None) for every other strategy. Raises
+    ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget."""
+    if not isinstance(model.strategy, SelfPlanning):
+        return None
+    from videotrain.memory.auto.profile import StepProbe
+
+    d = cfg.data
+    probe = StepProbe(
+        model, lambda m: optimizer_from_cfg(cfg, m), precision, device,
+        video_shape=(d.batch_size, d.num_frames, 3, d.crop_size, d.crop_size),
+        num_classes=num_classes, grad_clip=cfg.trainer.grad_clip,
+        label_smoothing=cfg.trainer.label_smoothing, seed=cfg.seed,
+    )
+    return model.strategy.plan(probe)
+
+
+def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
+                        world_size: int = 1, **extra: Any) -> tuple[DataBundle, list[str]]:
+    """``build_data`` from ``cfg.data``; ``extra`` overrides some of its arguments (the
+    evaluation command's views per video, for instance)."""
+    for key in cfg.data:
+        if OmegaConf.is_missing(cfg.data, key):
+            raise ValueError(f"data.{key} is required for data={cfg.data.name} (e.g. data.{key}=...)")
+    d = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=True)
+    assert isinstance(d, dict)
+    # every data key is a build_data argument (tests/test_configs.py checks it)
+    return build_data(**{**d, "seed": cfg.seed, "rank": rank, "world_size": world_size,
+                         "pin_memory": device.type == "cuda", **extra})
+
+
+def eval_settings(cfg: DictConfig) -> EvalSettings:
+    return EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
+
+
+def build_eval_data(cfg: DictConfig, device: torch.device) -> tuple[DataBundle, list[str]]:
+    """The configured dataset with ``eval.clips x eval.crops`` views per val video; training
+    files are not stat-ed (only the class list is read from the train annotations)."""
+    s = eval_settings(cfg)
+    return build_data_from_cfg(cfg, device, val_clips=s.clips, val_crops=s.crops,
+                               val_batch_size=s.batch_size, preflight_train=False)
+
+
+def global_batch_size(cfg: DictConfig, world_size: int = 1) -> int:
+    """Clips per optimizer step over all processes: what the learning rate sees."""
+    return cfg.data.batch_size * cfg.trainer.grad_accum * world_size
+
+
+def effective_lr(cfg: DictConfig, world_size: int = 1) -> float:
+    """``optim.lr``, scaled to the global batch as ``optim.lr_scaling`` says (never implicitly)."""
+    return scaled_lr(cfg.optim.lr, cfg.optim.get("lr_scaling", "none"),
+                     cfg.optim.get("base_batch_size"), global_batch_size(cfg, world_size))
+
+
+def optimizer_from_cfg(cfg: DictConfig, model: nn.Module,
+                             world_size: int = 1) -> torch.optim.Optimizer:
+    """The ``optim`` group -> optimizer, at ``effective_lr``."""
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    optim.pop("lr_scaling", None)
+    optim.pop("base_batch_size", None)
+    return build_optimizer(model, **{**optim, "lr": effective_lr(cfg, world_size)})
+
+
+def trainer_settings(cfg: DictConfig) -> TrainerSettings:
+    t = cfg.trainer
+    return TrainerSettings(
+        max_epochs=t.max_epochs, max_steps=t.max_steps, grad_accum=t.grad_accum,
+        grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
+        log_every_n_steps=t.log_every_n_steps, checkpoint_every_n_steps=t.checkpoint_every_n_steps,
+        val_every_n_epochs=t.val_every_n_epochs, max_bad_fraction=cfg.data.max_bad_fraction,
+        progress=t.progress, test_after_fit=t.test_after_fit, cpu_metered_steps=t.cpu_metered_steps,
+    )

@@ -1,0 +1,15 @@
+"""``memory=auto``: give it a memory budget, get the fastest training plan that fits.
+
+- ``profile.py``: ``StepProbe``, real training steps of the configured model and batch on a
+  copy of the model, measured with the trainer's own peak meter (``Profile``).
+- ``candidates.py``: the candidate plans (e2e, recomputation, SBP at every keep ratio, SBP with
+  checkpointing or frozen BN, frame dropout when allowed), their predicted peak and step time,
+  and the choice (best expected accuracy that fits, fastest among equals).
+- ``strategy.py``: ``AutoStrategy``: plans before training, verifies the choice, swaps the
+  concrete strategy in, and steps down to the next plan if a step exceeds the budget.
+"""
+
+from videotrain.memory.auto.candidates import NoPlanFits
+from videotrain.memory.auto.strategy import AutoStrategy
+
+__all__ = ["AutoStrategy", "NoPlanFits"]
