@@ -116,3 +116,16 @@ def test_flat_rows_partition_the_flattened_batch() -> None:
     kept, dropped = flat_rows(idx, 4)
     assert kept.tolist() == [1, 3, 4, 6]
     assert dropped.tolist() == [0, 2, 5, 7]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_flat_rows_are_the_mask_rows_in_order(seed: int) -> None:
+    """Kept and dropped rows of ``video.flatten(0, 1)`` equal the mask's nonzero rows (the
+    definition), without a data-dependent op."""
+    g = torch.Generator().manual_seed(seed)
+    b, t, n = 3, 7, 3
+    idx = torch.stack([torch.randperm(t, generator=g)[:n] for _ in range(b)])  # (B, n), unsorted
+    kept, dropped = flat_rows(idx, t)
+    mask = keep_mask(idx, t).flatten()
+    assert torch.equal(kept, mask.nonzero().squeeze(1))
+    assert torch.equal(dropped, (~mask).nonzero().squeeze(1))

@@ -116,8 +116,11 @@ def test_transformer_uses_positions_and_checks_range() -> None:
     a = head(feats, torch.tensor([[0, 3, 5]]))
     b = head(feats, torch.tensor([[0, 1, 2]]))
     assert not torch.allclose(a, b)  # the same features at other times mean something else
-    with pytest.raises(ValueError, match=r"frame position 8 >= model.head.max_frames=8"):
-        head(feats, torch.tensor([[0, 3, 8]]))
+    model = VideoClassifier(BACKBONES["vit_tiny"](), HEADS["transformer"](FEATURE_DIMS["vit_tiny"]))
+    # the clip length bounds every position the strategies hand the head
+    with pytest.raises(ValueError, match=r"clip of 9 frames has frame positions up to 8, but "
+                                         r"model.head.max_frames=8"):
+        model(torch.randn(1, 9, 3, 32, 32))
 
 
 def test_lstm_orders_frames_by_position() -> None:

@@ -136,5 +136,11 @@ def flat_rows(keep_idx: torch.Tensor, num_frames: int) -> tuple[torch.Tensor, to
 
     ``keep_idx (B, n) -> kept rows (B*n,), dropped rows (B*(T-n),)``.
     """
-    mask = keep_mask(keep_idx, num_frames).flatten()  # (B*T,)
-    return mask.nonzero().squeeze(1), (~mask).nonzero().squeeze(1)
+    b, n = keep_idx.shape
+    offsets = torch.arange(b, device=keep_idx.device)[:, None] * num_frames  # (B, 1)
+    kept = keep_idx.sort(dim=1).values + offsets  # (B, n)
+    # a stable sort of the mask puts each clip's dropped frames (False) first, in frame order;
+    # no nonzero(): its output shape depends on the data (a device sync on CUDA)
+    mask = keep_mask(keep_idx, num_frames).to(torch.uint8)  # (B, T)
+    dropped = torch.sort(mask, dim=1, stable=True).indices[:, : num_frames - n] + offsets
+    return kept.flatten(), dropped.flatten()

@@ -29,6 +29,10 @@ class VideoClassifier(nn.Module):
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         if video.dim() != 5:
             raise ValueError(f"expected video (B, T, C, H, W), got shape {tuple(video.shape)}")
+        max_frames = getattr(self.head, "max_frames", None)  # heads with position embeddings
+        if max_frames is not None and video.shape[1] > max_frames:
+            raise ValueError(f"a clip of {video.shape[1]} frames has frame positions up to "
+                             f"{video.shape[1] - 1}, but model.head.max_frames={max_frames}")
         if self.training and torch.is_grad_enabled():
             out = self.strategy.encode(self.backbone, video)
         else:
