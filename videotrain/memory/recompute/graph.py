@@ -373,11 +373,11 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
     are restored afterwards.
     """
     gm = make_out_of_place(fx.symbolic_trace(backbone))
-    state = {k: v.clone() for k, v in gm.state_dict().items()}
+    buffers = {k: b.clone() for k, b in gm.named_buffers()}  # parameters are not changed
     devices = [example.device] if example.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():  # grad on per node inside
         _SavedProp(gm).propagate(example.detach())
-    gm.load_state_dict(state)  # BN running statistics as they were; the RNG too (fork_rng)
+    gm.load_state_dict(buffers, strict=False)  # BN running statistics as they were; RNG: fork_rng
     for node in reversed(gm.graph.nodes):  # a saved view keeps its base's storage alive
         if node.meta.get("output_saved"):
             for base in node.meta.get("alias_of", []):
