@@ -1,4 +1,4 @@
-# GPU image: CUDA PyTorch runtime + videotrain, running as a non-root user. See README "Docker".
+# GPU image: CUDA PyTorch runtime + videotrain, running as a non-root user. See docs/cluster.md.
 #   docker build -t videotrain .
 #   docker run --gpus all --shm-size=16g -v DATA:/data -v OUT:/outputs videotrain \
 #     +exp=kinetics_sbp data.root=/data/kinetics

@@ -323,8 +323,8 @@ class Trainer:
     def _meters(self) -> bool:
         """Whether this step's peak memory is metered. On CUDA always (the allocator keeps
         statistics anyway). On CPU the meter makes every large allocation a fresh mapping that
-        is handed back when freed (``videotrain.metrics.memory``), and a metered step took 1.5-2.1x
-        as long as an unmetered one in the benchmark, so with ``cpu_metered_steps=N`` only this
+        is handed back when freed (``videotrain.metrics.memory``), which slows the step (see
+        docs/benchmarks.md), so with ``cpu_metered_steps=N`` only this
         process's first N steps are metered: a step's peak is the same from step 2 on (same
         shapes, same number of kept frames). A strategy that observes every step's peak
         (``memory=auto``) keeps the meter throughout."""

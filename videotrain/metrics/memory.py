@@ -58,7 +58,7 @@ def keep_freed_memory() -> None:
     longer pays a fresh mapping and page faults for each allocation; roughly what a caching
     allocator such as PyTorch's on CUDA does. The meter's setting stays undone for the rest of
     the process: a CPU ``StepPeakMemory`` would misread after this, since malloc reuses the
-    kept blocks and their holes count (a step holding 20 MB at most read 28 MB)."""
+    kept blocks and their holes count, which reads high."""
     _libc_call("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
     _libc_call("mallopt", _M_TRIM_THRESHOLD, 2**30)
 

@@ -75,7 +75,7 @@ class Profile:
     has_batchnorm: bool  # training-mode BatchNorm in the backbone (SBP's full_batch record pass)
     held_growth: float  # what the first step adds to what is held between steps (grads, optimizer state)
     measured_clips: int = 0  # clips of the batch really run (< batch_size: extrapolated); 0 = all
-    lockstep: bool = False  # full-batch SBP runs one forward (the backbone traces; sbp_lockstep)
+    lockstep: bool = False  # full-batch SBP runs one forward (the backbone traces; sbp/lockstep.py)
 
     @property
     def extrapolated(self) -> bool:

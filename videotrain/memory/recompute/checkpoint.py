@@ -24,23 +24,19 @@ shape, so they are made lazily on the first training ``encode`` per ``(N, C, H, 
 device. The traced graph is rewritten without in-place ops (``graph.make_out_of_place``), so
 no cut can land between a BN and an in-place ReLU.
 
-Segment inputs are let go as soon as the segment is recomputed (``recompute.checkpoint_call``),
+Segment inputs are let go as soon as the segment is recomputed (``execute.checkpoint_call``),
 not when its backward ends, and the planner's cost model knows it: a boundary tensor lives in
 backward only until the last segment that reads it is recomputed. That is what lets the
 least-memory ResNet plan cut the stem after BN and hold three stem-sized maps instead of four.
 
-BatchNorm: recompute would update running statistics a second time; ``recompute.py`` swaps the
+BatchNorm: recompute would update running statistics a second time; ``execute.py`` swaps the
 running buffers for throw-away clones during any recompute (the closure of each checkpoint
 call counts its invocations), so they update exactly once per step. Dropout replays its RNG
 (``torch.utils.checkpoint``'s ``preserve_rng_state``).
 
-Predicted vs measured (CPU, live activation and activation-gradient storages polled after every
-op; ``tests/memory/test_checkpoint_peak.py``): the planner simulates what autograd keeps and
-frees (``planner.block_peak``) from a trace that runs the real kernels one node at a time, so
-the prediction upper-bounds the measurement and is within 25% of it on every test model and
-plan: resnet18 (8 frames, 32 px) 1.00-1.02x, a U-Net-like net with long skips 1.00-1.11x, a
-small ViT 1.01-1.17x (the trace runs ``MultiheadAttention(x, x, x)`` with one input, as the
-model does, so it takes the packed in-projection path).
+The planner simulates what autograd keeps and frees (``planner.block_peak``) from a trace that
+runs the real kernels one node at a time, so its predicted peak upper-bounds the measured one
+(tested in ``tests/memory/recompute/test_checkpoint_peak.py``; figures in docs/memory.md).
 
 Composition with ``sbp``: ``memory=sbp memory.checkpoint=POLICY`` checkpoints SBP's kept-frame
 path with these policies (``kept_path``); see ``videotrain.memory.sbp.strategy``.

@@ -23,7 +23,7 @@ saved tensors and gradient as soon as its backward has run. So we simulate the b
     overhead = sum_{i<k} T(Vi) - T(Wi)     (the last block, and blocks that save nothing, are
                                             never recomputed)
 
-Retained boundaries are not all live all the time. The executor (``recompute.checkpoint_call``)
+Retained boundaries are not all live all the time. The executor (``execute.checkpoint_call``)
 lets go of a segment's inputs once its recompute is done, so a boundary tensor ``w`` of block
 ``j`` lives in the forward, then in backward only until the recompute of its *first* consumer
 block ``c`` (the last one backward reaches); during blocks ``j+1 .. c-1`` it is gone. A stem cut
@@ -38,8 +38,8 @@ plus its *dormant* boundaries (retained, first consumer not yet reached):
     A block whose ops save nothing is never recomputed and holds no inputs: its dying set is
     empty (those boundaries stay dormant, and are gone once no consumer is left to come).
 
-This is an upper bound of the measured peak of activations and activation gradients on the test
-models (parameter gradients are not activations and are left out) and within 25% of it.
+This upper-bounds the measured peak of activations and activation gradients (parameter
+gradients are not activations and are left out); the tests hold it within 25%.
 
 The exact DP keeps, per state, the Pareto front of (overhead, live retained memory); a
 transition is admissible only if its block's peak fits the budget, so pruning dominated pairs

@@ -2,9 +2,8 @@
 
 ``split_forward``'s ``full_batch`` record/apply scheme (``videotrain.memory.sbp.split``) runs
 the kept frames' convolutions twice, once without grad inside the all-frames statistics pass
-and once with autograd: a forward of ``(1 + r) F`` instead of ``F``. On a CPU, where a
-backward costs only about two forwards, that rerun is most of what keeps an SBP step from
-scaling with ``r``.
+and once with autograd: a forward of ``(1 + r) F`` instead of ``F``, which keeps an SBP step
+from scaling with ``r``.
 
 This module runs the backbone once. It traces the backbone's forward into a ``torch.fx`` graph
 (once per backbone, at its first SBP step) and interprets it node by node, carrying every activation as a

@@ -19,9 +19,7 @@ of frames and under ``no_grad`` for the rest, while the skip path carries gradie
 frame. See ``videotrain.memory.sbp.blocks`` for how branches are found. Savings are smaller
 than at frame granularity: the skip path's tensors (a ResNet block's final ReLU output) stay
 for every frame, and each split branch saves its own copy of the kept input rows where e2e
-shares the block input with the previous layer. Measured saved activations on the CPU, r=0.5,
-default blocks: resnet18 at 112 px 0.92x of e2e (frame granularity 0.50x); vit_tiny 0.69x
-(all blocks 0.58x, frame 0.51x).
+shares the block input with the previous layer (docs/benchmarks.md has the measured ratios).
 
 BatchNorm policy (``bn_policy``)
 --------------------------------
@@ -46,8 +44,7 @@ the statistics. Not supported with SyncBatchNorm. Two ways to compute it, the sa
   first runs under ``no_grad`` over *all* frames, recording each BN's statistics, and the
   dropped frames' outputs come from that pass; the kept frames then rerun with autograd,
   normalized with the recorded statistics (equal to e2e's up to float rounding). Cost: an
-  extra forward of the kept frames (F(1+r) instead of F); measured on the CPU bench at r=0.5,
-  it kept SBP's step at 0.95x of e2e's where lockstep measures 0.74-0.82x.
+  extra forward of the kept frames (F(1+r) instead of F), which lockstep avoids.
 
 Neither can chunk the dropped frames (exact statistics need every frame at every layer), so
 the transient is that of a plain no_grad forward over all B*T frames.
