@@ -75,6 +75,13 @@ def compose_cfg(overrides: list[str]) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
+def group_choices(overrides: list[str]) -> dict[str, str]:
+    """Which option each config group resolved to (``{"model/backbone": "resnet50", ...}``)."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    return {k: str(v) for k, v in cfg.hydra.runtime.choices.items()}
+
+
 def resolve_device(name: str, ctx: DistContext = SINGLE_PROCESS) -> torch.device:
     return distributed.resolve_device(name, ctx)
 

@@ -1,4 +1,12 @@
-"""Recomputation plan viewer: ``python -m videotrain.plan [hydra overrides]``.
+"""Plan before you queue: ``python -m videotrain.plan [--fit GB] [hydra overrides]``.
+
+With ``--fit GB``: will this run fit a GPU with GB GiB of memory? For the configured model and
+batch at full size, every memory strategy's training-step and validation peak is predicted on
+fake tensors (``videotrain.fit``, no GPU, no dataset, no weights), with whether it fits and the
+largest ``data.batch_size`` and ``data.num_frames`` that would; printed as a table and written
+to ``--out`` as JSON.
+
+Without ``--fit``, the recomputation plan viewer:
 
 Builds the configured model (``videotrain.build.build_model``) and plans the backbone for the
 training input ``(data.batch_size * data.num_frames, 3, data.crop_size, data.crop_size)``
@@ -38,6 +46,7 @@ from videotrain.build import (
     resolve_device,
     seed_everything,
 )
+from videotrain.fit import fit_report, render_fit
 from videotrain.memory.recompute import InfeasibleBudget, Recompute
 
 
@@ -103,11 +112,29 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fit_main(device_gb: float, overrides: list[str], out: Path, jobs: int) -> int:
+    if device_gb <= 0:
+        print(f"error: --fit takes the device's memory in GiB (> 0), got {device_gb:g}",
+              file=sys.stderr)
+        return 2
+    report = fit_report(overrides, device_gb, target="cuda", processes=jobs)
+    print(render_fit(report))
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 1 if any("error" in r for r in report["rows"]) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m videotrain.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="plan.json", help="where to write the JSON report")
+    parser.add_argument("--fit", type=float, metavar="GB", default=None,
+                        help="predict every strategy's peak for a CUDA device with GB GiB of memory")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="--fit: simulations run at once, one process each (default 2)")
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. memory=checkpoint")
     args = parser.parse_args(argv)
+    if args.fit is not None:
+        return fit_main(args.fit, list(args.overrides), Path(args.out), args.jobs)
     cfg = compose_cfg(list(args.overrides))
     try:
         report = auto_report(cfg) if is_auto(cfg) else make_report(cfg)

@@ -1,0 +1,102 @@
+"""``python -m videotrain.plan --fit GB``: every strategy row, predicted on fake tensors, with the
+JSON fields users script against, and an independent check against torch's MemTracker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from videotrain.build import compose_cfg
+from videotrain.fit import FIT_ROWS, GIB, fit_report, simulate_cfg
+from videotrain.plan import main as plan_main
+
+TINY = ["model/backbone=resnet10", "model/head=tconv", "data.num_frames=8", "data.crop_size=96",
+        "data.batch_size=2", "data.val_batch_size=2", "trainer.precision=bf16"]
+ROW_KEYS = {"strategy", "keep_ratio", "policy", "predicted_train_peak_gb", "predicted_eval_peak_gb",
+            "fits", "max_batch_size", "max_num_frames"}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return fit_report(TINY, device_gb=1.0)
+
+
+def test_fit_report_has_every_row_and_field(report: dict) -> None:
+    assert {"device", "device_memory_gb", "precision", "backbone", "batch_size", "num_frames",
+            "crop_size", "rows"} <= set(report)
+    assert (report["device"], report["precision"], report["backbone"]) == ("cuda", "bf16", "resnet10")
+    assert [(r["strategy"], r["keep_ratio"], r["policy"]) for r in report["rows"]] == \
+        [(s, k, p) for s, k, p, _ in FIT_ROWS]
+    for r in report["rows"]:
+        assert "error" not in r, r
+        assert ROW_KEYS <= set(r)
+
+
+def test_fit_rows_order_as_their_strategies_say(report: dict) -> None:
+    rows = {(r["strategy"], r["keep_ratio"], r["policy"]): r for r in report["rows"]}
+    peak = {k: r["predicted_step_increase_mb"] for k, r in rows.items()}
+    e2e = peak[("e2e", None, None)]
+    assert peak[("sbp", 0.25, None)] < peak[("sbp", 0.5, None)] < e2e
+    assert peak[("frame_dropout", 0.5, None)] < e2e
+    assert peak[("checkpoint", None, "optimal")] < e2e
+    assert peak[("sbp", 0.5, "optimal")] < peak[("sbp", 0.5, None)]
+    for r in rows.values():  # a row that fits at its batch allows at least that batch
+        assert r["fits"] == (r["max_batch_size"] >= 2)
+        assert r["max_num_frames"] >= 8 or not r["fits"]
+
+
+def test_a_card_too_small_fits_nothing() -> None:
+    small = fit_report(TINY, device_gb=0.55)  # 0.5 GiB of it is the CUDA context
+    assert not any(r["fits"] for r in small["rows"])
+    assert all(r["max_batch_size"] == 0 for r in small["rows"])
+
+
+def test_plan_fit_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "f.json"
+    assert plan_main(["--fit", "1", "--out", str(out), *TINY]) == 0
+    table = capsys.readouterr().out
+    assert "sbp 0.5 +optimal" in table and "max batch" in table
+    saved = json.loads(out.read_text())
+    assert saved["device_memory_gb"] == 1.0 and len(saved["rows"]) == len(FIT_ROWS)
+
+
+def test_plan_fit_refuses_a_non_positive_size(capsys: pytest.CaptureFixture) -> None:
+    assert plan_main(["--fit", "0", *TINY]) == 2
+    assert "--fit takes the device's memory in GiB" in capsys.readouterr().err
+
+
+def test_e2e_row_agrees_with_torch_memtracker_over_meta_tensors() -> None:
+    """fp32 e2e against an independent count: torch's MemTracker over meta tensors of the same
+    model, batch and AdamW step, the second step (parameters, gradients and optimizer state
+    included)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from hydra.utils import instantiate
+
+    from videotrain.models.video import VideoClassifier
+
+    overrides = ["model/backbone=resnet18", "model/head=mean", "data.num_frames=8",
+                 "data.crop_size=112", "data.batch_size=4", "trainer.grad_clip=null"]
+    cfg = compose_cfg(overrides)
+    ours = simulate_cfg(cfg, "cpu", with_eval=False).train_peak
+    with torch.device("meta"):
+        backbone = instantiate(cfg.model.backbone, pretrained=None)
+        model = VideoClassifier(backbone, instantiate(cfg.model.head, in_dim=backbone.feature_dim,
+                                                      num_classes=400))
+        video = torch.randn(4, 8, 3, 112, 112)
+        labels = torch.randint(0, 400, (4,))
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    F.cross_entropy(model(video), labels).backward()  # step 1: gradients and AdamW state exist
+    optimizer.step()  # from here on, as in the trainer's steady state (zeroed, not freed)
+    optimizer.zero_grad(set_to_none=False)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, video)
+    with tracker:
+        F.cross_entropy(model(video), labels).backward()
+        optimizer.step()
+    theirs = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    print(f"e2e fp32: predicted {ours / GIB:.4f} GiB, MemTracker {theirs / GIB:.4f} GiB")
+    assert ours == pytest.approx(theirs, rel=0.25), (ours / GIB, theirs / GIB)

@@ -1,0 +1,159 @@
+"""Predict a training step's memory without running it: the step on fake tensors, counted.
+
+The model, the optimizer and a batch are built under ``FakeTensorMode`` (shapes, dtypes and
+autograd, no data) and the trainer's step runs on them as it would on a device, memory
+strategy included: SBP's kept and dropped frames, checkpoint plans and their recompute,
+AdamW's state. :class:`~videotrain.metrics.live_bytes.LiveStorageBytes` counts every storage
+alive, so the figures are what a caching allocator would report as ``memory_allocated`` and
+``max_memory_allocated`` (no workspaces, rounding or fragmentation). A ResNet-50 step over
+256 frames of 224 px takes seconds on a CPU and allocates nothing.
+
+Mixed precision runs under CPU autocast, whose casting rules match CUDA's for the layers used
+here (convolutions and matmuls in low precision; BatchNorm and LayerNorm on the dtype they
+are given, their statistics in fp32). fp16's GradScaler is left out (its state is a few
+scalars). Callers run this in a process of its own (``videotrain.fit``): garbage-collecting
+some fake-tensor graphs (checkpointed segments under a transformer head) crashes torch 2.14.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from videotrain.metrics.live_bytes import LiveStorageBytes
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes of one steady-state training step (step 2 on; step 1 also allocates gradients
+    and optimizer state), and of a validation forward in the same process."""
+
+    held: int  # between steps: parameters, buffers, gradients, optimizer state, the batch
+    batch: int  # of which the training batch (the input clips)
+    fwd_bwd_peak: int  # the most alive at once up to the end of backward
+    opt_peak: int  # the most alive during gradient clipping and the optimizer step
+    eval_peak: int | None = None  # the most alive during a validation forward, training state held
+    eval_batch: int = 0  # of which the validation batch
+
+    @property
+    def train_peak(self) -> int:
+        """The most alive at once during the step: what ``max_memory_allocated`` reads."""
+        return max(self.fwd_bwd_peak, self.opt_peak)
+
+    @property
+    def step_increase(self) -> int:
+        """The step's peak over what is held between steps: the trainer's ``train_peak_mem_mb``
+        scale (its meter starts each step at ``held``)."""
+        return self.train_peak - self.held
+
+    def scaled(self, factor: float, frames: bool = False) -> StepMemory:
+        """The same step with ``factor`` times the clips per batch, or (``frames``) the frames
+        per clip: the training batch and what the forward and backward keep and allocate scale
+        with it; parameters, gradients and optimizer state do not, nor do the optimizer's
+        temporaries. Longer clips scale the validation forward too; more clips do not (its
+        batch is its own). An extrapolation: a transformer head's attention grows with the
+        square of the frames per clip (small beside the backbone), and SBP rounds its kept
+        frames per clip."""
+        grow = round((factor - 1) * self.batch)
+        held = self.held + grow
+
+        def scale(peak: int) -> int:
+            return held + round(factor * (peak - self.held))
+
+        eval_peak = self.eval_peak
+        if eval_peak is not None and frames:
+            eval_peak = scale(eval_peak)
+        return StepMemory(held, self.batch + grow, scale(self.fwd_bwd_peak), self.opt_peak + grow,
+                          eval_peak, round(self.eval_batch * factor) if frames else self.eval_batch)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "train_peak": self.train_peak, "step_increase": self.step_increase}
+
+
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """``torch.nn.init``'s in-place initialisers do nothing in the body: values do not change
+    memory, and some (``trunc_normal_``) read values back, which fake tensors cannot."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
+def simulate_step(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    video_shape: tuple[int, int, int, int, int],
+    num_classes: int,
+    autocast_dtype: torch.dtype | None = None,
+    grad_clip: float | None = None,
+    label_smoothing: float = 0.0,
+    eval_video_shape: tuple[int, int, int, int, int] | None = None,
+    fake: bool = True,
+) -> StepMemory:
+    """Count one training step of ``make_model()`` on a ``video_shape`` batch
+    ``(B, T, C, H, W)``, as ``Trainer`` takes it, and (with ``eval_video_shape``, the
+    validation batch flattened to clips) one validation forward. ``make_model`` and
+    ``make_optimizer`` run inside the fake mode, so they must build, not load, their tensors.
+    ``fake=False`` runs the same steps on real CPU tensors, to check the simulation against."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode, LiveStorageBytes() as live:
+        with _no_weight_init():
+            model = make_model().train()
+        optimizer = make_optimizer(model)
+        video = torch.randn(*video_shape)  # (B, T, C, H, W)
+        labels = torch.randint(0, num_classes, (video_shape[0],))
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # as between the trainer's steps: gradients kept, optimizer state made
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        # shape-dependent preparation (checkpoint plans, traced graphs) on a first forward,
+        # not counted: on a device it leaves nothing behind, but on fake tensors the planner's
+        # per-node trace leaves parameter-sized gradients cached by torch
+        with live.paused(), _autocast(autocast_dtype):
+            model(video)
+
+        held = live.now()
+        live.reset_peak()
+        with _autocast(autocast_dtype):
+            logits = model(video)  # (B, K)
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
+        del logits
+        loss.backward()
+        del loss
+        fwd_bwd_peak = live.peak
+        live.reset_peak()
+        if grad_clip:
+            nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        opt_peak = live.peak
+
+        eval_peak, eval_batch = None, 0
+        if eval_video_shape is not None:
+            model.eval()
+            clips = torch.randn(*eval_video_shape)  # (B*V, T, C, H, W)
+            eval_batch = clips.untyped_storage().nbytes()
+            live.reset_peak()
+            with torch.no_grad(), _autocast(autocast_dtype):
+                model(clips)
+            eval_peak = live.peak
+        batch = video.untyped_storage().nbytes()
+    return StepMemory(held, batch, fwd_bwd_peak, opt_peak, eval_peak, eval_batch)
