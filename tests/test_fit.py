@@ -73,8 +73,8 @@ def test_e2e_row_agrees_with_torch_memtracker_over_meta_tensors() -> None:
     """fp32 e2e against an independent count: torch's MemTracker over meta tensors of the same
     model, batch and AdamW step, the second step (parameters, gradients and optimizer state
     included)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
     from hydra.utils import instantiate
+    from torch.distributed._tools.mem_tracker import MemTracker
 
     from videotrain.models.video import VideoClassifier
 
