@@ -140,6 +140,10 @@ def test_eval_settings_validation() -> None:
         EvalSettings(aggregate="median")
     with pytest.raises(ValueError, match="eval.clips must be >= 1"):
         EvalSettings(clips=0)
+    for bad in (0, "big", 2.5):
+        with pytest.raises(ValueError, match="eval.frame_chunk must be auto, null or a number"):
+            EvalSettings(frame_chunk=bad)
+    assert EvalSettings(frame_chunk=None).frame_chunk is None
 
 
 def test_apply_overrides_keeps_the_run_and_takes_the_command_line(compose_cfg) -> None:

@@ -115,8 +115,9 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False) -> Vid
                              "use memory.bn_policy=frozen or trainer.sync_bn=false")
         backbone = nn.SyncBatchNorm.convert_sync_batchnorm(backbone)
         head = nn.SyncBatchNorm.convert_sync_batchnorm(head)
-    strategy = instantiate(cfg.memory)
-    return VideoClassifier(backbone, head, strategy)
+    model = VideoClassifier(backbone, head, instantiate(cfg.memory))
+    model.eval_frame_chunk = eval_settings(cfg).frame_chunk
+    return model
 
 
 def use_sync_bn(cfg: DictConfig, ctx: DistContext, device: torch.device) -> bool:

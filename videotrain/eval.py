@@ -74,6 +74,9 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     data, bad = build_eval_data(cfg, device)
     model = build_model(cfg, data.num_classes)
     state = ckpt.load(path, map_location="cpu")
+    peaks = state.get("peaks") or []  # the training steps' measured peaks (MB)
+    if peaks:  # eval.frame_chunk=auto: stay within what training needed
+        model.eval_memory_budget = max(peaks[1:] or peaks) * 2**20
     try:
         model.load_state_dict(state["model"] if "model" in state else state)
     except RuntimeError as err:

@@ -34,11 +34,16 @@ class EvalSettings:
     crops: int = 3  # spatial crops per clip: 1 = centre, 3 = left/centre/right (or top/.../bottom)
     aggregate: str = "mean"  # how the views' softmax becomes the video's scores
     batch_size: int = 1  # videos per forward (each is clips x crops views)
+    frame_chunk: int | str | None = "auto"  # backbone frames per forward: auto | None (all) | N
 
     def __post_init__(self) -> None:
         for key in ("clips", "crops", "batch_size"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
+        chunk = self.frame_chunk
+        if not (chunk is None or chunk == "auto" or (isinstance(chunk, int) and chunk >= 1)):
+            raise ValueError(f"eval.frame_chunk must be auto, null or a number of frames >= 1, "
+                             f"got {chunk!r}")
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"eval.aggregate must be one of {', '.join(AGGREGATES)}, "
                              f"got {self.aggregate!r}")

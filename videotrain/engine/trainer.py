@@ -345,6 +345,9 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         self.comm.sync_buffers(self.module)
+        peak = self.train_peak_mb()
+        if peak is not None:  # evaluation (eval.frame_chunk=auto) stays within training's peak
+            self.module.eval_memory_budget = peak * 2**20
         metrics = evaluate(self.module, self.data.val, self.precision, self.device,
                            progress=self.s.progress and self.is_main, num_classes=self.data.num_classes,
                            on_skipped=lambda p: self._note_skipped(p, self.data.val.dataset, "val split"))
@@ -372,14 +375,19 @@ class Trainer:
             self.save()
         return self.results()
 
+    def train_peak_mb(self) -> float | None:
+        """The largest measured step peak of this process (step 1 left out: it also allocates
+        gradients and optimizer state), or None before any metered step."""
+        peaks = self.state.peaks[1:] or self.state.peaks
+        return max(peaks) if peaks else None
+
     def results(self) -> dict[str, Any]:
         """The run's summary, reduced over ranks (a collective: call it on every rank)."""
         st = self.state
         times = st.step_times[1:] or st.step_times  # the first step pays for lazy allocations
-        peaks = st.peaks[1:] or st.peaks
         waits = st.data_waits[1:] or st.data_waits  # the first wait includes worker start-up
         slowest = self.comm.reduce({"step_time_s": statistics.median(times) if times else None,
-                                    "train_peak_mem_mb": max(peaks) if peaks else None,
+                                    "train_peak_mem_mb": self.train_peak_mb(),
                                     "data_wait_s": statistics.median(waits) if waits else None},
                                    "max")
         step_time, data_wait = slowest["step_time_s"], slowest["data_wait_s"]

@@ -66,10 +66,25 @@ def all_positions(video: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=video.device).expand(b, t)
 
 
-def encode_all_frames(backbone: nn.Module, video: torch.Tensor) -> FrameFeatures:
-    """Run the backbone on every frame as one batch of images: ``(B, T, ...) -> (B, T, D)``."""
+def encode_all_frames(backbone: nn.Module, video: torch.Tensor,
+                      chunk: int | None = None) -> FrameFeatures:
+    """Run the backbone on every frame as one batch of images: ``(B, T, ...) -> (B, T, D)``.
+
+    Under ``no_grad`` with ``chunk``, the frames go through in chunks of ``chunk`` (frames are
+    independent in eval mode), so the forward's transient memory is a chunk's, not the whole
+    batch's; the features are written into one output, in order."""
     b, t = video.shape[:2]
-    feats = backbone(video.flatten(0, 1))  # (B*T, D)
+    frames = video.flatten(0, 1)  # (B*T, C, H, W)
+    n = frames.shape[0]
+    if not chunk or chunk >= n or torch.is_grad_enabled():
+        feats = backbone(frames)  # (B*T, D)
+    else:
+        first = backbone(frames[:chunk])
+        feats = first.new_empty((n, *first.shape[1:]))
+        feats[:chunk] = first
+        del first
+        for start in range(chunk, n, chunk):
+            feats[start:start + chunk] = backbone(frames[start:start + chunk])
     return FrameFeatures(feats.view(b, t, -1), all_positions(video))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from videotrain.memory.auto.predict import frames_within, no_grad_frame_cost
 from videotrain.memory.base import MemoryStrategy, encode_all_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.models.backbones import FrameBackbone
@@ -25,6 +26,12 @@ class VideoClassifier(nn.Module):
         self.strategy = strategy or EndToEnd()
         self.backbone = self.strategy.prepare(backbone)
         self.head = head
+        # evaluation in frame chunks (``eval.frame_chunk``): None (all frames at once), a number
+        # of frames, or "auto": as many as keep the forward within ``eval_memory_budget`` bytes
+        # (the training step's peak: the trainer sets it from its measured steps)
+        self.eval_frame_chunk: int | str | None = None
+        self.eval_memory_budget: float | None = None
+        self._frame_costs: dict[tuple, tuple[float, float]] = {}
 
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         if video.dim() != 5:
@@ -36,5 +43,20 @@ class VideoClassifier(nn.Module):
         if self.training and torch.is_grad_enabled():
             out = self.strategy.encode(self.backbone, video)
         else:
-            out = encode_all_frames(self.backbone, video)
+            out = encode_all_frames(self.backbone, video, self.frame_chunk(video))
         return self.head(out.features, out.positions)  # (B, T', D), (B, T') -> (B, K)
+
+    def frame_chunk(self, video: torch.Tensor) -> int | None:
+        """Frames per backbone forward in evaluation (see ``eval_frame_chunk``); the "auto"
+        size comes from the backbone's no-grad bytes per frame, counted once per frame shape
+        and precision on fake tensors."""
+        if self.eval_frame_chunk != "auto":
+            return self.eval_frame_chunk
+        if self.eval_memory_budget is None or torch.is_grad_enabled():
+            return None
+        dtype = torch.get_autocast_dtype(video.device.type) if torch.is_autocast_enabled(
+            video.device.type) else None
+        key = (tuple(video.shape[2:]), dtype, video.device.type)
+        if key not in self._frame_costs:
+            self._frame_costs[key] = no_grad_frame_cost(self.backbone, key[0], dtype)
+        return frames_within(self.eval_memory_budget, *self._frame_costs[key])

@@ -92,8 +92,8 @@ def _no_weight_init() -> Iterator[None]:
             setattr(nn.init, n, fn)
 
 
-def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+def _autocast(dtype: torch.dtype | None, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
 def simulate_step(
@@ -157,3 +157,34 @@ def simulate_step(
             eval_peak = live.peak
         batch = video.untyped_storage().nbytes()
     return StepMemory(held, batch, fwd_bwd_peak, opt_peak, eval_peak, eval_batch)
+
+
+def no_grad_frame_cost(backbone: nn.Module, frame_shape: tuple[int, int, int],
+                       autocast_dtype: torch.dtype | None = None,
+                       probe: int = 8) -> tuple[float, float]:
+    """``(bytes per frame, fixed bytes)`` of a ``no_grad`` forward of ``backbone`` over frames
+    of ``frame_shape (C, H, W)``: the peak above what is held before it, input included,
+    counted on fake tensors at ``probe`` and ``2 * probe`` frames (the fixed part: autocast's
+    low-precision weight copies, for instance). Nothing runs on the device."""
+    peaks = []
+    device = next(backbone.parameters()).device  # fake frames where the weights are
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        for n in (probe, 2 * probe):
+            with FakeTensorMode(allow_non_fake_inputs=True), LiveStorageBytes() as live:
+                base = live.now()
+                frames = torch.randn(n, *frame_shape, device=device)  # (N, C, H, W)
+                with torch.no_grad(), _autocast(autocast_dtype, device.type):
+                    backbone(frames)
+                peaks.append(live.peak - base)
+    finally:
+        backbone.train(was_training)
+    per_frame = max((peaks[1] - peaks[0]) / probe, 1.0)
+    return per_frame, max(peaks[0] - probe * per_frame, 0.0)
+
+
+def frames_within(budget: float, per_frame: float, fixed: float) -> int:
+    """The most frames a ``no_grad`` forward may take at once to stay within ``budget`` bytes
+    (at least one)."""
+    return max(int((budget - fixed) // per_frame), 1)

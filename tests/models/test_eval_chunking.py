@@ -1,0 +1,123 @@
+"""Evaluation in frame chunks (``eval.frame_chunk``): the same logits as one forward, and with
+``auto`` a forward that stays within the training step's peak, for every strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from videotrain.memory.auto.predict import frames_within, no_grad_frame_cost
+from videotrain.memory.base import encode_all_frames
+from videotrain.memory.e2e import EndToEnd
+from videotrain.memory.frame_dropout import FrameDropout
+from videotrain.memory.recompute import Recompute
+from videotrain.memory.sbp import StochasticBackprop
+from videotrain.metrics.live_bytes import LiveStorageBytes
+from videotrain.models.backbones import resnet, vit
+from videotrain.models.heads import TConvHead
+from videotrain.models.video import VideoClassifier
+
+BACKBONES = {
+    "resnet": lambda: resnet(layers=[1, 1, 1, 1]),
+    "vit": lambda: vit(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                       mlp_dim=64),
+}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize("name", list(BACKBONES))
+def test_chunked_features_equal_one_forward(name: str, chunk: int) -> None:
+    torch.manual_seed(0)
+    backbone = BACKBONES[name]().eval()
+    video = torch.randn(2, 5, 3, 32, 32)  # (B, T, C, H, W): 10 frames, chunks need not divide
+    with torch.no_grad():
+        whole = encode_all_frames(backbone, video)
+        parts = encode_all_frames(backbone, video, chunk)
+    torch.testing.assert_close(parts.features, whole.features, rtol=1e-5, atol=1e-5)
+    assert torch.equal(parts.positions, whole.positions)
+
+
+def test_chunk_is_ignored_with_autograd_on() -> None:
+    """Training (and any forward with grad) runs the frames as one batch: chunking would not
+    save stored activations, only serialise the forward."""
+    backbone = BACKBONES["resnet"]()
+    calls = []
+    backbone.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    encode_all_frames(backbone, torch.randn(2, 3, 3, 32, 32), chunk=2)
+    assert calls == [6]
+
+
+def _model(strategy) -> VideoClassifier:
+    torch.manual_seed(0)
+    backbone = resnet(layers=[1, 1, 1, 1])
+    return VideoClassifier(backbone, TConvHead(backbone.feature_dim, 4, hidden_dim=16), strategy)
+
+
+def test_auto_chunk_logits_equal_and_size_follows_the_budget() -> None:
+    model = _model(EndToEnd()).eval()
+    video = torch.randn(3, 8, 3, 32, 32)
+    with torch.no_grad():
+        whole = model(video)
+        model.eval_frame_chunk = "auto"
+        assert model.frame_chunk(video) is None  # no budget yet: one forward
+        per_frame, fixed = no_grad_frame_cost(model.backbone, (3, 32, 32))
+        model.eval_memory_budget = fixed + 5.5 * per_frame
+        assert model.frame_chunk(video) == 5
+        torch.testing.assert_close(model(video), whole, rtol=1e-5, atol=1e-5)
+        model.eval_frame_chunk = 4  # a fixed size wins over the budget
+        assert model.frame_chunk(video) == 4
+
+
+def test_frame_cost_counted_on_fake_tensors_is_the_real_one() -> None:
+    backbone = BACKBONES["resnet"]().eval()
+    per_frame, fixed = no_grad_frame_cost(backbone, (3, 32, 32))
+    real = []
+    for n in (8, 16):
+        frames = torch.randn(n, 3, 32, 32)
+        with LiveStorageBytes() as live, torch.no_grad():
+            live.track(frames)
+            base = live.now() - frames.untyped_storage().nbytes()  # the cost counts the input
+            backbone(frames)
+            real.append(live.peak - base)
+    assert fixed + 8 * per_frame == pytest.approx(real[0], rel=0.01)
+    assert fixed + 16 * per_frame == pytest.approx(real[1], rel=0.01)
+    assert frames_within(fixed + 10 * per_frame, per_frame, fixed) == 10
+    assert frames_within(0, per_frame, fixed) == 1  # never less than a frame
+
+
+STRATEGIES = {"e2e": EndToEnd, "sbp_0.25": lambda: StochasticBackprop(0.25),
+              "frame_dropout_0.25": lambda: FrameDropout(0.25),
+              "checkpoint_optimal": lambda: Recompute("optimal")}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_auto_evaluation_peak_stays_within_the_training_step(name: str) -> None:
+    """Counted exactly (live storages on real tensors): a training step's peak over what it
+    holds, then a validation forward of a larger batch with eval.frame_chunk=auto and the
+    step's peak as budget. Without chunks the validation forward is the larger one."""
+    model = _model(STRATEGIES[name]())
+    train_video, labels = torch.randn(2, 8, 3, 32, 32), torch.tensor([0, 1])
+    val_video = torch.randn(24, 8, 3, 32, 32)  # e.g. 8 videos x 3 clips: 192 frames at once
+    with LiveStorageBytes() as live:
+        live.track(*model.parameters(), *model.buffers(), train_video, val_video)
+        F.cross_entropy(model(train_video), labels).backward()  # plans, traces, grads
+        model.zero_grad(set_to_none=False)
+        live.reset_peak()
+        base = live.now()
+        F.cross_entropy(model(train_video), labels).backward()
+        train_peak = live.peak - base
+        model.eval()
+
+        def eval_peak() -> int:
+            live.reset_peak()
+            start = live.now()
+            with torch.no_grad():
+                model(val_video)
+            return live.peak - start
+
+        unchunked = eval_peak()
+        model.eval_frame_chunk, model.eval_memory_budget = "auto", float(train_peak)
+        chunked = eval_peak()
+    assert unchunked > train_peak  # the case the chunking is for
+    assert chunked <= train_peak
