@@ -4,7 +4,7 @@
 ``memory=`` names) the configured model's training step and validation forward run on fake
 tensors (``videotrain.memory.auto.predict``), at full size, with the configured precision
 and optimizer; nothing is allocated and no weights are loaded (``model.pretrained`` is
-ignored). Each simulation runs in a process of its own (forked, two at a time).
+ignored). Each simulation runs in a process of its own (two at a time, from a fork server).
 
 What is predicted is ``torch.cuda.max_memory_allocated`` during a training step (parameters,
 gradients, optimizer state, the batch, and what the strategy keeps and allocates), and during
@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from videotrain.build import compose_cfg, group_choices, optimizer_from_cfg
+from videotrain.build import compose_cfg, eval_settings, group_choices, optimizer_from_cfg
 from videotrain.engine.precision import PRECISIONS
 from videotrain.memory.auto.predict import StepMemory, simulate_step
 from videotrain.models.video import VideoClassifier
@@ -85,7 +87,8 @@ def simulate_cfg(cfg: DictConfig, target: str, with_eval: bool = True) -> StepMe
                          autocast_dtype=PRECISIONS[str(cfg.trainer.precision)],
                          grad_clip=cfg.trainer.grad_clip,
                          label_smoothing=float(cfg.trainer.label_smoothing),
-                         eval_video_shape=eval_shape if with_eval else None)
+                         eval_video_shape=eval_shape if with_eval else None,
+                         eval_frame_chunk=eval_settings(cfg).frame_chunk)
 
 
 def _child(job: tuple[list[str], str]) -> dict[str, Any]:
@@ -102,12 +105,20 @@ def _child(job: tuple[list[str], str]) -> dict[str, Any]:
 
 
 def run_isolated(jobs: list[tuple[list[str], str]], processes: int = 2) -> list[dict[str, Any]]:
-    """Each job in a process of its own (forked where the platform allows, else spawned),
-    results in the order of ``jobs``."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    with ctx.Pool(max(min(processes, len(jobs)), 1), maxtasksperchild=1) as pool:
-        return pool.map(_child, jobs, chunksize=1)
+    """Each job in a process of its own, results in the order of ``jobs``. Children come from
+    a fork server that has imported this module (torch included) and run nothing else: a
+    process that has run autograd cannot fork safely. Spawned where there is no fork server."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+    else:
+        ctx = multiprocessing.get_context("spawn")
+    # a process per task (Python >= 3.11); a worker that dies fails the call (BrokenProcessPool)
+    # instead of hanging it, as multiprocessing.Pool would
+    per_task = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
+    workers = max(min(processes, len(jobs)), 1)
+    with ProcessPoolExecutor(workers, mp_context=ctx, **per_task) as pool:
+        return list(pool.map(_child, jobs))
 
 
 def _need(mem: StepMemory) -> float:
