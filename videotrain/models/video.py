@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from videotrain.memory.auto.predict import frames_within, no_grad_frame_cost
+from videotrain.memory.auto.predict import frames_within
 from videotrain.memory.base import MemoryStrategy, encode_all_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.models.backbones import FrameBackbone
@@ -31,7 +31,7 @@ class VideoClassifier(nn.Module):
         # (the training step's peak: the trainer sets it from its measured steps)
         self.eval_frame_chunk: int | str | None = None
         self.eval_memory_budget: float | None = None
-        self._frame_costs: dict[tuple, tuple[float, float]] = {}
+        self._chunks: dict[tuple, int] = {}  # (frame shape, dtype, device, budget, frames) -> chunk
 
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         if video.dim() != 5:
@@ -48,15 +48,17 @@ class VideoClassifier(nn.Module):
 
     def frame_chunk(self, video: torch.Tensor) -> int | None:
         """Frames per backbone forward in evaluation (see ``eval_frame_chunk``); the "auto"
-        size comes from the backbone's no-grad bytes per frame, counted once per frame shape
-        and precision on fake tensors."""
+        size is the most frames whose no-grad forward stays within the budget, searched on fake
+        tensors once per frame shape, precision, budget and batch."""
         if self.eval_frame_chunk != "auto":
             return self.eval_frame_chunk
         if self.eval_memory_budget is None or torch.is_grad_enabled():
             return None
         dtype = torch.get_autocast_dtype(video.device.type) if torch.is_autocast_enabled(
             video.device.type) else None
-        key = (tuple(video.shape[2:]), dtype, video.device.type)
-        if key not in self._frame_costs:
-            self._frame_costs[key] = no_grad_frame_cost(self.backbone, key[0], dtype)
-        return frames_within(self.eval_memory_budget, *self._frame_costs[key])
+        frames = video.shape[0] * video.shape[1]
+        key = (tuple(video.shape[2:]), dtype, video.device.type, self.eval_memory_budget, frames)
+        if key not in self._chunks:
+            self._chunks[key] = frames_within(self.backbone, key[0], self.eval_memory_budget,
+                                              frames, dtype)
+        return self._chunks[key]

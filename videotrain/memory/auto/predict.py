@@ -153,12 +153,13 @@ def simulate_step(
         if eval_video_shape is not None:
             model.eval()
             if eval_frame_chunk == "auto":  # the whole evaluation within the training peak
-                with live.paused():
-                    per_frame, fixed = _frame_cost(model.backbone, eval_video_shape[2:],
-                                                   autocast_dtype, torch.device("cpu"))
                 budget = (max(fwd_bwd_peak, opt_peak) - (held - video.untyped_storage().nbytes())
                           - 4 * torch.Size(eval_video_shape).numel())  # less the eval batch (fp32)
-                eval_frame_chunk = frames_within(budget, per_frame, fixed)
+                with live.paused():
+                    eval_frame_chunk = frames_within(
+                        model.backbone, eval_video_shape[2:], budget,
+                        eval_video_shape[0] * eval_video_shape[1], autocast_dtype,
+                        in_fake_mode=fake)
             model.eval_frame_chunk = eval_frame_chunk
             clips = torch.randn(*eval_video_shape)  # (B*V, T, C, H, W)
             eval_batch = clips.untyped_storage().nbytes()
@@ -170,43 +171,42 @@ def simulate_step(
     return StepMemory(held, batch, fwd_bwd_peak, opt_peak, eval_peak, eval_batch)
 
 
-def no_grad_frame_cost(backbone: nn.Module, frame_shape: tuple[int, int, int],
-                       autocast_dtype: torch.dtype | None = None,
-                       probe: int = 128) -> tuple[float, float]:
-    """``(bytes per frame, fixed bytes)`` of a ``no_grad`` forward of ``backbone`` over frames
-    of ``frame_shape (C, H, W)``: the peak above what is held before it, input included,
-    counted on fake tensors at ``probe`` and ``2 * probe`` frames (the fixed part: autocast's
-    low-precision weight copies, for instance). Probes of many frames, because with few the
-    peak sits where the weight copies pile up, late in the network, and the slope reads low
-    (resnet50 at 224 px in bf16: 4.0 MB a frame between 8 and 16 frames, 5.55 from 64 on).
-    Nothing runs on the device, so the probe's size costs no time."""
+def no_grad_peak(backbone: nn.Module, frames: int, frame_shape: tuple[int, ...],
+                 autocast_dtype: torch.dtype | None = None) -> int:
+    """Peak bytes of a ``no_grad`` forward of ``backbone`` over ``frames`` frames of
+    ``frame_shape (C, H, W)`` above what is held before it, its input included; counted on fake
+    tensors (enter a ``FakeTensorMode`` first, or see :func:`frames_within`)."""
     device = next(backbone.parameters()).device  # fake frames where the weights are
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        return _frame_cost(backbone, frame_shape, autocast_dtype, device, probe)
-
-
-def _frame_cost(backbone: nn.Module, frame_shape: tuple[int, ...], autocast_dtype: torch.dtype | None,
-                device: torch.device, probe: int = 128) -> tuple[float, float]:
-    """:func:`no_grad_frame_cost` inside a fake mode already entered."""
-    peaks = []
     was_training = backbone.training
     backbone.eval()
     try:
-        for n in (probe, 2 * probe):
-            with LiveStorageBytes() as live:
-                base = live.now()
-                frames = torch.randn(n, *frame_shape, device=device)  # (N, C, H, W)
-                with torch.no_grad(), _autocast(autocast_dtype, device.type):
-                    backbone(frames)
-                peaks.append(live.peak - base)
-                del frames
+        with LiveStorageBytes() as live:
+            base = live.now()
+            x = torch.randn(frames, *frame_shape, device=device)  # (N, C, H, W)
+            with torch.no_grad(), _autocast(autocast_dtype, device.type):
+                backbone(x)
+            return live.peak - base
     finally:
         backbone.train(was_training)
-    per_frame = max((peaks[1] - peaks[0]) / probe, 1.0)
-    return per_frame, max(peaks[0] - probe * per_frame, 0.0)
 
 
-def frames_within(budget: float, per_frame: float, fixed: float) -> int:
-    """The most frames a ``no_grad`` forward may take at once to stay within ``budget`` bytes
-    (at least one)."""
-    return max(int((budget - fixed) // per_frame), 1)
+def frames_within(backbone: nn.Module, frame_shape: tuple[int, ...], budget: float,
+                  most: int, autocast_dtype: torch.dtype | None = None,
+                  in_fake_mode: bool = False) -> int:
+    """The most frames (1 to ``most``) a ``no_grad`` forward of ``backbone`` may take at once
+    to stay within ``budget`` bytes, by binary search over the peak counted on fake tensors.
+    Searched, not extrapolated: the peak is the largest of the layers' (fixed + per-frame)
+    costs, so which layer sets it changes with the number of frames (in bf16 autocast's weight
+    copies set it for a few frames, the first activations for many). Nothing runs on the device.
+    ``in_fake_mode``: the caller has entered a ``FakeTensorMode`` (and its model is fake)."""
+    def fits(n: int) -> bool:
+        return no_grad_peak(backbone, n, frame_shape, autocast_dtype) <= budget
+
+    with contextlib.nullcontext() if in_fake_mode else FakeTensorMode(allow_non_fake_inputs=True):
+        if fits(most):
+            return most
+        low, high = 1, most  # fits(low) is assumed (at least a frame), fits(high) is false
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
