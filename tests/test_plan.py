@@ -54,3 +54,15 @@ def test_plan_cli_auto_impossible_budget(tmp_path: Path, capsys: pytest.CaptureF
     err = capsys.readouterr().err
     assert "no plan fits the budget of 0.0 MB" in err and "smallest budget that would work" in err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_auto_under_bf16_with_too_small_a_budget_says_no_plan_fits(tmp_path, capsys) -> None:
+    """Checkpoint candidates are planned at the profiling step's precision; one whose plan has
+    no room when profiled is skipped, and the decision ends in the "no plan fits" table
+    (status 2), not an InfeasibleBudget from the middle of it."""
+    out = tmp_path / "auto.json"
+    code = main(["--out", str(out), "memory=auto", "memory.budget_mb=11.8", "model/backbone=resnet10",
+                 "data.batch_size=1", "data.num_frames=4", "data.crop_size=32", "device=cpu",
+                 "trainer.precision=bf16", "logger.wandb.mode=disabled"])
+    assert code == 2
+    assert "budget" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import videotrain.run as run
+from videotrain.engine.precision import Precision
 from videotrain.memory.auto.candidates import (
     TIER_DROPOUT,
     TIER_EXACT,
@@ -271,6 +272,7 @@ class FakeProbe:
 
     def __init__(self, model: VideoClassifier, peaks: dict[str, float], p: Profile | None = None) -> None:
         self.model, self.device, self.p = model, torch.device("cpu"), p or profile()
+        self.precision = Precision("32", self.device)  # what the checkpoint plans are made under
         self.peaks, self.measured, self.closed = peaks, [], False
 
     def profile(self) -> Profile:

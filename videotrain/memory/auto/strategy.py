@@ -203,6 +203,10 @@ class AutoStrategy:
         except torch.cuda.OutOfMemoryError:
             c.skip = "out of memory in its profiling step"
             return
+        except InfeasibleBudget as err:  # its plan, re-made for the profiling step, has no room
+            c.skip = f"its plan is infeasible in the profiling step ({err})"
+            log.warning("memory=auto: %s: %s", c.name, c.skip)
+            return
         except Exception as err:  # an experimental composition must not stop the decision
             if c.kind != "sbp_checkpoint":
                 raise
@@ -221,8 +225,9 @@ class AutoStrategy:
             self.profile = profile = probe.profile()
             self.budget, self.budget_source = self.resolve_budget(profile, free)
             self.options.sbp_checkpoint_error = self._sbp_checkpoint_error()
-            plans = checkpoint_plans(probe.model.backbone, probe.frames(), self.checkpoint_fracs,
-                                     self.lower_set_cap)
+            with probe.precision.autocast():  # planned as the profiling steps will re-plan
+                plans = checkpoint_plans(probe.model.backbone, probe.frames(),
+                                         self.checkpoint_fracs, self.lower_set_cap)
             self.candidates = build_candidates(profile, plans, self.options)
             # NoPlanFits carries the table in its message
             chosen = choose(self.candidates, self.budget, lambda c: self._measure(probe, c),
