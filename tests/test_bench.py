@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,222 @@ def test_data_bench_tiny(tmp_path: Path, tiny_synthetic_overrides, isolated_env)
     md = (out / "bench.md").read_text()
     assert table in md and "| videotrain | 0 |" in md and "FAILED" not in md
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# ---------------------------------------------------------------------- the GPU suite
+GPU_NAMES = [
+    "resnet50/e2e", "resnet50/sbp-frame-0.5", "resnet50/sbp-frame-0.25",
+    "resnet50/frame_dropout-0.5", "resnet50/checkpoint-sqrt", "resnet50/checkpoint-optimal-b0.5",
+    "resnet50/sbp-frame-checkpoint:optimal-0.5", "resnet50/auto-b0.5",
+    "resnet50/e2e-torch.compile", "resnet50/sbp-frame-torch.compile-0.5",
+]
+
+
+def test_gpu_suite_without_cuda_exits_at_once(tmp_path: Path) -> None:
+    """No CUDA (hidden here, so this holds on a GPU machine too): status 2 and one line on
+    stderr, before any row is spawned or any file written."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "videotrain.bench", "--suite", "gpu"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--suite gpu needs a CUDA GPU" in proc.stderr and "no GPU figure" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no docs/results/gpu/ folder
+    assert elapsed < 15
+
+
+def test_gpu_suite_refuses_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from videotrain.bench.cli import CudaRequired
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("spawned a row"))
+    with pytest.raises(CudaRequired, match="--device cpu was given"):
+        run_bench(suite="gpu", device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CudaRequired, match=r"is_available\(\) is False"):
+        run_bench(suite="gpu")
+
+
+def test_gpu_suite_rows_compose_and_build() -> None:
+    """Every row at the suite's own setting (resnet50 + transformer head, B=8 x T=16 at 224 px,
+    bf16, cuda) composes, and its model instantiates (on the CPU, not run)."""
+    from videotrain.bench.cli import auto_budget, suite_specs
+    from videotrain.build import build_model, compose_cfg
+
+    specs = suite_specs("gpu", "cuda")
+    assert [s["name"] for s in specs] == GPU_NAMES
+    # memory=auto gets half of the e2e row's measured peak, computed by the runner
+    per_row = [[{"peak_mem_mb": 9000.0}]] + [[] for _ in specs[1:]]
+    auto = auto_budget(specs[7], specs, per_row)
+    assert auto["auto_budget_mb"] == 4500.0 and auto["overrides"][-1] == "memory.budget_mb=4500.0"
+    specs[7] = auto
+    for spec in specs:
+        cfg = compose_cfg(spec["overrides"])
+        assert (cfg.data.batch_size, cfg.data.num_frames, cfg.data.crop_size) == (8, 16, 224)
+        assert cfg.trainer.precision == "bf16" and cfg.device == "cuda"
+        assert cfg.model.backbone.depth == 50 and cfg.model.head._target_.endswith("TransformerHead")
+        model = build_model(cfg, num_classes=10)
+        assert model.strategy.name == spec["strategy"] and model.backbone.feature_dim == 2048
+    assert compose_cfg(auto["overrides"]).memory.budget_mb == 4500.0
+    compiled = [s["name"] for s in specs if s.get("compile")]
+    assert compiled == GPU_NAMES[-2:]
+    # the user's flags and overrides still win over the suite's setting
+    spec = suite_specs("gpu", "cuda", batch_size=2, extra=["trainer.precision=32"])[0]
+    cfg = compose_cfg(spec["overrides"])
+    assert cfg.data.batch_size == 2 and str(cfg.trainer.precision) == "32" and cfg.data.crop_size == 224
+
+
+def test_auto_budget_without_e2e_result() -> None:
+    from videotrain.bench.cli import auto_budget, suite_specs
+
+    specs = suite_specs("gpu", "cuda")
+    failed = auto_budget(specs[7], specs, [[{"error": "boom"}]] + [[] for _ in specs[1:]])
+    assert "e2e row" in failed["error"] and "auto_budget_mb" not in failed
+
+
+def test_gpu_slug() -> None:
+    from videotrain.bench.cli import slug
+
+    assert slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert slug("NVIDIA A100-SXM4-40GB") == "nvidia-a100-sxm4-40gb"
+
+
+# ---------------------------------------------------------------------- torch's sac_milp peer
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pulp 3.x, as torch calls it
+def test_sac_milp_plan_keeps_e2e_gradients() -> None:
+    """torch's planner at its smallest feasible budget checkpoints some modules; gradients
+    stay e2e's and the forward keeps fewer bytes."""
+    pytest.importorskip("pulp")
+    pytest.importorskip("pwlf")
+    import contextlib
+    import copy
+
+    from videotrain.bench.sac_peer import apply_sac_milp
+
+    def make() -> torch.nn.Module:
+        return resnet(layers=[1, 1, 1, 1])
+
+    torch.manual_seed(0)
+    ref = make().train()
+    sac = copy.deepcopy(ref)
+    frames = torch.randn(8, 3, 32, 32)
+    figures = apply_sac_milp(sac, make, tuple(frames.shape), torch.device("cpu"), "min",
+                             contextlib.nullcontext)
+    plan = figures["sac_milp_plan"]
+    assert plan["modules"] and 0 < figures["min_budget_frac"] == plan["budget_frac"] <= 1
+    assert plan["predicted_act_peak_mb"] <= plan["budget_frac"] * plan["estimated_e2e_act_mb"] + 1e-6
+    assert saved_activation_bytes(sac, frames) < saved_activation_bytes(ref, frames)
+    for m in (ref, sac):
+        m(frames).square().sum().backward()
+    for (name, a), (_, b) in zip(ref.named_parameters(), sac.named_parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pulp 3.x, as torch calls it
+def test_sac_milp_infeasible_budget_names_smallest() -> None:
+    pytest.importorskip("pulp")
+    pytest.importorskip("pwlf")
+    import contextlib
+
+    from videotrain.bench.sac_peer import SacMilpFailed, apply_sac_milp
+
+    backbone = resnet(layers=[1, 1, 1, 1])
+    with pytest.raises(SacMilpFailed, match=r"no plan at 0.1 x .*Infeasible.*smallest fraction "
+                                            r"it solves 0\.\d+"):
+        apply_sac_milp(backbone, lambda: resnet(layers=[1, 1, 1, 1]), (8, 3, 32, 32),
+                       torch.device("cpu"), 0.1, contextlib.nullcontext)
+
+
+def test_sac_first_calls_only_for_parameter_free_leaves() -> None:
+    from videotrain.bench.sac_peer import SacMilpFailed, _first_calls
+
+    def info(*order: str) -> dict:
+        return {"mod_order": {k: list(order) for k in ("fw_pre_order", "bw_pre_order",
+                                                       "fw_post_order", "bw_post_order")}}
+
+    root = torch.nn.Module()
+    root.relu, root.fc = torch.nn.ReLU(), torch.nn.Linear(2, 2)
+    ok = info("Root", "Root.relu", "Root.relu")
+    _first_calls(ok, root)
+    assert ok["mod_order"]["fw_pre_order"] == ["Root", "Root.relu"]
+    with pytest.raises(SacMilpFailed, match="Root.fc runs 2 times"):
+        _first_calls(info("Root", "Root.fc", "Root.fc"), root)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pulp 3.x, as torch calls it
+def test_sac_op_plan_on_batchnorm_ops() -> None:
+    """torch's per-module MILP fails on a BatchNorm module as it stands (an op with no cost,
+    an 8-byte in-place counter that must be saved); op_plan gives a plan even at keep 0."""
+    pytest.importorskip("pulp")
+    from torch.distributed._tools.sac_estimator import SACStats
+
+    from videotrain.bench.sac_peer import op_plan
+
+    stats = SACStats(  # conv, num_batches_tracked.add_, empty, batch_norm, relu_
+        func_names=["convolution", "add_", "empty", "native_batch_norm", "relu_"],
+        runtimes=[0.03, 1e-9, 0.0, 0.004, 0.004], memory=[100, 8, 0, 100, 100],
+        view_like_ops=[], rand_ops=[], saved_autograd_ops=[],
+        inplace_ops=[(1, 1), (4, 3)], force_store_random=False)
+    save = op_plan(stats, 0.0)  # everything recomputed but the counter (and the free `empty`)
+    assert len(save) == 5 and save[1] == 1 and save[0] == save[3] == save[4] == 0
+    assert op_plan(stats, 1.0)[0] == 1
+
+
+def test_sac_milp_row_tiny(tmp_path: Path) -> None:
+    """The checkpoint suite's sac_milp row through the runner (fresh processes): its plan,
+    measured like every row, with the budget it found."""
+    pytest.importorskip("pulp")
+    pytest.importorskip("pwlf")
+    from videotrain.bench.suites import CHECKPOINT_ROWS
+
+    sac_min = next(r for r in CHECKPOINT_ROWS if r.get("sac_milp") == "min")
+    rows, _, table = run_bench(rows=[sac_min], extra_overrides=["model/backbone=resnet10"],
+                               log=lambda *a, **k: None, **TINY)
+    e2e, sac = rows
+    assert e2e["name"] == "resnet10/e2e" and sac["name"] == "resnet10/e2e-sac_milp-bmin"
+    assert not sac.get("error"), sac.get("error")
+    plan = sac["sac_milp_plan"]
+    assert plan["modules"] and sac["budget_frac"] == plan["budget_frac"] == sac["min_budget_frac"]
+    assert sac["peak_mem_mb"] > 0 and sac["step_time_s"] > 0 and sac["mem_ratio"] is not None
+    assert "| sac_milp |" in table
+
+
+def test_predicted_step_peak_within_15_percent_and_eval_within_training() -> None:
+    """The fit predictor (fake tensors) against the CPU meter the trainer uses, at the bench's
+    setting (resnet18 + transformer head, 2 x 16 frames at 112 px, fp32, AdamW): every row
+    within +-15%; and the validation forward (4x the clips, eval.frame_chunk=auto) never above
+    the row's training step."""
+    rows = [row("resnet18", "e2e"), row("resnet18", "sbp", 0.5, "frame"),
+            row("resnet18", "sbp", 0.25, "frame"), row("resnet18", "frame_dropout", 0.5),
+            row("resnet18", "checkpoint", policy="sqrt"),
+            {**row("resnet18", "checkpoint", policy="optimal"), "budget": "min"}]
+    results, _, table = run_bench(rows=rows, steps=1, warmup=1, device="cpu", threads=1,
+                                  log=lambda *a, **k: None)
+    assert len(results) == len(rows), table
+    for r in results:
+        assert not r.get("error"), (r["name"], r.get("error"))
+        assert 0.85 <= r["step_predicted_mb"] / r["peak_mem_mb"] <= 1.15, (r["name"], table)
+        assert r["eval_peak_mb"] <= r["peak_mem_mb"], (r["name"], table)
+
+
+def test_time_budget_caps_and_skips_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row's timeout never reaches past the run's time budget, and rows that would start
+    after it are recorded as not run (the GPU suite's 10-minute guarantee)."""
+    import videotrain.bench.cli as cli
+
+    timeouts: list[float] = []
+
+    def fake_child(spec: dict, timeout: float) -> dict:
+        timeouts.append(timeout)
+        return {"error": "fake"}
+
+    monkeypatch.setattr(cli, "run_child", fake_child)
+    quiet = dict(TINY, log=lambda *a, **k: None)
+    rows, meta, _ = run_bench(only=["sbp-frame-0.5"], time_budget=100, timeout=1800, **quiet)
+    assert len(timeouts) == 4 and all(t <= 100 for t in timeouts)  # 2 backbones x (e2e, sbp)
+    assert meta["setting"]["time_budget"] == 100
+    timeouts.clear()
+    rows, _, _ = run_bench(only=["sbp-frame-0.5"], time_budget=5, **quiet)
+    assert timeouts == [] and all("time budget was spent" in r["error"] for r in rows)
+    assert 0 < cli.setting_for("gpu").time_budget < 600  # children end by then; the report after

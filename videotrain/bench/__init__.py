@@ -3,9 +3,14 @@
 Each configuration (a *row*) runs in a fresh subprocess on the same model config and the same
 synthetic batch, and reports peak training-step memory, median step time after warm-up,
 clips/s and the bytes of activations saved for backward, each also as a ratio to the e2e row
-of the same backbone in the same run. Suites are lists of row specs in ``suites.py``.
-The data suite (``--suite data``, ``data.py``) measures the loaders instead: decoded clips/s
-with 0, 1 and 2 workers and pytorchvideo's ``LabeledVideoDataset`` pipeline on the same files.
+of the same backbone in the same run. Suites are lists of row specs in ``suites.py``, each
+run at its own setting unless the command line says otherwise (``suites.setting_for``).
+The GPU suite (``--suite gpu``) is the acceptance run on a CUDA machine: resnet50 + transformer
+head, B=8 x T=16 at 224 px in bf16, written to ``docs/results/gpu/<gpu name>/``; without CUDA it
+exits at once (status 2) with one line. The checkpoint suite has torch's own planner,
+``sac_milp``, as a peer (``sac_peer.py``). The data suite (``--suite data``, ``data.py``)
+measures the loaders instead: decoded clips/s with 0, 1 and 2 workers and pytorchvideo's
+``LabeledVideoDataset`` pipeline on the same files.
 """
 
 from videotrain.bench.child import synthetic_batch

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from videotrain.bench.row_setup import prepare_row
 from videotrain.metrics.saved import saved_activation_bytes
 
 
@@ -64,14 +65,34 @@ def plan_figures(strategy: object) -> dict[str, Any]:
 
 
 def compile_figures(spec: dict[str, Any]) -> dict[str, Any]:
-    """For the torch.compile peer: how many graphs dynamo compiled (0 would mean the row
-    silently ran eager) and the activation budget the partitioner was given."""
-    if spec.get("compile_budget") is None:
+    """For torch.compile rows: how many graphs dynamo compiled (0 would mean the row silently
+    ran eager) and the activation budget the partitioner was given (None: its default)."""
+    if spec.get("compile_budget") is None and not spec.get("compile"):
         return {}
     from torch._dynamo.utils import counters
 
+    budget = spec.get("compile_budget")
     return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
-            "activation_memory_budget": float(spec["compile_budget"])}
+            "activation_memory_budget": None if budget is None else float(budget)}
+
+
+def eval_peak_mb(model: torch.nn.Module, video: torch.Tensor, precision: Any, meter: Any,
+                 budget_mb: float, clips_per_clip: int = 4) -> float | None:
+    """Peak of a validation forward over ``clips_per_clip`` times the training batch's clips
+    (a validation batch of several clips per video), with ``eval.frame_chunk=auto`` and the
+    row's measured step peak as its budget, as the trainer runs validation. On the CPU it must
+    run while the meter's allocator setting is on (before ``keep_freed_memory``)."""
+    clips = video.repeat(clips_per_clip, 1, 1, 1, 1)  # (k*B, T, C, H, W), allocated before
+    model.eval()
+    model.eval_frame_chunk, model.eval_memory_budget = "auto", budget_mb * 2**20
+    try:
+        with torch.no_grad(), precision.autocast():
+            model.frame_chunk(clips)  # the chunk is searched once, on fake tensors, unmetered
+            meter.start()
+            model(clips)
+            return meter.stop()
+    finally:
+        model.train()
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +102,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     Memory and time come from different steps because the CPU meter distorts time: it makes
     glibc hand every large freed tensor back to the OS (so the resident set tracks tensors), and
     each allocation then costs a fresh mapping and page faults, more for strategies that
-    allocate more often (SBP's record pass: +66% step time, e2e: +29%, measured). The timed
+    allocate more often (docs/benchmarks.md). The timed
     steps run after ``keep_freed_memory()``, one warm-up step later; the metered steps' times
     are kept as ``metered_step_time_s``. On CUDA the caching allocator is unaffected, and the
     split costs only the extra steps.
@@ -90,7 +111,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     ``fwd_bwd_peak_mb`` the peak up to the end of backward (the same high-water mark read
     before the optimizer step). Both are increases over the memory held between steps:
     parameters, optimizer state, the input batch and, unless ``free_grads``, the parameter
-    gradients (zeroed in place, as design.md's reference figures assume). What remains is what
+    gradients (zeroed in place, as the trainer does). What remains is what
     a memory strategy controls: stored activations and the transients of the step."""
     from omegaconf import OmegaConf
 
@@ -108,12 +129,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     precision = build_precision(cfg, device)
     seed_everything(cfg.seed)
+    if device.type == "cuda" and not cfg.deterministic:
+        torch.backends.cudnn.benchmark = True  # autotuned conv kernels, as training would use
     model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
-    if spec.get("compile_budget") is not None:  # the torch.compile peer: min-cut recompute
-        import torch._functorch.config as functorch_config
-
-        functorch_config.activation_memory_budget = float(spec["compile_budget"])
-        model.backbone = torch.compile(model.backbone)
+    row_figures = prepare_row(model, cfg, spec, device, precision)
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     optimizer = build_optimizer(model, "adamw", lr=optim.get("lr", 1e-3),
                                 weight_decay=optim.get("weight_decay", 0.0))
@@ -152,6 +171,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if peak is not None and fb is not None:
             peaks.append(peak)
             fwd_bwd.append(fb)
+    if spec.get("eval_peak") and peaks:
+        row_figures["eval_peak_mb"] = eval_peak_mb(model, video, precision, meter, max(peaks))
     if device.type == "cpu":
         keep_freed_memory()
         step()  # the heap grows to the step's working set once
@@ -160,12 +181,15 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    if device.type == "cuda":  # absolute: weights, optimizer state and batch included
+        row_figures["max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     with precision.autocast():
         saved = saved_activation_bytes(model, video)
     return {
         **step_stats(times, peaks, fwd_bwd, spec["batch_size"], metered_times),
         **plan_figures(model.strategy),
         **compile_figures(spec),
+        **row_figures,
         "saved_act_mb": saved / 2**20,
         "memory": model.strategy.describe(),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
@@ -173,4 +197,5 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "precision": precision.key,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
     }

@@ -6,22 +6,32 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from videotrain.bench import report
 from videotrain.bench.child import step_stats
-from videotrain.bench.suites import DATA_SUITES, SUITES, resolve
+from videotrain.bench.suites import CHILD_KEYS, DATA_SUITES, SUITES, resolve, setting_for
 
 DEFAULT_HEAD = "transformer"
+MIN_ROW_S = 20.0  # a row needs this much of a suite's time budget left to start
 
 
-def setting_overrides(batch_size: int, frames: int, size: int, device: str) -> list[str]:
-    """The bench setting as Hydra overrides (applied under every row's own overrides)."""
+class CudaRequired(RuntimeError):
+    """A CUDA-only suite was asked to run where there is no CUDA device (or on another one)."""
+
+
+def setting_overrides(batch_size: int, frames: int, size: int, device: str,
+                      extra: tuple[str, ...] = ()) -> list[str]:
+    """The bench setting as Hydra overrides (applied under every row's own overrides);
+    ``extra``: the suite's own (the GPU suite's ``trainer.precision=bf16``)."""
     return [
         f"model/head={DEFAULT_HEAD}",
         f"data.crop_size={size}",  # vit backbones take image_size=${data.crop_size}
@@ -29,6 +39,7 @@ def setting_overrides(batch_size: int, frames: int, size: int, device: str) -> l
         f"data.batch_size={batch_size}",
         f"device={device}",
         "logger.wandb.mode=disabled",
+        *extra,
     ]
 
 
@@ -38,6 +49,36 @@ def resolve_device(name: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def require_cuda(suite: str, device: str) -> None:
+    """Raise ``CudaRequired`` (one line, before anything is spawned) unless ``device`` is a
+    CUDA device that this machine has."""
+    import torch
+
+    if not device.startswith("cuda"):
+        raise CudaRequired(f"videotrain.bench --suite {suite} needs a CUDA GPU; --device {device} "
+                           "was given (no GPU figure was measured)")
+    if not torch.cuda.is_available():
+        raise CudaRequired(f"videotrain.bench --suite {suite} needs a CUDA GPU; "
+                           "torch.cuda.is_available() is False on this machine (no GPU figure "
+                           "was measured)")
+
+
+def slug(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"`` (a folder name)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-gpu"
+
+
+def default_out(suite: str, device: str) -> Path | None:
+    """Where a suite with a ``results_root`` writes without ``--out``: one folder per GPU model
+    (``docs/results/gpu/nvidia-h100-80gb-hbm3/``), relative to the current directory."""
+    root = setting_for(suite).results_root
+    if root is None or not device.startswith("cuda"):
+        return None
+    import torch
+
+    return Path(root) / slug(torch.cuda.get_device_name(torch.device(device)))
 
 
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -104,13 +145,23 @@ def machine_info(device: str) -> dict[str, Any]:
     except OSError:
         pass
     if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
+        info.update(gpu_info(torch.device(device)))
     try:
         info["git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                      text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     return info
+
+
+def gpu_info(device: Any) -> dict[str, Any]:
+    """Name, compute capability, memory and the CUDA / cuDNN versions torch was built with."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": props.name, "gpu_capability": f"{props.major}.{props.minor}",
+            "gpu_total_memory_mb": props.total_memory / 2**20, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version()}
 
 
 def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
@@ -131,40 +182,128 @@ def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
             row[key] = res["memory"][key]
     if spec.get("budget") == "min" and res.get("min_budget_frac") is not None:
         row["budget_frac"] = res["min_budget_frac"]
+    if res.get("memory", {}).get("plan"):  # memory=auto: the plan it chose
+        row["policy"] = res["memory"]["plan"]
     return row
+
+
+def auto_budget(spec: dict[str, Any], specs: list[dict[str, Any]],
+                per_row: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """``spec`` with ``memory.budget_mb`` set to ``auto_budget_of_e2e`` x the measured peak of
+    the e2e row of its backbone (first round), or with an ``error`` when there is none."""
+    ref = next((runs[0] for s, runs in zip(specs, per_row, strict=True)
+                if s["backbone"] == spec["backbone"] and s["strategy"] == "e2e"
+                and not s.get("policy") and runs and not runs[0].get("error")), None)
+    if ref is None or ref.get("peak_mem_mb") is None:
+        return {**spec, "error": "memory=auto's budget is a fraction of the e2e row's measured "
+                                 "peak, and that row has no result"}
+    budget = round(spec["auto_budget_of_e2e"] * ref["peak_mem_mb"], 1)
+    return {**spec, "auto_budget_mb": budget, "e2e_peak_mem_mb": ref["peak_mem_mb"],
+            "overrides": [*spec["overrides"], f"memory.budget_mb={budget}"]}
+
+
+def predicted_steps(specs: list[dict[str, Any]], device: str, free_grads: bool = False,
+                    processes: int = 2) -> list[float | None]:
+    """Each row's step peak (MB, the scale of its measured ``peak_mem_mb``) as
+    ``python -m videotrain.plan --fit`` predicts it on fake tensors, for the same model, batch
+    and step (AdamW, no clipping). None for rows the config alone does not describe: the peers
+    that change the model when they run (torch.compile, sac_milp) and memory=auto (it chooses
+    its plan then); and all rows with ``free_grads`` (the prediction keeps gradients)."""
+    from videotrain.fit import run_isolated
+
+    if free_grads:
+        return [None] * len(specs)
+    rows = [i for i, s in enumerate(specs) if s["strategy"] != "auto"
+            and not any(s.get(k) not in (None, False) for k in CHILD_KEYS)]
+    step = ["optim=adamw", "trainer.grad_clip=null", "trainer.label_smoothing=0.0"]
+    jobs = [([*specs[i]["overrides"], *step], device.split(":")[0]) for i in rows]
+    done = run_isolated(jobs, processes) if jobs else []
+    out: list[float | None] = [None] * len(specs)
+    for i, res in zip(rows, done, strict=True):
+        out[i] = res["memory"].step_increase / 2**20 if "memory" in res else None
+    return out
+
+
+def start_predictions(specs: list[dict[str, Any]], device: str,
+                      free_grads: bool) -> Callable[[], list[float | None]]:
+    """:func:`predicted_steps`, and a function that returns them. With CUDA they run on the CPU
+    while the rows run on the GPU (half the cores); on the CPU they wait until the rows are
+    done, so that they never share the cores with a timed step."""
+    if not device.startswith("cuda"):
+        return lambda: predicted_steps(specs, device, free_grads)
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(predicted_steps, specs, device, free_grads,
+                         max(min((os.cpu_count() or 2) // 2, 8), 1))
+    pool.shutdown(wait=False)
+    return future.result
+
+
+def suite_specs(suite: str, device: str, batch_size: int | None = None, frames: int | None = None,
+                size: int | None = None, extra: list[str] | None = None,
+                only: list[str] | None = None,
+                rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The final row specs of ``suite`` (or of ``rows``) at its setting, where ``batch_size``,
+    ``frames`` and ``size`` (None: the suite's) and the user's ``extra`` overrides apply."""
+    base = setting_for(suite)
+    setting = setting_overrides(batch_size or base.batch_size, frames or base.frames,
+                                size or base.size, device, base.overrides)
+    specs = resolve(rows if rows is not None else SUITES[suite], setting, list(extra or []), only)
+    if not specs:
+        raise ValueError(f"no rows left after --only {only}")
+    return specs
 
 
 def run_bench(
     suite: str = "default", out: str | Path | None = None, steps: int = 5, warmup: int = 2,
-    device: str = "auto", batch_size: int = 2, frames: int = 16, size: int = 112,
-    num_classes: int = 10, extra_overrides: list[str] | None = None, only: list[str] | None = None,
-    rows: list[dict[str, Any]] | None = None, timeout: float = 1800, threads: int | None = None,
-    rounds: int = 1, free_grads: bool = False, log=print,
+    device: str | None = None, batch_size: int | None = None, frames: int | None = None,
+    size: int | None = None, num_classes: int = 10, extra_overrides: list[str] | None = None,
+    only: list[str] | None = None, rows: list[dict[str, Any]] | None = None,
+    timeout: float | None = None, threads: int | None = None, rounds: int = 1,
+    free_grads: bool = False, time_budget: float | None = None, log=print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
-    """Run ``suite`` (or the given row specs). Returns (rows, meta, markdown table)."""
+    """Run ``suite`` (or the given row specs). Returns (rows, meta, markdown table).
+
+    ``device``, ``batch_size``, ``frames``, ``size``, ``timeout`` and ``time_budget`` (seconds
+    for the whole run; 0: none) default to the suite's setting (``suites.setting_for``). A CUDA-only suite raises ``CudaRequired`` before it
+    starts anything where there is no CUDA device. ``out``: where to write bench.json/.md/.png;
+    None writes nothing, except for a suite with a ``results_root`` (gpu: one folder per GPU
+    model under docs/results/gpu/)."""
     if suite not in SUITES and rows is None:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
-    device = resolve_device(device)
+    base = setting_for(suite)
+    device = resolve_device(device or base.device)
+    if base.needs_cuda:
+        require_cuda(suite, device)
+    batch_size = batch_size or base.batch_size
+    frames, size = frames or base.frames, size or base.size
+    timeout = timeout or base.timeout
+    time_budget = base.time_budget if time_budget is None else (time_budget or None)
+    deadline = time.monotonic() + time_budget if time_budget else float("inf")
     extra = list(extra_overrides or [])
-    specs = resolve(rows if rows is not None else SUITES[suite],
-                    setting_overrides(batch_size, frames, size, device), extra, only)
-    if not specs:
-        raise ValueError(f"no rows left after --only {only}")
+    specs = suite_specs(suite, device, batch_size, frames, size, extra, only, rows)
     setting = {"suite": suite, "batch_size": batch_size, "frames": frames, "size": size,
                "steps": steps, "warmup": warmup, "num_classes": num_classes, "head": DEFAULT_HEAD,
-               "extra_overrides": extra, "only": only, "threads": threads,
-               "rounds": rounds, "free_grads": free_grads}
+               "suite_overrides": list(base.overrides), "extra_overrides": extra, "only": only,
+               "threads": threads, "rounds": rounds, "free_grads": free_grads, "timeout": timeout,
+               "time_budget": time_budget}
+    common = {"steps": steps, "warmup": warmup, "batch_size": batch_size, "frames": frames,
+              "size": size, "num_classes": num_classes, "device": device, "seed": 0,
+              "threads": threads, "free_grads": free_grads, "eval_peak": True}
     per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
+    predictions = start_predictions(specs, device, free_grads)
     for rnd in range(rounds):  # round-robin, so slow drifts of machine load hit every row
         for i, spec in enumerate(specs):
             if any(r.get("error") for r in per_row[i]):
                 continue  # a failed row is not retried
-            child_spec = {"overrides": spec["overrides"], "steps": steps, "warmup": warmup,
-                          "batch_size": batch_size, "frames": frames, "size": size,
-                          "num_classes": num_classes, "device": device, "seed": 0,
-                          "threads": threads, "free_grads": free_grads,
-                          "compile_budget": spec.get("compile_budget")}
-            res = run_child(child_spec, timeout)
+            if spec.get("auto_budget_of_e2e") is not None and "auto_budget_mb" not in spec:
+                spec = specs[i] = auto_budget(spec, specs, per_row)  # fixed for later rounds
+            left = deadline - time.monotonic()
+            if spec.get("error") or left < MIN_ROW_S:
+                res = {"error": spec.get("error") or f"not run: the suite's {time_budget:.0f} s "
+                                                    "time budget was spent"}
+            else:
+                res = run_child({**common, "overrides": spec["overrides"],
+                                 **{k: spec.get(k) for k in CHILD_KEYS}}, min(timeout, left))
             per_row[i].append(res)
             tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
             if res.get("error"):
@@ -175,6 +314,8 @@ def run_bench(
                     f"{res['step_time_s']:.3f} s, saved {res['saved_act_mb']:.1f} MB "
                     f"({res['wall_s']:.0f} s)", file=sys.stderr)
     results = [combine(spec, runs, device, batch_size) for spec, runs in zip(specs, per_row, strict=True)]
+    for row, mb in zip(results, predictions(), strict=True):
+        row["step_predicted_mb"] = mb
     report.add_ratios(results)
     machine = machine_info(device)
     meta = {"device": device, "torch": machine["torch"], "setting": setting,
@@ -182,6 +323,7 @@ def run_bench(
                 "CUDA max_memory_allocated - allocated before the step" if device.startswith("cuda")
                 else "CPU VmHWM - VmRSS before the step (MALLOC_MMAP_THRESHOLD_=65536)"),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out = default_out(suite, device) if out is None else out
     table = report.write(Path(out), results, meta) if out else report.markdown(results)
     return results, meta, table
 
@@ -244,22 +386,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Extra arguments are Hydra overrides applied to every row after its own, e.g. "
                "model/backbone=resnet10 model/head=tconv trainer.precision=bf16.")
     p.add_argument("--suite", default="default", choices=sorted([*SUITES, *DATA_SUITES]),
-                   help="data: decoded clips/s of the loaders (0/1/2 workers and pytorchvideo's "
+                   help="gpu: the CUDA acceptance suite (resnet50 + transformer head, B=8 x T=16 "
+                        "at 224 px, bf16; e2e, sbp, frame dropout, checkpoint, memory=auto at half "
+                        "of e2e's peak, torch.compile), written to docs/results/gpu/<gpu>/ unless "
+                        "--out; exits with status 2 at once where there is no CUDA GPU. "
+                        "data: decoded clips/s of the loaders (0/1/2 workers and pytorchvideo's "
                         "pipeline) on the synthetic set; configure it with data.* overrides")
-    p.add_argument("--out", help="write bench.json, bench.md and bench.png here")
+    p.add_argument("--out", help="write bench.json, bench.md and bench.png here (gpu suite: "
+                                 "default docs/results/gpu/<gpu name>/)")
     p.add_argument("--steps", type=int, default=5, help="measured steps per row")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps before them")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--batch-size", type=int, help="default 2 (data suite: data.batch_size)")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto; gpu suite: cuda)")
+    p.add_argument("--batch-size", type=int,
+                   help="default 2, gpu suite 8 (data suite: data.batch_size)")
     p.add_argument("--frames", type=int, help="default 16 (data suite: data.num_frames)")
-    p.add_argument("--size", type=int, help="crop size, default 112 (data suite: data.crop_size)")
+    p.add_argument("--size", type=int,
+                   help="crop size, default 112, gpu suite 224 (data suite: data.crop_size)")
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--only", help="comma-separated globs on row names, e.g. 'e2e,sbp-frame-*' "
                                   "(an e2e reference row is always kept)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the rows round-robin this many times, pooling their steps (each "
                         "round is a fresh subprocess per row); smooths drifting machine load")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
+    p.add_argument("--timeout", type=float, help="seconds per row (default 1800, gpu suite 240)")
+    p.add_argument("--time-budget", type=float,
+                   help="seconds for the whole run; rows that would start later are recorded as "
+                        "not run (default: none; gpu suite 570; 0: none)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads in each row (default: torch's)")
     p.add_argument("--free-grads", action="store_true",
                    help="free parameter gradients after each step (zero_grad(set_to_none=True)), "
@@ -283,17 +435,21 @@ def main(argv: list[str] | None = None) -> int:
             ("batch_size", args.batch_size), ("num_frames", args.frames), ("crop_size", args.size))
             if value is not None]
         rows, _, table = run_data_bench(
-            suite=args.suite, out=args.out, device=args.device, rounds=args.rounds,
-            extra_overrides=[*flags, *args.overrides], timeout=args.timeout, threads=args.threads,
-            only=only)
+            suite=args.suite, out=args.out, device=args.device or "auto", rounds=args.rounds,
+            extra_overrides=[*flags, *args.overrides], timeout=args.timeout or 1800,
+            threads=args.threads, only=only)
     else:
-        rows, _, table = run_bench(
-            suite=args.suite, out=args.out, steps=args.steps, warmup=args.warmup,
-            device=args.device, batch_size=args.batch_size or 2, frames=args.frames or 16,
-            size=args.size or 112, num_classes=args.num_classes, extra_overrides=args.overrides,
-            timeout=args.timeout, threads=args.threads, rounds=args.rounds,
-            free_grads=args.free_grads, only=only,
-        )
+        try:
+            rows, _, table = run_bench(
+                suite=args.suite, out=args.out, steps=args.steps, warmup=args.warmup,
+                device=args.device, batch_size=args.batch_size, frames=args.frames,
+                size=args.size, num_classes=args.num_classes, extra_overrides=args.overrides,
+                timeout=args.timeout, threads=args.threads, rounds=args.rounds,
+                free_grads=args.free_grads, time_budget=args.time_budget, only=only,
+            )
+        except CudaRequired as err:
+            print(err, file=sys.stderr)
+            return 2
     print(table, end="")
     failed = [r["name"] for r in rows if r.get("error")]
     if failed:

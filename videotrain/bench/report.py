@@ -16,6 +16,9 @@ COLUMNS = [
     ("policy", "policy", "{}"),
     ("keep", "keep_ratio", "{:.2f}"),
     ("peak MB", "peak_mem_mb", "{:.1f}"),
+    ("predicted MB", "step_predicted_mb", "{:.1f}"),
+    ("pred/meas", "predicted_ratio", "{:.2f}"),
+    ("eval MB", "eval_peak_mb", "{:.1f}"),
     ("mem ×e2e", "mem_ratio", "{:.2f}"),
     ("fwd+bwd MB", "fwd_bwd_peak_mb", "{:.1f}"),
     ("step s", "step_time_s", "{:.3f}"),
@@ -37,6 +40,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                            ("act_ratio", "saved_act_mb")):
             num, den = r.get(key), ref.get(key) if ref else None
             r[ratio] = num / den if num is not None and den else None
+        pred, meas = r.get("step_predicted_mb"), r.get("peak_mem_mb")
+        r["predicted_ratio"] = pred / meas if pred is not None and meas else None
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -55,6 +60,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     if any(r.get("predicted_peak_mb") is not None for r in rows):  # the plan's prediction
         columns.insert(columns.index(("peak MB", "peak_mem_mb", "{:.1f}")) + 1,
                        ("plan act MB", "predicted_peak_mb", "{:.1f}"))
+    if any(r.get("max_allocated_mb") is not None for r in rows):  # CUDA, absolute
+        columns.insert(columns.index(("mem ×e2e", "mem_ratio", "{:.2f}")) + 1,
+                       ("max alloc MB", "max_allocated_mb", "{:.0f}"))
     lines = ["| " + " | ".join(c[0] for c in columns) + " | status |",
              "|" + "---|" * (len(columns) + 1)]
     for r in rows:
@@ -137,10 +145,12 @@ def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> st
     (out_dir / "bench.json").write_text(
         json.dumps({"rows": [public_row(r) for r in rows], "meta": meta}, indent=2) + "\n")
     s = meta["setting"]
+    gpu = meta.get("machine", {}).get("gpu")
     title = " · ".join(x for x in (
-        meta["device"], f"torch {meta['torch']}", f"B={s['batch_size']} T={s['frames']} "
+        f"{meta['device']} ({gpu})" if gpu else meta["device"], f"torch {meta['torch']}",
+        f"B={s['batch_size']} T={s['frames']} "
         f"{s['size']}px, {s['steps']} steps x {s.get('rounds', 1)} round(s)",
-        " ".join(s["extra_overrides"])) if x)
+        " ".join([*s.get("suite_overrides", []), *s["extra_overrides"]])) if x)
     header = f"# videotrain bench\n\n{title}\n\n"
     (out_dir / "bench.md").write_text(header + table)
     plot(rows, out_dir / "bench.png", title)

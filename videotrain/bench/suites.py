@@ -9,12 +9,40 @@ adding a list of ``row(...)`` calls to ``SUITES``; every option passed to ``row`
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 from typing import Any
 
-R18, VIT = "resnet18", "vit_tiny"
+R18, R50, VIT = "resnet18", "resnet50", "vit_tiny"
 
 # Fields every row carries, whatever its strategy (None where they do not apply).
 ROW_FIELDS = ("backbone", "strategy", "keep_ratio", "granularity", "policy")
+
+# Row-spec keys that are not Hydra overrides but instructions to the child (bench/child.py) or
+# the runner (bench/cli.py); they tell rows apart like overrides do.
+#   compile_budget:     torch.compile the backbone with this min-cut activation_memory_budget
+#   compile:            torch.compile the backbone, default partitioner
+#   sac_milp:           torch's sac_milp planner at this fraction of its e2e activation
+#                       estimate, or "min" (the smallest it solves)
+#   auto_budget_of_e2e: memory=auto with memory.budget_mb = this x the e2e row's measured peak
+CHILD_KEYS = ("compile_budget", "compile", "sac_milp", "auto_budget_of_e2e")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a suite runs at unless the command line says otherwise: model input, device, the
+    overrides under every row, the per-row timeout, the wall-clock budget of the whole run
+    (rows that would start after it are recorded as not run), and where results go by default.
+    ``needs_cuda``: the suite refuses to start without a CUDA device (``CudaRequired``)."""
+
+    batch_size: int = 2
+    frames: int = 16
+    size: int = 112
+    device: str = "auto"
+    overrides: tuple[str, ...] = ()
+    timeout: float = 1800.0
+    time_budget: float | None = None
+    needs_cuda: bool = False
+    results_root: str | None = None  # default --out: <results_root>/<gpu name slug>/
 
 
 def row(
@@ -65,6 +93,10 @@ DEFAULT_ROWS = [
 # ``torch._functorch.config.activation_memory_budget`` and compiles the backbone).
 # ``budget="min"``: the optimal plan at the smallest feasible budget; the child reports the
 # budget_frac that turned out to be.
+# ``sac_milp``: the peer from torch itself (torch.distributed._tools.sac_ilp.sac_milp fed by
+# SACEstimator, applied as selective activation checkpointing; bench/sac_peer.py), at the
+# budgets of the optimal rows, as fractions of the e2e activation peak its estimator reports
+# ("min": the smallest fraction its MILP solves).
 CHECKPOINT_ROWS = [
     row(R18, "e2e"),
     row(R18, "checkpoint", policy="blocks"),
@@ -74,14 +106,46 @@ CHECKPOINT_ROWS = [
     {**row(R18, "e2e"), "policy": "torch.compile", "budget_frac": 0.5, "compile_budget": 0.5},
     *({**row(R18, "sbp", 0.5, "frame", checkpoint=c), "policy": f"checkpoint:{c}"}
       for c in ("blocks", "optimal")),
+    *({**row(R18, "e2e"), "policy": "sac_milp", "budget_frac": f, "sac_milp": f} for f in (0.7, 0.5)),
+    {**row(R18, "e2e"), "policy": "sac_milp", "budget": "min", "sac_milp": "min"},
+]
+
+# The GPU acceptance suite (``--suite gpu``, CUDA only): resnet50 + transformer head, B=8 x
+# T=16 at 224 px, bf16 (GPU_SETTING). ``auto_budget_of_e2e``: the runner gives memory=auto a
+# budget of that fraction of the e2e row's measured peak in the same run (so e2e runs first).
+GPU_ROWS = [
+    row(R50, "e2e"),
+    row(R50, "sbp", 0.5, "frame"),
+    row(R50, "sbp", 0.25, "frame"),
+    row(R50, "frame_dropout", 0.5),
+    row(R50, "checkpoint", policy="sqrt"),
+    row(R50, "checkpoint", policy="optimal", budget_frac=0.5),
+    {**row(R50, "sbp", 0.5, "frame", checkpoint="optimal"), "policy": "checkpoint:optimal"},
+    {**row(R50, "auto"), "budget_frac": 0.5, "auto_budget_of_e2e": 0.5},
+    {**row(R50, "e2e"), "policy": "torch.compile", "compile": True},
+    {**row(R50, "sbp", 0.5, "frame"), "policy": "torch.compile", "compile": True},
 ]
 
 SUITES: dict[str, list[dict[str, Any]]] = {
     "default": DEFAULT_ROWS,
     "sbp": SBP_ROWS,
     "checkpoint": CHECKPOINT_ROWS,
+    "gpu": GPU_ROWS,
 }
 SUITES["all"] = [r for name in ("default", "checkpoint") for r in SUITES[name]]
+
+# The GPU suite must finish in 10 minutes on one H100: each row gets at most 240 s (a compile
+# that does not finish), and no row runs past 570 s of the run (30 s left for the report). The
+# rows that cost most and are least known (memory=auto's planning, torch.compile) come last.
+GPU_SETTING = Setting(batch_size=8, frames=16, size=224, device="cuda",
+                      overrides=("trainer.precision=bf16",), timeout=240.0, time_budget=570.0,
+                      needs_cuda=True, results_root="docs/results/gpu")
+SETTINGS: dict[str, Setting] = {"gpu": GPU_SETTING}
+
+
+def setting_for(suite: str) -> Setting:
+    """The suite's own setting; the generic bench setting for suites without one."""
+    return SETTINGS.get(suite, Setting())
 
 
 # ---------------------------------------------------------------------- the data suite
@@ -127,7 +191,7 @@ def row_name(spec: dict[str, Any]) -> str:
         parts.append(spec["granularity"])
     if spec.get("policy"):
         parts.append(spec["policy"])
-    if spec["strategy"] not in ("e2e", "checkpoint") or spec["keep_ratio"] != 1.0:
+    if spec["strategy"] not in ("e2e", "checkpoint", "auto") or spec["keep_ratio"] != 1.0:
         parts.append(f"{spec['keep_ratio']:g}")
     if spec.get("budget") == "min":
         parts.append("bmin")
@@ -147,7 +211,7 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
     seen: set[tuple[str, ...]] = set()
     for spec in rows:
         ovs = merge_overrides(base, spec["overrides"], extra)
-        key = (*sorted(ovs), f"compile={spec.get('compile_budget')}")  # not an override
+        key = (*sorted(ovs), *(f"{k}={spec.get(k)}" for k in CHILD_KEYS))  # not overrides
         if key in seen:
             continue
         seen.add(key)

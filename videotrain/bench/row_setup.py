@@ -1,0 +1,38 @@
+"""What a benchmark row does to the built model besides its memory strategy (bench/child.py):
+torch.compile, torch's ``sac_milp`` plan, or ``memory=auto``'s planning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def prepare_row(model: torch.nn.Module, cfg: Any, spec: dict[str, Any], device: torch.device,
+                precision: Any) -> dict[str, Any]:
+    """Apply the row's extras to ``model`` in place and return the figures to report.
+
+    ``compile_budget``: torch.compile the backbone, min-cut partitioner at that activation
+    budget; ``compile``: torch.compile with the default partitioner; ``sac_milp``: torch's plan
+    at that budget fraction (bench/sac_peer.py); ``memory=auto``: plan before the first step,
+    as training does (``videotrain.build.plan_memory``; a no-op for other strategies)."""
+    if spec.get("compile_budget") is not None:  # the torch.compile peer: min-cut recompute
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = float(spec["compile_budget"])
+    if spec.get("compile_budget") is not None or spec.get("compile"):
+        model.backbone = torch.compile(model.backbone)
+    if spec.get("sac_milp") is not None:
+        from hydra.utils import instantiate
+
+        from videotrain.bench.sac_peer import apply_sac_milp
+
+        shape = (spec["batch_size"] * spec["frames"], 3, spec["size"], spec["size"])
+        return apply_sac_milp(model.backbone, lambda: instantiate(cfg.model.backbone), shape,
+                              device, spec["sac_milp"], precision.autocast,
+                              bool(spec.get("free_grads", False)))
+    from videotrain.build import plan_memory
+
+    plan = plan_memory(cfg, model, precision, device, spec["num_classes"])  # memory=auto only
+    return {"auto_plan": {k: plan.get(k) for k in (
+        "budget_mb", "chosen", "reason", "predicted_peak_mb", "profiled_peak_mb")}} if plan else {}
