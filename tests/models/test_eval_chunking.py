@@ -69,7 +69,11 @@ def test_auto_chunk_logits_equal_and_size_follows_the_budget() -> None:
         assert model.frame_chunk(video) is None  # no budget yet: one forward
         five, six = _fake_peak(model.backbone, 5), _fake_peak(model.backbone, 6)
         assert five < six
-        model.eval_memory_budget = (five + six) / 2
+        with FakeTensorMode(allow_non_fake_inputs=True), LiveStorageBytes() as live:
+            feats = torch.randn(3, 8, model.backbone.feature_dim)  # what all frames share
+            model.head(feats, torch.arange(8).expand(3, 8))
+            shared = live.peak
+        model.eval_memory_budget = shared + (five + six) / 2
         assert model.frame_chunk(video) == 5
         torch.testing.assert_close(model(video), whole, rtol=1e-5, atol=1e-5)
         model.eval_memory_budget = 10 * six  # everything fits: one forward of all 24 frames

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from videotrain.memory.auto.predict import frames_within
+from videotrain.memory.auto.predict import eval_chunk
 from videotrain.memory.base import MemoryStrategy, encode_all_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.models.backbones import FrameBackbone
@@ -31,7 +31,7 @@ class VideoClassifier(nn.Module):
         # (the training step's peak: the trainer sets it from its measured steps)
         self.eval_frame_chunk: int | str | None = None
         self.eval_memory_budget: float | None = None
-        self._chunks: dict[tuple, int] = {}  # (frame shape, dtype, device, budget, frames) -> chunk
+        self._chunks: dict[tuple, int] = {}  # (video shape, dtype, device, budget) -> chunk
 
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         if video.dim() != 5:
@@ -56,9 +56,7 @@ class VideoClassifier(nn.Module):
             return None
         dtype = torch.get_autocast_dtype(video.device.type) if torch.is_autocast_enabled(
             video.device.type) else None
-        frames = video.shape[0] * video.shape[1]
-        key = (tuple(video.shape[2:]), dtype, video.device.type, self.eval_memory_budget, frames)
+        key = (tuple(video.shape), dtype, video.device.type, self.eval_memory_budget)
         if key not in self._chunks:
-            self._chunks[key] = frames_within(self.backbone, key[0], self.eval_memory_budget,
-                                              frames, dtype)
+            self._chunks[key] = eval_chunk(self, key[0], self.eval_memory_budget, dtype)
         return self._chunks[key]

@@ -150,16 +150,16 @@ def simulate_step(
         opt_peak = live.peak
 
         eval_peak, eval_batch = None, 0
+        batch = video.untyped_storage().nbytes()
+        del video, labels  # validation runs after the epoch, its training batches released
         if eval_video_shape is not None:
             model.eval()
             if eval_frame_chunk == "auto":  # the whole evaluation within the training peak
-                budget = (max(fwd_bwd_peak, opt_peak) - (held - video.untyped_storage().nbytes())
+                budget = (max(fwd_bwd_peak, opt_peak) - (held - batch)
                           - 4 * torch.Size(eval_video_shape).numel())  # less the eval batch (fp32)
                 with live.paused():
-                    eval_frame_chunk = frames_within(
-                        model.backbone, eval_video_shape[2:], budget,
-                        eval_video_shape[0] * eval_video_shape[1], autocast_dtype,
-                        in_fake_mode=fake)
+                    eval_frame_chunk = eval_chunk(model, eval_video_shape, budget, autocast_dtype,
+                                                  in_fake_mode=fake)
             model.eval_frame_chunk = eval_frame_chunk
             clips = torch.randn(*eval_video_shape)  # (B*V, T, C, H, W)
             eval_batch = clips.untyped_storage().nbytes()
@@ -167,7 +167,6 @@ def simulate_step(
             with torch.no_grad(), _autocast(autocast_dtype):
                 model(clips)
             eval_peak = live.peak
-        batch = video.untyped_storage().nbytes()
     return StepMemory(held, batch, fwd_bwd_peak, opt_peak, eval_peak, eval_batch)
 
 
@@ -210,3 +209,23 @@ def frames_within(backbone: nn.Module, frame_shape: tuple[int, ...], budget: flo
             mid = (low + high) // 2
             low, high = (mid, high) if fits(mid) else (low, mid)
         return low
+
+
+def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
+               autocast_dtype: torch.dtype | None = None, in_fake_mode: bool = False) -> int:
+    """Frames per backbone forward for an evaluation forward of ``model`` (a
+    ``VideoClassifier``) over ``video_shape (B, T, C, H, W)`` to stay within ``budget`` bytes:
+    what the frames cannot share (the features of all frames and the head over them, counted
+    once on fake tensors) comes off the budget, and the backbone gets the rest
+    (:func:`frames_within`)."""
+    b, t = video_shape[:2]
+    device = next(model.parameters()).device
+    with contextlib.nullcontext() if in_fake_mode else FakeTensorMode(allow_non_fake_inputs=True):
+        with LiveStorageBytes() as live, torch.no_grad(), _autocast(autocast_dtype, device.type):
+            base = live.now()
+            feats = torch.randn(b, t, model.backbone.feature_dim, device=device)  # (B, T, D)
+            positions = torch.arange(t, device=device).expand(b, t)  # (B, T)
+            model.head(feats, positions)
+            shared = live.peak - base
+    return frames_within(model.backbone, tuple(video_shape[2:]), budget - shared, b * t,
+                         autocast_dtype, in_fake_mode)
