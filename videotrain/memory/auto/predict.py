@@ -227,5 +227,5 @@ def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
             positions = torch.arange(t, device=device).expand(b, t)  # (B, T)
             model.head(feats, positions)
             shared = live.peak - base
-    return frames_within(model.backbone, tuple(video_shape[2:]), budget - shared, b * t,
-                         autocast_dtype, in_fake_mode)
+        return frames_within(model.backbone, tuple(video_shape[2:]), budget - shared, b * t,
+                             autocast_dtype, in_fake_mode=True)  # in the mode entered above
