@@ -133,16 +133,24 @@ def use_sync_bn(cfg: DictConfig, ctx: DistContext, device: torch.device) -> bool
     return True
 
 
-def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision,
+def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision | None,
                 device: torch.device, num_classes: int) -> dict[str, Any] | None:
-    """Let a self-planning strategy (``memory=auto``) profile the configured model and batch
-    and choose its plan, before training. A no-op (None) for every other strategy. Raises
-    ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget."""
+    """Let a self-planning strategy (``memory=auto``) choose its plan before training: from
+    fake-tensor predictions of the configured run at full size (``memory.budget_gb``, or CUDA
+    with no budget; ``videotrain.fit.ConfigPredictor``), or from profiling steps of the
+    configured model and batch (in ``precision``; predictions need none). A no-op (None) for
+    every other strategy. Raises ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget."""
     if not isinstance(model.strategy, SelfPlanning):
         return None
+    d = cfg.data
+    if model.strategy.predicts(device):
+        from videotrain.fit import ConfigPredictor
+
+        return model.strategy.plan_predicted(ConfigPredictor(cfg, num_classes, device.type),
+                                             int(d.num_frames), device)
     from videotrain.memory.auto.profile import StepProbe
 
-    d = cfg.data
+    assert precision is not None, "profiling steps run in the configured precision"
     probe = StepProbe(
         model, lambda m: optimizer_from_cfg(cfg, m), precision, device,
         video_shape=(d.batch_size, d.num_frames, 3, d.crop_size, d.crop_size),

@@ -29,16 +29,20 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from videotrain.build import compose_cfg, eval_settings, group_choices, optimizer_from_cfg
 from videotrain.engine.precision import PRECISIONS
-from videotrain.memory.auto.predict import StepMemory, simulate_step
+from videotrain.memory.auto.predict import (
+    CUDA_CONTEXT_GIB,
+    GIB,
+    UNSEEN_FRAC,
+    StepMemory,
+    device_need,
+    simulate_step,
+    usable_bytes,
+)
 from videotrain.models.video import VideoClassifier
-
-GIB = 2**30
-CUDA_CONTEXT_GIB = 0.5  # CUDA context and kernels' modules: device memory outside the allocator
-UNSEEN_FRAC = 0.1  # workspaces, allocator rounding and fragmentation, as a share of the peak
 
 # (strategy, keep_ratio, policy, overrides): the rows of the fit table, by memory= name
 FIT_ROWS: list[tuple[str, float | None, str | None, list[str]]] = [
@@ -91,20 +95,24 @@ def simulate_cfg(cfg: DictConfig, target: str, with_eval: bool = True) -> StepMe
                          eval_frame_chunk=eval_settings(cfg).frame_chunk)
 
 
-def _child(job: tuple[list[str], str]) -> dict[str, Any]:
+Job = tuple[list[str] | dict[str, Any], str]  # (overrides or a resolved config, target device type)
+
+
+def _child(job: Job) -> dict[str, Any]:
     """Worker: one simulation in a fresh process. Automatic garbage collection stays off
     (see ``videotrain.memory.auto.predict``); the process ends with the task."""
-    overrides, target = job
+    config, target = job
     gc.disable()
     t0 = time.perf_counter()
     try:
-        return {"memory": simulate_cfg(compose_cfg(overrides), target),
+        cfg = OmegaConf.create(config) if isinstance(config, dict) else compose_cfg(config)
+        return {"memory": simulate_cfg(cfg, target),
                 "seconds": time.perf_counter() - t0}
     except Exception as err:  # reported per row, the other rows still run
         return {"error": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
 
 
-def run_isolated(jobs: list[tuple[list[str], str]], processes: int = 2) -> list[dict[str, Any]]:
+def run_isolated(jobs: list[Job], processes: int = 2) -> list[dict[str, Any]]:
     """Each job in a process of its own, results in the order of ``jobs``. Children come from
     a fork server that has imported this module (torch included) and run nothing else: a
     process that has run autograd cannot fork safely. Spawned where there is no fork server."""
@@ -121,17 +129,28 @@ def run_isolated(jobs: list[tuple[list[str], str]], processes: int = 2) -> list[
         return list(pool.map(_child, jobs))
 
 
-def _need(mem: StepMemory) -> float:
-    """Device bytes a run needs: its larger peak (training step or validation) and the share
-    fake tensors cannot see."""
-    return max(mem.train_peak, mem.eval_peak or 0) * (1 + UNSEEN_FRAC)
+class ConfigPredictor:
+    """``memory=auto``'s predictor: the configured run (``cfg``, with the dataset's real number
+    of classes) with another ``memory:`` node, simulated in a process of its own."""
+
+    def __init__(self, cfg: DictConfig, num_classes: int, target: str) -> None:
+        base = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(base, dict)
+        base["data"] = {**base["data"], "num_classes": num_classes}
+        self.base, self.target = base, target
+
+    def __call__(self, memory: dict[str, Any]) -> StepMemory:
+        result = run_isolated([({**self.base, "memory": memory}, self.target)], processes=1)[0]
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        return result["memory"]
 
 
 def _largest(mem: StepMemory, current: int, budget: float, frames: bool, cap: int = 4096) -> int:
     """The largest clips per batch (or frames per clip) whose extrapolated need fits ``budget``."""
     best = 0
     for n in range(1, cap + 1):
-        if _need(mem.scaled(n / current, frames)) > budget:
+        if device_need(mem.scaled(n / current, frames)) > budget:
             break
         best = n
     return best
@@ -153,7 +172,7 @@ def fit_report(overrides: list[str], device_gb: float | None, target: str = "cud
     t0 = time.perf_counter()
     done = run_isolated([(rows[i][3], target) for i in order], processes)
     results = [done[order.index(i)] for i in range(len(rows))]
-    budget = None if device_gb is None else (device_gb - CUDA_CONTEXT_GIB) * GIB
+    budget = None if device_gb is None else usable_bytes(device_gb, target)
     out_rows = []
     for (strategy, keep, policy, _), res in zip(rows, results, strict=True):
         row: dict[str, Any] = {"strategy": strategy, "keep_ratio": keep, "policy": policy}
@@ -169,7 +188,7 @@ def fit_report(overrides: list[str], device_gb: float | None, target: str = "cud
             "seconds": res["seconds"],
         })
         if budget is not None:
-            row.update({"fits": _need(mem) <= budget,
+            row.update({"fits": device_need(mem) <= budget,
                         "max_batch_size": _largest(mem, b, budget, frames=False),
                         "max_num_frames": _largest(mem, t, budget, frames=True)})
         out_rows.append(row)

@@ -18,9 +18,10 @@ found here rather than at the first training step.
 
 With ``memory=auto`` it prints ``memory=auto``'s decision instead: it profiles the configured
 model and batch on ``device`` (real training steps on a copy of the model, nothing is trained),
-prints the table of candidates with predicted and measured peaks, predicted step times and the
-reason for the choice, and writes it to ``--out``; a budget no plan fits exits with status 2
-and the smallest budget that would work.
+or with ``memory.budget_gb=G`` predicts each candidate it reaches at full size on fake tensors
+(``device=cuda`` plans for a G GiB GPU from any machine), prints the table of candidates with
+their peaks, predicted step times and the reason for the choice, and writes it to ``--out``; a
+budget no plan fits exits with status 2 and the smallest budget that would work.
 
 With any other ``memory`` than ``checkpoint`` the viewer plans ``memory.policy=optimal`` with no
 budget (the smallest feasible), for reference. ``memory.policy=blocks`` is reported as the
@@ -78,11 +79,18 @@ def make_report(cfg: DictConfig) -> dict[str, Any]:
 
 
 def auto_report(cfg: DictConfig) -> dict[str, Any]:
-    """``memory=auto``'s decision for ``cfg`` (raises ``NoPlanFits`` when nothing fits)."""
-    device = resolve_device(cfg.device)
-    precision = build_precision(cfg, device)
+    """``memory=auto``'s decision for ``cfg`` (raises ``NoPlanFits`` when nothing fits). With
+    ``memory.budget_gb`` it is made from predictions and nothing runs on a device, so
+    ``device=cuda`` plans for a GPU on a machine without one."""
     seed_everything(cfg.seed)
     num_classes = int(cfg.data.get("num_classes") or 2)
+    name = str(cfg.device)
+    if OmegaConf.select(cfg, "memory.budget_gb") is not None:
+        device = torch.device(name) if name.startswith("cuda") else resolve_device(name)
+        model = build_model(cfg, num_classes)  # stays on the CPU: only its structure is read
+        return plan_memory(cfg, model, None, device, num_classes) or {}
+    device = resolve_device(name)
+    precision = build_precision(cfg, device)
     model = build_model(cfg, num_classes).to(device)
     return plan_memory(cfg, model, precision, device, num_classes) or {}
 

@@ -51,11 +51,16 @@ class StepObserver(Protocol):
 
 @runtime_checkable
 class SelfPlanning(Protocol):
-    """Optional: a strategy that chooses itself from measured training steps before training
-    (``memory=auto``). ``videotrain.build.plan_memory`` hands it a ``StepProbe`` and records
+    """Optional: a strategy that chooses itself before training (``memory=auto``), from
+    measured training steps or, where ``predicts(device)``, from fake-tensor predictions at full
+    size. ``videotrain.build.plan_memory`` hands it a ``StepProbe`` or a predictor and records
     ``plan_report()`` in results.json as ``memory_plan``."""
 
     def plan(self, probe: Any) -> dict[str, Any]: ...
+
+    def predicts(self, device: torch.device) -> bool: ...
+
+    def plan_predicted(self, predict: Any, num_frames: int, device: torch.device) -> dict[str, Any]: ...
 
     def plan_report(self) -> dict[str, Any]: ...
 

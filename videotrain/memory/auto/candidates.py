@@ -100,12 +100,13 @@ class Candidate:
 class NoPlanFits(InfeasibleBudget):
     """No candidate fits the budget; ``min_budget`` is the smallest budget that would work."""
 
-    def __init__(self, budget: float, min_budget: float | None, smallest: str | None, table: str) -> None:
+    def __init__(self, budget: float, min_budget: float | None, smallest: str | None, table: str,
+                 advice: str | None = None) -> None:
         if min_budget is None:
             hint = "no candidate could be profiled"
         else:
-            hint = (f"the smallest budget that would work is {min_budget / MB:.1f} MB ({smallest}): "
-                    f"set memory.budget_mb={math.ceil(min_budget / MB * 10) / 10:.1f} or more")
+            advice = advice or f"set memory.budget_mb={math.ceil(min_budget / MB * 10) / 10:.1f} or more"
+            hint = f"the smallest budget that would work is {min_budget / MB:.1f} MB ({smallest}): {advice}"
         ValueError.__init__(
             self, f"memory=auto: no plan fits the budget of {budget / MB:.1f} MB; {hint}\n{table}"
         )

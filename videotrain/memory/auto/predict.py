@@ -29,6 +29,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from videotrain.metrics.live_bytes import LiveStorageBytes
 
+GIB = 2**30
+CUDA_CONTEXT_GIB = 0.5  # CUDA context and kernels' modules: device memory outside the allocator
+UNSEEN_FRAC = 0.1  # workspaces, allocator rounding and fragmentation, as a share of the peak
+
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -75,6 +79,18 @@ class StepMemory:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "train_peak": self.train_peak, "step_increase": self.step_increase}
+
+
+def device_need(mem: StepMemory) -> float:
+    """Device bytes a run needs: its larger peak (training step or validation) and the share
+    fake tensors cannot see."""
+    return max(mem.train_peak, mem.eval_peak or 0) * (1 + UNSEEN_FRAC)
+
+
+def usable_bytes(device_gb: float, target: str = "cuda") -> float:
+    """What the allocator may use of a device with ``device_gb`` GiB: all of it but the CUDA
+    context (on CUDA)."""
+    return (device_gb - (CUDA_CONTEXT_GIB if target == "cuda" else 0.0)) * GIB
 
 
 @contextlib.contextmanager

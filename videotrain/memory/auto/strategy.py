@@ -30,6 +30,8 @@ the previous one's ``prepare`` on the backbone, then the next one is prepared.
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +47,8 @@ from videotrain.memory.auto.candidates import (
     reason,
     render_table,
 )
+from videotrain.memory.auto.predict import GIB, UNSEEN_FRAC, StepMemory, usable_bytes
+from videotrain.memory.auto.predicted import INFEASIBLE, choose_predicted, predicted_candidates
 from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
 from videotrain.memory.base import FrameFeatures, MemoryStrategy
 from videotrain.memory.e2e import EndToEnd
@@ -59,17 +63,22 @@ log = logging.getLogger(__name__)
 __all__ = ["AutoStrategy", "NoPlanFits", "build_strategy"]
 
 
+STRATEGIES: dict[str, type] = {"e2e": EndToEnd, "checkpoint": Recompute, "sbp": StochasticBackprop,
+                                "sbp_checkpoint": StochasticBackprop, "frame_dropout": FrameDropout}
+
+
 def build_strategy(c: Candidate, rank: int | None = None) -> MemoryStrategy:
     """The concrete strategy of a candidate (a new, unprepared instance)."""
-    if c.kind == "e2e":
-        return EndToEnd()
-    if c.kind == "checkpoint":
-        return Recompute(**c.params)
-    if c.kind in ("sbp", "sbp_checkpoint"):
-        return StochasticBackprop(**c.params, rank=rank)
-    if c.kind == "frame_dropout":
-        return FrameDropout(**c.params, rank=rank)
-    raise ValueError(f"unknown memory=auto candidate kind {c.kind!r}")
+    if c.kind not in STRATEGIES:
+        raise ValueError(f"unknown memory=auto candidate kind {c.kind!r}")
+    ranked_kw = {} if c.kind in ("e2e", "checkpoint") else {"rank": rank}
+    return STRATEGIES[c.kind](**c.params, **ranked_kw)
+
+
+def memory_node(c: Candidate) -> dict[str, Any]:
+    """The candidate as a ``memory:`` config node (what a prediction process instantiates)."""
+    cls = STRATEGIES[c.kind]
+    return {"_target_": f"{cls.__module__}.{cls.__qualname__}", **c.params}
 
 
 def checkpoint_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[float],
@@ -116,6 +125,7 @@ class AutoStrategy:
         self,
         budget_mb: float | None = None,
         budget_frac: float | None = None,
+        budget_gb: float | None = None,
         free_frac: float = 0.9,
         allow_frame_dropout: bool = False,
         allow_frozen_bn: bool = True,
@@ -130,8 +140,10 @@ class AutoStrategy:
         seed: int = 0,
         rank: int | None = None,
     ) -> None:
-        if budget_mb is not None and budget_frac is not None:
-            raise ValueError("set at most one of memory.budget_mb and memory.budget_frac")
+        if sum(b is not None for b in (budget_mb, budget_frac, budget_gb)) > 1:
+            raise ValueError("set at most one of memory.budget_gb, memory.budget_mb and memory.budget_frac")
+        if budget_gb is not None and not budget_gb > 0:
+            raise ValueError(f"memory.budget_gb must be > 0 (the device's memory in GiB), got {budget_gb}")
         if budget_mb is not None and not budget_mb > 0:
             raise ValueError(f"memory.budget_mb must be > 0, got {budget_mb}")
         if budget_frac is not None and not budget_frac > 0:
@@ -151,6 +163,8 @@ class AutoStrategy:
         if nograd_chunk < 1:
             raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
         self.budget_mb, self.budget_frac, self.free_frac = budget_mb, budget_frac, free_frac
+        self.budget_gb = None if budget_gb is None else float(budget_gb)
+        self.mode = ""  # profiled (real steps) | predicted (fake-tensor steps), once planned
         self.options = Options(allow_frame_dropout=bool(allow_frame_dropout),
                                allow_frozen_bn=bool(allow_frozen_bn), sbp_checkpoint=sbp_checkpoint,
                                sampler=sampler, nograd_chunk=int(nograd_chunk), seed=int(seed))
@@ -170,6 +184,7 @@ class AutoStrategy:
         self.recheck: dict[str, Any] | None = None  # the first comparison of measured vs predicted
         self.observed_max: dict[str, float] = {}  # plan name -> largest measured step peak (MB)
         self._observed = 0
+        self._predict: Callable[[Candidate], None] | None = None  # predicted mode: for step-downs
 
     # ------------------------------------------------------------------ the decision
     def resolve_budget(self, profile: Profile, free_bytes: float | None) -> tuple[float, str]:
@@ -221,6 +236,7 @@ class AutoStrategy:
         free = None
         if self.budget_mb is None and self.budget_frac is None:
             free = device_free_bytes(probe.device)
+        self.mode = "profiled"
         try:
             self.profile = profile = probe.profile()
             self.budget, self.budget_source = self.resolve_budget(profile, free)
@@ -237,6 +253,76 @@ class AutoStrategy:
         self.chosen, self.reason = chosen, reason(chosen, self.candidates, self.budget)
         self._activate(chosen)
         log.info("memory=auto decision (%s):\n%s\nchosen: %s", self.budget_source,
+                 render_table(self.candidates, self.budget, chosen), self.reason)
+        return self.plan_report()
+
+    def predicts(self, device: torch.device) -> bool:
+        """Whether to plan from predictions (:meth:`plan_predicted`) instead of profiling real
+        steps: with ``memory.budget_gb``, and on CUDA when no budget is set (a full-size
+        profiling step could itself run out of memory)."""
+        unset = self.budget_mb is None and self.budget_frac is None
+        return self.budget_gb is not None or (unset and device.type == "cuda")
+
+    def plan_predicted(self, predict: Callable[[dict[str, Any]], StepMemory], num_frames: int,
+                       device: torch.device) -> dict[str, Any]:
+        """Choose from fake-tensor predictions at full size, before anything runs on the device
+        (:mod:`videotrain.memory.auto.predicted`). ``predict(memory_node)`` predicts the
+        configured run with that ``memory:`` node. Raises :class:`NoPlanFits`."""
+        target = device.type
+        if self.budget_gb is not None:
+            usable = usable_bytes(self.budget_gb, target)
+            source = f"memory.budget_gb={self.budget_gb:g}"
+        else:  # CUDA, no budget: a share of what the allocator can still get, weights included
+            usable = self.free_frac * (device_free_bytes(device) + torch.cuda.memory_allocated(device))
+            source = f"memory.free_frac={self.free_frac} x free device memory"
+        self.options.sbp_checkpoint_error = self._sbp_checkpoint_error()
+        assert self.backbone is not None, "prepare(backbone) comes first (VideoClassifier does it)"
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.backbone.modules())
+        self.candidates = predicted_candidates(num_frames, has_bn, self.checkpoint_fracs, self.options,
+                                               self.lower_set_cap)
+        memories: dict[str, StepMemory] = {}
+
+        def run(c: Candidate) -> None:
+            try:
+                memories[c.name] = mem = predict(memory_node(c))
+            except Exception as err:  # one candidate's failure must not stop the decision
+                text = str(err).splitlines()[0][:300]
+                infeasible = text.startswith(InfeasibleBudget.__name__ + ": ")
+                c.skip = (f"{INFEASIBLE} ({text.split(': ', 1)[1]})" if infeasible
+                          else f"its prediction failed: {text}")
+                if not infeasible:
+                    log.warning("memory=auto: %s: %s", c.name, c.skip)
+                return
+            c.predicted_peak = max(mem.train_peak, mem.eval_peak or 0) - base
+            c.extra.update({"predicted_train_peak_gb": round(mem.train_peak / GIB, 3),
+                            "predicted_eval_peak_gb": round((mem.eval_peak or 0) / GIB, 3)})
+
+        e2e = self.candidates[0]
+        base = 0.0
+        run(e2e)  # what e2e holds between steps (weights, gradients, optimizer state) sets the scale
+        if e2e.name in memories:
+            held = memories[e2e.name]
+            base = held.held - held.batch
+            e2e.predicted_peak = max(held.train_peak, held.eval_peak or 0) - base
+        # the trainer's scale: a step's peak over what is held between steps
+        self.budget = usable / (1 + UNSEEN_FRAC) - base
+        self.budget_source = (
+            f"{source}: {usable / GIB:.2f} GiB for the allocator"
+            + (" (less 0.5 GiB of CUDA context)" if self.budget_gb is not None and target == "cuda" else "")
+            + f", less {UNSEEN_FRAC:.0%} for workspaces and fragmentation, less {base / GIB:.2f} GiB "
+            "held between steps (weights, gradients, optimizer state), predicted on fake tensors")
+        self.mode = "predicted"
+
+        def advice(peak: float) -> str:  # the memory.budget_gb that would hold a peak
+            context_gb = self.budget_gb - usable / GIB if self.budget_gb is not None else 0.0
+            need_gb = (peak + base) * (1 + UNSEEN_FRAC) / GIB + context_gb
+            return f"set memory.budget_gb={math.ceil(need_gb * 10) / 10:.1f} or more"
+
+        chosen = choose_predicted(self.candidates, self.budget, run, self.max_profiles, advice=advice)
+        self._predict = run
+        self.chosen, self.reason = chosen, reason(chosen, self.candidates, self.budget)
+        self._activate(chosen)
+        log.info("memory=auto decision from predictions (%s):\n%s\nchosen: %s", self.budget_source,
                  render_table(self.candidates, self.budget, chosen), self.reason)
         return self.plan_report()
 
@@ -283,7 +369,9 @@ class AutoStrategy:
                      _fmt(active.predicted_peak), _fmt(active.measured_peak), self.budget / MB)
         if peak <= self.budget * (1 + self.recheck_tolerance):
             return
-        nxt = self.next_plan(shift=max(peak - predicted, 0.0))
+        shift = max(peak - predicted, 0.0)
+        nxt = self._next_predicted(shift) if self._predict is not None else None
+        nxt = nxt or self.next_plan(shift=shift)
         record = {"step": step, "from": active.name, "measured_peak_mb": peak_mb,
                   "predicted_peak_mb": predicted / MB, "budget_mb": self.budget / MB,
                   "to": nxt.name if nxt else None,
@@ -298,6 +386,22 @@ class AutoStrategy:
                     "stepping down to %s (predicted %.1f MB)", step, peak_mb, self.budget / MB,
                     predicted / MB, active.name, nxt.name, nxt.peak / MB)
         self._activate(nxt)
+
+    def _next_predicted(self, shift: float) -> Candidate | None:
+        """Predicted mode: the walk again over the plans ranked after the active one, predicting
+        those it reaches, for the budget less the active plan's misprediction ``shift``."""
+        assert self.active is not None and self.budget is not None and self._predict is not None
+        order = ranked(self.candidates)
+        rest = order[order.index(self.active) + 1:] if self.active in order else order
+        for c in rest:
+            if c.note.startswith("not needed"):
+                c.note = ""
+        log.info("memory=auto: predicting the plans after %s for %.1f MB (the budget less its "
+                 "misprediction)", self.active.name, (self.budget - shift) / MB)
+        try:
+            return choose_predicted(rest, self.budget - shift, self._predict, self.max_profiles)
+        except NoPlanFits:
+            return None
 
     def next_plan(self, shift: float = 0.0) -> Candidate | None:
         """The next plan in the ranking with a smaller known peak that fits the budget when its
@@ -349,6 +453,7 @@ class AutoStrategy:
         return {
             "budget_mb": self.budget / MB,
             "budget_source": self.budget_source,
+            "mode": self.mode,
             "chosen": self.chosen.name,
             "reason": self.reason,
             "active": self.active.name if self.active else None,
