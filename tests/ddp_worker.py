@@ -6,6 +6,8 @@ importing torch) is paid once:
 * ``sbp_a``: SBP, uninterrupted;
 * ``sbp_b``: the same run, crashed on every rank at ``crash_at_step`` (after a checkpoint at
   an earlier step), then ``run.train`` again in the same directory: it must resume;
+* ``sbp_c``: the same run, with a SIGTERM to rank 1 only during step ``crash_at_step``: every
+  rank must stop after that step (``Preempted``), then resume;
 * one short run per extra strategy in ``strategies`` (DDP must work with each).
 
 Rank 0 writes ``checks.json`` into ``out``: per run, every rank's strategy rank and last mask.
@@ -15,6 +17,8 @@ Usage: ``torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py SPEC_JSON`
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import videotrain.build as builder
 import videotrain.run as run
 from videotrain.engine import distributed
 from videotrain.engine.distributed import Comm
+from videotrain.engine.preempt import Preempted
 from videotrain.engine.trainer import Trainer
 
 LAST_TRAINER: list[Trainer] = []
@@ -87,6 +92,20 @@ def main() -> None:
     run.train(compose_cfg(sbp), out / "sbp_b")
     checks["sbp_b"] = strategy_probe(comm)
 
+    def term_rank1(self):
+        if self.state.step == crash_at - 1 and ctx.rank == 1:  # one rank gets the signal
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self)
+
+    Trainer._optimizer_step = term_rank1
+    try:
+        run.train(compose_cfg(sbp), out / "sbp_c")
+        raise AssertionError("the SIGTERM did not stop training")
+    except Preempted as stopped:
+        preempted = comm.all_gather(stopped.step)  # the step each rank stopped after
+    Trainer._optimizer_step = real_step
+    run.train(compose_cfg(sbp), out / "sbp_c")
+
     for name, overrides in spec["strategies"].items():
         run.train(compose_cfg(merge(base, overrides)), out / name)
         checks[name] = strategy_probe(comm)
@@ -96,7 +115,8 @@ def main() -> None:
     reduced = {op: comm.reduce(values, op) for op in ("mean", "max")}
     if ctx.is_main:
         (out / "checks.json").write_text(json.dumps(
-            {"runs": checks, "crashed_ckpt": crashed_ckpt, "reduced": reduced}))
+            {"runs": checks, "crashed_ckpt": crashed_ckpt, "reduced": reduced,
+             "preempted": preempted}))
     comm.barrier()
     if owns:
         distributed.shutdown()

@@ -71,10 +71,32 @@ def test_default_suite_rows() -> None:
         "resnet18/sbp-block-0.25", "resnet18/frame_dropout-0.5", "resnet18/frame_dropout-0.25",
         "vit_tiny/e2e", "vit_tiny/sbp-frame-0.5", "vit_tiny/sbp-block-0.5",
         "vit_tiny/sbp-block-0.25",
+        "timm:convnext_atto/e2e", "timm:convnext_atto/sbp-frame-0.5",
+        "timm:convnext_atto/checkpoint-optimal-b0.5",
+        "timm:vit_tiny_patch16_224/e2e", "timm:vit_tiny_patch16_224/sbp-frame-0.5",
+        "timm:vit_tiny_patch16_224/checkpoint-optimal-b0.5",
     ]
     spec = resolve([row("resnet18", "sbp", 0.5, "block")], ["device=cpu"], [])[1]
     assert spec["overrides"] == ["device=cpu", "model/backbone=resnet18", "memory=sbp",
                                  "memory.keep_ratio=0.5", "memory.granularity=block"]
+
+
+def test_timm_rows_compose_and_build() -> None:
+    """The default suite's timm rows (model/backbone=timm) compose and their models build at
+    the bench's setting (not run: the suite is slow)."""
+    from videotrain.bench.cli import suite_specs
+    from videotrain.build import build_model, compose_cfg
+
+    specs = [s for s in suite_specs("default", "cpu") if s["backbone"].startswith("timm:")]
+    assert len(specs) == 6
+    for spec in specs:
+        cfg = compose_cfg(spec["overrides"])
+        assert cfg.model.backbone.name == spec["backbone"].split(":", 1)[1]
+        model = build_model(cfg, num_classes=4)
+        assert model.strategy.name == spec["strategy"]
+    # moved to another backbone, a timm row drops its model.backbone.name
+    moved = resolve(SUITES["default"], [], ["model/backbone=resnet10"])
+    assert not any("model.backbone.name" in o for s in moved for o in s["overrides"])
 
 
 def test_resolve_overrides_filter_and_reference() -> None:
@@ -404,7 +426,7 @@ def test_time_budget_caps_and_skips_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(cli, "run_child", fake_child)
     quiet = dict(TINY, log=lambda *a, **k: None)
     rows, meta, _ = run_bench(only=["sbp-frame-0.5"], time_budget=100, timeout=1800, **quiet)
-    assert len(timeouts) == 4 and all(t <= 100 for t in timeouts)  # 2 backbones x (e2e, sbp)
+    assert len(timeouts) == 8 and all(t <= 100 for t in timeouts)  # 4 backbones x (e2e, sbp)
     assert meta["setting"]["time_budget"] == 100
     timeouts.clear()
     rows, _, _ = run_bench(only=["sbp-frame-0.5"], time_budget=5, **quiet)

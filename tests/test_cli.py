@@ -69,7 +69,7 @@ def test_cli_bad_value_fails_naming_it(run_cli, run_overrides, tmp_path: Path) -
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("trainer.precision=64", "trainer.precision must be one of 32, bf16, 16; got 64"),
+        ("trainer.precision=64", "trainer.precision must be one of 32, bf16, 16; got '64'"),
         ("trainer.precision=16", "trainer.precision=16 needs CUDA"),
         ("optim.name=foo", "optim.name must be 'adamw' or 'sgd', got 'foo'"),
         ("trainer.grad_accum=0", "trainer.grad_accum must be >= 1"),

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import videotrain.build as builder
 from videotrain.data.loaders import READER_OPTIONS, build_data
+from videotrain.engine.inference import ExportSettings, PredictSettings
 from videotrain.engine.optim import build_optimizer, warmup_cosine
 from videotrain.engine.precision import Precision
 from videotrain.engine.trainer import TrainerSettings, plan_steps
@@ -163,6 +164,18 @@ def test_trainer_keys_are_trainer_settings(compose_cfg, option: str) -> None:
     fields = {f.name for f in dataclasses.fields(TrainerSettings)} - {"max_bad_fraction"}
     run_level = {"precision", "sync_bn"}  # read by run.train, not by the loop
     assert keys == fields | run_level, keys ^ (fields | run_level)
+
+
+APP_SETTINGS = [("predict", PredictSettings), ("export", ExportSettings)]
+
+
+@pytest.mark.parametrize("group,settings", APP_SETTINGS, ids=[g for g, _ in APP_SETTINGS])
+def test_app_keys_are_their_settings(compose_cfg, group: str, settings: type) -> None:
+    """``python -m videotrain.predict`` / ``.export`` read their group into a settings class."""
+    for option in GROUPS[group]:
+        node = compose_cfg([f"{group}={option}"])[group]
+        assert set(node) == {f.name for f in dataclasses.fields(settings)}
+        settings(**OmegaConf.to_container(node, resolve=True))
 
 
 @pytest.mark.parametrize("option", GROUPS["optim"])

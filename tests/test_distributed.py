@@ -1,4 +1,5 @@
-"""DDP on the CPU (gloo) through torchrun: the CLI on two ranks, exact resume, every strategy.
+"""DDP on the CPU (gloo) through torchrun: the CLI on two ranks, exact resume (after a crash
+and after a SIGTERM to one rank), the world-size policy on resume, every strategy.
 
 Each test starts one ``torchrun --standalone --nproc_per_node=2`` (the process start-up is most
 of the cost), on the tiny session dataset with a tiny model.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import videotrain.run as run
 from videotrain.engine.distributed import DistContext
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +77,7 @@ STRATEGIES = {
 }
 
 
-def test_ddp_resume_and_every_strategy(run_overrides, tmp_path: Path) -> None:
+def test_ddp_resume_and_every_strategy(run_overrides, compose_cfg, tmp_path: Path) -> None:
     spec = {"out": str(tmp_path), "overrides": [*run_overrides(), *DDP_RUN],
             "sbp_overrides": SBP, "crash_at_step": 3, "strategies": STRATEGIES}
     done = torchrun([str(ROOT / "tests" / "ddp_worker.py"), json.dumps(spec)], cwd=tmp_path)
@@ -97,6 +99,26 @@ def test_ddp_resume_and_every_strategy(run_overrides, tmp_path: Path) -> None:
     for key in ("val_top1", "val_loss", "steps"):
         assert res_b[key] == pytest.approx(res_a[key], rel=1e-5), key
     assert res_a["param_digests"] == res_b["param_digests"]  # the very same weights
+
+    # a SIGTERM to rank 1 alone: both ranks stopped after the same step, then resumed exactly
+    assert checks["preempted"] == [3, 3]
+    c = read_rows(tmp_path / "sbp_c")
+    assert [(r["step"], r["train_loss"]) for r in c if "train_loss" in r] == loss_a
+    res_c = json.loads((tmp_path / "sbp_c" / "results.json").read_text())
+    assert res_c["param_digests"] == res_a["param_digests"]
+
+    # the world-size policy on files written by two ranks: one process may not resume them
+    base = [*run_overrides(), *DDP_RUN]
+    sbp_cfg = compose_cfg([o for o in base if not o.startswith(("model/backbone=", "model.backbone."))]
+                          + SBP)
+    from videotrain.engine.trainer import ResumeRefused
+
+    with pytest.raises(ResumeRefused, match=r"world_size \(DDP processes\): 2 -> 1"):
+        run.train(sbp_cfg, tmp_path / "sbp_a")  # an epoch-end checkpoint: like a config change
+    (tmp_path / "sbp_a" / "checkpoints" / "step-00000004.ckpt").unlink()  # newest: mid-epoch
+    sbp_cfg.trainer.resume = "force"
+    with pytest.raises(ResumeRefused, match=r"written mid-epoch by 2 process\(es\), and this run has 1"):
+        run.train(sbp_cfg, tmp_path / "sbp_a")
 
     # masks: the rank enters the seed (ranks differ), and the resumed stream is the same
     runs = checks["runs"]
@@ -200,3 +222,33 @@ def test_device_under_ddp_names_the_key() -> None:
     with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
         builder.resolve_device("tpu")
     assert builder.resolve_device("cpu", DistContext(rank=1, world_size=2)).type == "cpu"
+
+
+def test_ddp_sharded_test_after_fit_and_a_hung_rank(run_overrides, compose_cfg, tmp_path: Path) -> None:
+    """Under torchrun, trainer.test_after_fit runs the multi-view test sharded over the ranks
+    (the same figures as one process); a rank whose decoding hangs fails every rank within
+    data.worker_timeout plus the collective margin, naming it (tests/ddp_cluster_worker.py)."""
+    base = [*run_overrides(), "data.batch_size=2", "trainer.max_steps=2"]
+    sharded = ["trainer.test_after_fit=true", "eval.clips=2", "eval.crops=1"]
+    timeout = 4
+    spec = {"out": str(tmp_path), "overrides": base, "sharded": sharded, "hang_s": 60,
+            "hung": ["data.num_workers=1", f"data.worker_timeout={timeout}"]}
+    done = torchrun([str(ROOT / "tests" / "ddp_cluster_worker.py"), json.dumps(spec)], cwd=tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+    tests = [json.loads((tmp_path / f"sharded_rank{r}.json").read_text()) for r in (0, 1)]
+    assert tests[0] == tests[1]  # reduced: every rank has the whole test's figures
+    assert (tmp_path / "sharded" / "eval.json").exists()
+    from videotrain.eval import evaluate_checkpoint
+
+    ckpt = tmp_path / "sharded" / "checkpoints" / "last.ckpt"
+    single = evaluate_checkpoint(compose_cfg([*base, *sharded, f"checkpoint={ckpt}"]), tmp_path / "one")
+    assert tests[0]["videos"] == single["videos"] > 0  # every video once over the two shards
+    for key in ("video_top1", "video_top5", "clip_top1", "mean_class_acc"):
+        assert tests[0][key] == pytest.approx(single[key], abs=1e-6), key
+
+    hung = [json.loads((tmp_path / f"hung_rank{r}.json").read_text()) for r in (0, 1)]
+    for r, got in enumerate(hung):
+        assert got["error"] and "rank 1" in got["error"], (r, got)
+        assert got["seconds"] < timeout + 10 + 30, (r, got)  # timeout + margin + start-up
+    assert "data.worker_timeout" in hung[1]["error"]

@@ -244,3 +244,31 @@ def test_eval_keys_are_eval_settings(compose_cfg) -> None:
     assert set(cfg.eval) == {f.name for f in dataclasses.fields(EvalSettings)}
     assert (cfg.eval.clips, cfg.eval.crops, cfg.eval.aggregate) == (10, 3, "mean")  # Kinetics
     assert cfg.checkpoint is None and cfg.trainer.test_after_fit is False
+
+
+class CreatesAFile:
+    """Unpickling this calls ``open(path, "w")``: what a malicious checkpoint could do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_eval_cli_refuses_an_unsafe_checkpoint(tmp_path: Path) -> None:
+    """``python -m videotrain.eval`` reads checkpoints with torch.load(weights_only=True), first
+    thing: a file whose unpickling would run code is refused, naming the file, and its code
+    never runs."""
+    marker = tmp_path / "created-by-unpickling"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"model": {}, "payload": CreatesAFile(marker)}, evil)
+    cmd = [sys.executable, "-m", "videotrain.eval", f"checkpoint={evil}",
+           f"hydra.run.dir={tmp_path / 'out'}", "trainer.progress=false", "device=cpu"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=os.environ.copy(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert (f"{evil} is not a safe videotrain checkpoint: it needs arbitrary unpickling "
+            "(Unsupported global: GLOBAL io.open") in done.stderr
+    assert "refusing to load it" in done.stderr
+    assert not marker.exists()

@@ -16,17 +16,31 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from videotrain.build import CONFIG_DIR
+from videotrain.build import CONFIG_DIR, clean_errors, validate
 from videotrain.engine import distributed
 from videotrain.run import train
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
-    results = train(cfg, HydraConfig.get().runtime.output_dir)
+    with clean_errors():
+        check_sweep_mode()
+        results = train(validate(cfg), HydraConfig.get().runtime.output_dir)
     return results["val_top1"]
+
+
+def check_sweep_mode() -> None:
+    """A ``+sweep=NAME`` preset only sets the multirun sweeper's parameters: without ``-m`` it
+    would silently train one run. Say so instead."""
+    hc = HydraConfig.get()
+    sweep = hc.runtime.choices.get("sweep")
+    if sweep and hc.mode == RunMode.RUN:
+        params = ", ".join(f"{k}={v}" for k, v in hc.sweeper.get("params", {}).items())
+        raise ValueError(f"+sweep={sweep} sweeps {params or 'its parameters'}: a sweep needs -m "
+                         f"(--multirun), e.g. python -m videotrain -m +sweep={sweep}")
 
 
 def worker_overrides(args: list[str]) -> list[str]:

@@ -12,10 +12,14 @@ root config's ``hydra.run.dir`` / ``hydra.sweep.subdir`` use.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import random
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from videotrain import schema
 from videotrain.data.loaders import DataBundle, build_data
 from videotrain.engine import distributed
 from videotrain.engine.distributed import SINGLE_PROCESS, DistContext
@@ -35,6 +40,7 @@ from videotrain.engine.precision import Precision
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.base import SelfPlanning
 from videotrain.models.video import VideoClassifier
+from videotrain.models.weights import load_backbone_weights
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +69,66 @@ def job_dirname(overrides: str, limit: int = 160) -> str:
     return f"{name[:limit - 11]}~{digest}"
 
 
+_claimed: dict[str, str] = {}
+
+
+def unique_dir(path: str) -> str:
+    """``${unique_dir:PATH}`` in ``hydra.run.dir``: ``PATH``, or ``PATH-1``, ``PATH-2``, ... the
+    first that this run creates itself (``os.mkdir`` is atomic: of two runs that start in the
+    same second, one gets ``PATH`` and the other ``PATH-1``). Claimed once per process; under
+    DDP rank 0 claims and the other ranks take its answer."""
+    if path not in _claimed:
+        def claim() -> str:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            for i in itertools.count():
+                candidate = path if i == 0 else f"{path}-{i}"
+                try:
+                    os.mkdir(candidate)
+                    return candidate
+                except FileExistsError:
+                    continue
+            raise AssertionError("unreachable")
+
+        _claimed[path] = distributed.from_main_process(claim)
+    return _claimed[path]
+
+
 # `${launch_time:%H-%M-%S}` in hydra.run.dir / hydra.sweep.dir: Hydra's `${now:...}`, except
 # that all DDP ranks agree on it (rank 0's clock), so they share one output directory.
 OmegaConf.register_new_resolver("launch_time", distributed.launch_time, use_cache=True, replace=True)
 OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)
+OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True, replace=True)
+schema.register()  # the structured configs every YAML group composes onto
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Reject keys no schema has (``+trainer.max_epoch=3``), naming the nearest valid one; the
+    types were checked while composing. Every app calls it on the config it runs."""
+    schema.check_keys(cfg)
+    return cfg
+
+
+@contextlib.contextmanager
+def clean_errors() -> Iterator[None]:
+    """A wrong value (a ``ValueError``: bad config values and keys, a budget no plan fits, too
+    many bad videos) ends the app with its message as the first line of stderr and exit status
+    2, not a traceback; ``HYDRA_FULL_ERROR=1`` shows the traceback."""
+    try:
+        yield
+    except ValueError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        kind = "" if type(err) is ValueError else f"{type(err).__name__}: "
+        logging.getLogger("videotrain").error("%s%s", kind, err)
+        print(f"error: {kind}{err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:
-    """The root config with ``overrides``, composed outside a Hydra app (plan, bench)."""
+    """The root config with ``overrides``, composed outside a Hydra app (plan, bench) and
+    validated."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return validate(compose(config_name="config", overrides=list(overrides)))
 
 
 def group_choices(overrides: list[str]) -> dict[str, str]:
@@ -101,12 +157,18 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
 
 
 def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False) -> VideoClassifier:
-    """Backbone (``model/backbone``), head (``model/head``) and strategy (``memory``).
+    """Backbone (``model/backbone``, with ``model.pretrained`` or ``model.pretrained_path``
+    weights), head (``model/head``) and strategy (``memory``).
 
     ``sync_bn`` converts BatchNorm layers to SyncBatchNorm *before* the strategy prepares the
     backbone, so that wrappers the strategy installs (checkpointed blocks) see the final layers.
     """
+    if cfg.model.get("pretrained_path") and cfg.model.get("pretrained"):
+        raise ValueError("set at most one of model.pretrained (download) and "
+                         "model.pretrained_path (a local file)")
     backbone = instantiate(cfg.model.backbone, pretrained=cfg.model.get("pretrained"))
+    if cfg.model.get("pretrained_path"):  # local image weights (offline); see models/weights.py
+        load_backbone_weights(backbone, str(cfg.model.pretrained_path))
     head = instantiate(cfg.model.head, in_dim=backbone.feature_dim, num_classes=num_classes)
     if sync_bn:
         if cfg.memory.get("bn_policy") == "full_batch":
@@ -171,19 +233,22 @@ def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
     assert isinstance(d, dict)
     # every data key is a build_data argument (tests/test_configs.py checks it)
     return build_data(**{**d, "seed": cfg.seed, "rank": rank, "world_size": world_size,
-                         "pin_memory": device.type == "cuda", **extra})
+                         "pin_memory": device.type == "cuda",
+                         "shared": distributed.from_main_process if world_size > 1 else None, **extra})
 
 
 def eval_settings(cfg: DictConfig) -> EvalSettings:
     return EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
 
 
-def build_eval_data(cfg: DictConfig, device: torch.device) -> tuple[DataBundle, list[str]]:
-    """The configured dataset with ``eval.clips x eval.crops`` views per val video; training
-    files are not stat-ed (only the class list is read from the train annotations)."""
+def build_eval_data(cfg: DictConfig, device: torch.device,
+                    ctx: DistContext = SINGLE_PROCESS) -> tuple[DataBundle, list[str]]:
+    """The configured dataset with ``eval.clips x eval.crops`` views per val video, the val
+    videos sharded over ``ctx``'s ranks; training files are not stat-ed (only the class list is
+    read from the train annotations)."""
     s = eval_settings(cfg)
-    return build_data_from_cfg(cfg, device, val_clips=s.clips, val_crops=s.crops,
-                               val_batch_size=s.batch_size, preflight_train=False)
+    return build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size, val_clips=s.clips,
+                               val_crops=s.crops, val_batch_size=s.batch_size, preflight_train=False)
 
 
 def global_batch_size(cfg: DictConfig, world_size: int = 1) -> int:
@@ -214,4 +279,5 @@ def trainer_settings(cfg: DictConfig) -> TrainerSettings:
         log_every_n_steps=t.log_every_n_steps, checkpoint_every_n_steps=t.checkpoint_every_n_steps,
         val_every_n_epochs=t.val_every_n_epochs, max_bad_fraction=cfg.data.max_bad_fraction,
         progress=t.progress, test_after_fit=t.test_after_fit, cpu_metered_steps=t.cpu_metered_steps,
+        keep_last_k=t.keep_last_k, resume=t.resume,
     )

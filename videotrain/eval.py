@@ -10,6 +10,9 @@ Which model: when the checkpoint sits in a training run's folder (``RUN/checkpoi
 run's ``config.yaml`` is the base and only the overrides given to this command replace parts
 of it, so ``checkpoint=PATH`` alone evaluates what was trained (on its own val split).
 Otherwise the config is composed as usual and must describe the trained model.
+
+The file is read with ``torch.load(weights_only=True)`` (``videotrain.engine.checkpoint.load``)
+before anything else: a file that needs arbitrary unpickling is refused, and nothing in it runs.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from videotrain.build import (
     build_eval_data,
     build_model,
     build_precision,
+    clean_errors,
     eval_settings,
     resolve_device,
+    validate,
 )
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.evaluate import multi_view_test
@@ -68,12 +73,17 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     path = Path(str(cfg.checkpoint)).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint: file not found: {path}")
+    # first, before any data is read: torch.load(weights_only=True), so a file that needs
+    # arbitrary unpickling is refused (UnsafeCheckpointError) and nothing in it runs
+    state = ckpt.load(path, map_location="cpu")
     device = resolve_device(cfg.device)
     precision = build_precision(cfg, device)
     settings = eval_settings(cfg)  # bad eval.* values fail before any data is read
     data, bad = build_eval_data(cfg, device)
     model = build_model(cfg, data.num_classes)
-    state = ckpt.load(path, map_location="cpu")
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict or "
+                         "a videotrain checkpoint")
     peaks = state.get("peaks") or []  # the training steps' measured peaks (MB)
     if peaks:  # eval.frame_chunk=auto: stay within what training needed
         model.eval_memory_budget = max(peaks[1:] or peaks) * 2**20
@@ -91,6 +101,11 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
+    with clean_errors():
+        return _main(validate(cfg))
+
+
+def _main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     if cfg.get("checkpoint"):
         saved = find_run_config(Path(str(cfg.checkpoint)).expanduser())

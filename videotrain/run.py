@@ -50,9 +50,33 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     ctx, owns_group = distributed.init_from_env()
     try:
         return _train(cfg, Path(out_dir), ctx)
+    except Exception as err:
+        if not ctx.enabled:
+            raise
+        named = name_the_rank(err, ctx, float(cfg.data.worker_timeout))
+        if named is err:
+            raise
+        raise named from err
     finally:
         if owns_group:
             distributed.shutdown()
+
+
+def name_the_rank(err: Exception, ctx: DistContext, worker_timeout: float) -> Exception:
+    """Under DDP, say which rank failed: this rank's error goes into the process group's store,
+    and a rank that gave up waiting in a collective names the ranks that reported a failure.
+    A data-loader timeout becomes a message naming the rank and ``data.worker_timeout``."""
+    mine = f"rank {ctx.rank}: {type(err).__name__}: {err}".splitlines()[0]
+    if isinstance(err, RuntimeError) and "DataLoader timed out" in str(err):
+        mine = (f"rank {ctx.rank}: no batch from its data-loader workers within "
+                f"data.worker_timeout={worker_timeout:g} s (a video decode hangs, or the storage "
+                f"stalls): {err}")
+    distributed.report_failure(ctx.rank, mine)
+    peers = distributed.failed_peers(ctx.world_size, ctx.rank)
+    if peers:
+        failed = "; ".join(f"rank {r} failed ({m})" for r, m in sorted(peers.items()))
+        return RuntimeError(f"rank {ctx.rank} stopped because {failed}; its own error: {err}")
+    return RuntimeError(mine) if mine.startswith(f"rank {ctx.rank}: no batch") else err
 
 
 def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
@@ -68,23 +92,31 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     plan_memory(cfg, model, precision, device, data.num_classes)  # memory=auto: fails here, before training
     optimizer = optimizer_from_cfg(cfg, model, ctx.world_size)
     model = wrap_ddp(model, device, ctx)  # broadcasts rank 0's parameters and buffers
+    wait = float(cfg.data.worker_timeout)
+    if ctx.enabled and wait > 0:  # a rank whose batch never comes fails every rank, not hangs it
+        distributed.set_collective_timeout(wait + max(10.0, 0.1 * wait))
     if ctx.enabled:  # from here on, ranks draw different dropout masks (reproducibly)
         seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
     runtime = {"world_size": ctx.world_size, "global_batch_size": global_batch, "lr": lr}
+    config = OmegaConf.to_container(cfg, resolve=True)  # recorded in checkpoints, guards resume
+    if cfg.sched.name != "cosine":
+        raise ValueError(f"sched.name must be 'cosine', got {cfg.sched.name!r}")
+    _, total_steps = plan_steps(len(data.train), settings)
+    scheduler = warmup_cosine(optimizer, total_steps, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio)
+    trainer = Trainer(model, optimizer, scheduler, data, precision, settings, out_dir,
+                      MetricsLogger(out_dir, enabled=False), device, comm=comm, preflight_bad=bad,
+                      config=config)
+    # resume (or refuse to) before anything of this run is written: a refused resume leaves the
+    # run's config.yaml, metrics.jsonl and wandb run as they were
+    trainer.maybe_resume()
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     logger = MetricsLogger(out_dir, enabled=ctx.is_main, wandb_mode=cfg.logger.wandb.mode,
                            wandb_project=cfg.logger.wandb.project, run_name=out_dir.name,
-                           config={**OmegaConf.to_container(cfg, resolve=True), "runtime": runtime})
+                           config={**config, "runtime": runtime})
+    trainer.logger = logger
     try:
-        if cfg.sched.name != "cosine":
-            raise ValueError(f"sched.name must be 'cosine', got {cfg.sched.name!r}")
-        _, total_steps = plan_steps(len(data.train), settings)
-        scheduler = warmup_cosine(optimizer, total_steps, cfg.sched.warmup_steps,
-                                  cfg.sched.min_lr_ratio)
-        trainer = Trainer(model, optimizer, scheduler, data, precision, settings, out_dir, logger,
-                          device, comm=comm, preflight_bad=bad)
         if ctx.is_main:
             log.info("training %s on %s x %d process(es): %d steps (%d per epoch), global batch %d "
                      "(%d per process x %d accumulated x %d), lr %g (optim.lr_scaling=%s), output in %s",
@@ -101,12 +133,9 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
             log.error("DDP replicas ended with different parameters: %s", digests)
         if isinstance(trainer.strategy, SelfPlanning):
             results["memory_plan"] = trainer.strategy.plan_report()
-        if settings.test_after_fit and ctx.enabled:
-            log.warning("trainer.test_after_fit runs in single-process runs only; evaluate this "
-                        "run with: python -m videotrain.eval checkpoint=%s",
-                        trainer.ckpt_dir / "last.ckpt")
-        elif settings.test_after_fit:  # the paper-style evaluation: eval.clips x eval.crops views
-            test_data, test_bad = build_eval_data(cfg, device)
+        if settings.test_after_fit:  # the paper-style evaluation: eval.clips x eval.crops views
+            # under DDP each rank tests its shard of the videos; the counts are reduced
+            test_data, test_bad = build_eval_data(cfg, device, ctx)
             test = multi_view_test(
                 trainer.module, test_data, test_bad, eval_settings(cfg), precision, device, out_dir,
                 max_bad_fraction=float(cfg.data.max_bad_fraction), progress=settings.progress,

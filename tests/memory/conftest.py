@@ -28,7 +28,30 @@ def tiny_vit() -> FrameBackbone:
     return vit(image_size=PX, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64)
 
 
-BACKBONES: dict[str, Callable[[], FrameBackbone]] = {"resnet": tiny_resnet, "vit": tiny_vit}
+# timm models at tiny widths (the real model names, shrunk through timm.create_model's kwargs):
+# a ResNet (BatchNorm), a ConvNeXt (LayerNorm2d, depthwise convs) and a ViT (patch 16: 2x2 tokens)
+TIMM_TINY: dict[str, tuple[str, dict]] = {
+    "timm_resnet": ("resnet10t", {"channels": (8, 16, 32, 64), "stem_width": 8,
+                                  "zero_init_last": False}),  # BN weight 0 would hide the branch
+    "timm_convnext": ("convnext_atto", {"dims": (8, 16, 32, 64), "depths": (1, 1, 1, 1),
+                                      "ls_init_value": 1.0}),  # 1e-6 would hide the branch
+    "timm_vit": ("vit_tiny_patch16_224", {"depth": 2, "embed_dim": 32, "num_heads": 2}),
+}
+TIMM = tuple(TIMM_TINY)  # the names, for parametrizations
+
+
+def tiny_timm(key: str) -> FrameBackbone:
+    from videotrain.models.timm_backbone import timm_backbone
+
+    torch.manual_seed(0)
+    name, kwargs = TIMM_TINY[key]
+    return timm_backbone(name, kwargs=kwargs)
+
+
+BACKBONES: dict[str, Callable[[], FrameBackbone]] = {
+    "resnet": tiny_resnet, "vit": tiny_vit,
+    **{key: (lambda key=key: tiny_timm(key)) for key in TIMM_TINY},
+}
 
 
 def make_head(dim: int, kind: str = "tconv") -> nn.Module:

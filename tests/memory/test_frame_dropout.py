@@ -11,12 +11,14 @@ from videotrain.memory import FrameDropout, encode_all_frames
 from videotrain.memory.frame_dropout import gather_frames
 from videotrain.memory.sampling import keep_mask
 
+BACKBONES = ["resnet", "vit", "timm_resnet", "timm_convnext", "timm_vit"]
+
 
 def fd(**kw) -> FrameDropout:
     return FrameDropout(**{"keep_ratio": 0.5, "seed": 0, "rank": 0, **kw})
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("backbone", BACKBONES)
 def test_keep_ratio_one_reproduces_e2e_exactly(kit, backbone: str) -> None:
     ref, model = kit.model_pair(backbone, fd(keep_ratio=1.0))
     x = kit.video()
@@ -25,7 +27,7 @@ def test_keep_ratio_one_reproduces_e2e_exactly(kit, backbone: str) -> None:
     kit.assert_close_dicts(kit.bn_buffers(ref), kit.bn_buffers(model), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("backbone", BACKBONES)
 @pytest.mark.parametrize("keep_ratio", [0.3, 0.75])
 def test_kept_frames_only_with_true_positions(kit, backbone: str, keep_ratio: float) -> None:
     strategy = fd(keep_ratio=keep_ratio, sampler="uniform_jitter")

@@ -102,7 +102,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
         color = f"C{i % 10}"
         style = dict(color=color, label=label, marker="*" if rs[0]["strategy"] == "e2e" else "o",
                      markersize=11 if rs[0]["strategy"] == "e2e" else 6,
-                     linestyle="--" if rs[0]["backbone"].startswith("vit") else "-")
+                     linestyle="--" if "vit" in rs[0]["backbone"] else "-")
         keeps = [r["keep_ratio"] for r in rs]
         axes[0].plot(keeps, [r["mem_ratio"] for r in rs], **style)
         if rs[0].get("time_ratio") is not None:

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 R18, R50, VIT = "resnet18", "resnet50", "vit_tiny"
+# timm models are backbones "timm:NAME": model/backbone=timm model.backbone.name=NAME
+TIMM_PREFIX = "timm:"
+CONVNEXT, TIMM_VIT = f"{TIMM_PREFIX}convnext_atto", f"{TIMM_PREFIX}vit_tiny_patch16_224"
 
 # Fields every row carries, whatever its strategy (None where they do not apply).
 ROW_FIELDS = ("backbone", "strategy", "keep_ratio", "granularity", "policy")
@@ -56,7 +59,7 @@ def row(
     """A row spec. ``keep_ratio=None`` means "no such option" and is reported as 1.0 (every
     frame gets a backward), so e2e and checkpoint rows sit at keep ratio 1 in the plots."""
     memory = {"keep_ratio": keep_ratio, "granularity": granularity, "policy": policy, **options}
-    overrides = [f"model/backbone={backbone}", f"memory={strategy}"]
+    overrides = [*backbone_overrides(backbone), f"memory={strategy}"]
     overrides += [f"memory.{k}={v}" for k, v in memory.items() if v is not None]
     return {
         "backbone": backbone,
@@ -67,6 +70,14 @@ def row(
         **options,
         "overrides": overrides,
     }
+
+
+def backbone_overrides(backbone: str) -> list[str]:
+    """``resnet18`` -> ``model/backbone=resnet18``; ``timm:NAME`` -> ``model/backbone=timm
+    model.backbone.name=NAME``."""
+    if backbone.startswith(TIMM_PREFIX):
+        return ["model/backbone=timm", f"model.backbone.name={backbone[len(TIMM_PREFIX):]}"]
+    return [f"model/backbone={backbone}"]
 
 
 def _sbp(backbone: str, granularity: str, ratios: tuple[float, ...]) -> list[dict[str, Any]]:
@@ -82,10 +93,19 @@ SBP_ROWS = [
     *_sbp(VIT, "block", (0.5, 0.25)),
 ]
 
+# timm backbones (model/backbone=timm): a ConvNeXt and a ViT, e2e against frame-level SBP and
+# the optimal recomputation plan at half the e2e estimate
+TIMM_ROWS = [
+    r for b in (CONVNEXT, TIMM_VIT) for r in (
+        row(b, "e2e"), row(b, "sbp", 0.5, "frame"),
+        row(b, "checkpoint", policy="optimal", budget_frac=0.5))
+]
+
 DEFAULT_ROWS = [
     *SBP_ROWS[:7],
     *(row(R18, "frame_dropout", r) for r in (0.5, 0.25)),
     *SBP_ROWS[7:],
+    *TIMM_ROWS,
 ]
 
 # Recomputation (design §2 "checkpoint"), its composition with SBP, and torch.compile's
@@ -184,6 +204,14 @@ def _value(overrides: list[str], key: str) -> str | None:
     return None
 
 
+def backbone_of(overrides: list[str]) -> str | None:
+    """The backbone the overrides choose, as ``row`` names it (``timm:NAME`` for timm)."""
+    group = _value(overrides, "model/backbone")
+    if group == "timm":
+        return TIMM_PREFIX + (_value(overrides, "model.backbone.name") or "resnet18")  # timm.yaml's
+    return group
+
+
 def row_name(spec: dict[str, Any]) -> str:
     """``resnet18/sbp-frame-0.5``, ``vit_tiny/e2e``, ``resnet18/checkpoint-optimal-b0.5``."""
     parts = [spec["strategy"]]
@@ -211,12 +239,14 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
     seen: set[tuple[str, ...]] = set()
     for spec in rows:
         ovs = merge_overrides(base, spec["overrides"], extra)
+        if _value(ovs, "model/backbone") != "timm":  # a timm row moved to another backbone
+            ovs = [o for o in ovs if override_key(o) != "model.backbone.name" or o in extra]
         key = (*sorted(ovs), *(f"{k}={spec.get(k)}" for k in CHILD_KEYS))  # not overrides
         if key in seen:
             continue
         seen.add(key)
         spec = {**spec, "overrides": ovs}
-        spec["backbone"] = _value(ovs, "model/backbone") or spec["backbone"]
+        spec["backbone"] = backbone_of(ovs) or spec["backbone"]
         spec["strategy"] = _value(ovs, "memory") or spec["strategy"]
         for field in ("keep_ratio", "granularity", "policy"):
             v = _value(ovs, f"memory.{field}")

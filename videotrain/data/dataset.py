@@ -92,6 +92,16 @@ class VideoClipDataset(torch.utils.data.Dataset):
         finally:
             video.close()
 
+    def decode_views(self, path: str) -> torch.Tensor:
+        """The video at ``path`` as an item holds it: one clip ``(T, C, H, W)`` (training) or
+        the ``clips x crops`` views ``(V, T, C, H, W)`` (evaluation; ``videotrain.predict``
+        reads files this way). Raises ``BadVideo`` naming the file."""
+        views = [self.transform(c) for c in self._decode(path)]
+        if self.train:
+            return views[0]  # (T, C, H, W)
+        # each view is (crops, T, C, H, W) -> (clips * crops, T, C, H, W)
+        return torch.cat([v if v.dim() == 5 else v[None] for v in views])
+
     def _load(self, idx: int, seed: int) -> tuple[torch.Tensor, int]:
         path, info = self.index.paths[idx]
         state = random.getstate()
@@ -99,14 +109,9 @@ class VideoClipDataset(torch.utils.data.Dataset):
             random.seed(seed)
             torch.manual_seed(seed)
             try:
-                clips = self._decode(path)
-                views = [self.transform(c) for c in clips]
+                video = self.decode_views(path)
             finally:
                 random.setstate(state)
-        if self.train:
-            video = views[0]  # (T, C, H, W)
-        else:  # each view is (crops, T, C, H, W) -> (clips * crops, T, C, H, W)
-            video = torch.cat([v if v.dim() == 5 else v[None] for v in views])
         return video, int(info["label"])
 
     def __getitem__(self, key: SampleKey | int) -> dict:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from videotrain.data import annotations
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
-from videotrain.data.layouts import ensure_synthetic
+from videotrain.data.layouts import default_cache_root, ensure_synthetic
 from videotrain.data.split_files import hmdb51_index, ucf101_index
 from videotrain.data.ssv2 import ssv2_index
 from videotrain.data.transforms import eval_transform, train_transform
@@ -130,19 +132,47 @@ def check_val_classes(train: annotations.VideoIndex, val: annotations.VideoIndex
         )
 
 
-def preflight(index: annotations.VideoIndex, max_bad_fraction: float) -> list[str]:
-    """Stat every file: missing and zero-byte videos are reported now, not mid-epoch."""
-    bad = []
-    for path, _ in index.paths:
-        try:
-            if os.path.getsize(path) == 0:
+def preflight(index: annotations.VideoIndex, max_bad_fraction: float,
+              cache_dir: Path | None = None) -> list[str]:
+    """Stat every file: missing and zero-byte videos are reported now, not mid-epoch.
+
+    The result is cached per annotation file (``cache_dir/preflight/``, keyed by the file's
+    path, mtime and size and the paths it lists), so a run that starts again on an unchanged
+    split of hundreds of thousands of videos does not stat them all again. A video that goes
+    missing later is still caught when it is decoded (skipped, and counted as bad)."""
+    cache = _preflight_cache(index, cache_dir)
+    if cache is not None and cache.exists():
+        bad = json.loads(cache.read_text())["bad"]
+        log.info("preflight of %s: %d files, %d bad, reused from %s (the annotation file is "
+                 "unchanged)", index.source, len(index), len(bad), cache)
+    else:
+        bad = []
+        for path, _ in index.paths:
+            try:
+                if os.path.getsize(path) == 0:
+                    bad.append(path)
+            except OSError:
                 bad.append(path)
-        except OSError:
-            bad.append(path)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"source": index.source, "videos": len(index), "bad": bad}))
+            os.replace(tmp, cache)  # atomic: a concurrent reader sees all of it or nothing
     for path in bad:
         log.warning("skipping bad video %s: missing or empty", path)
     check_bad_fraction(len(bad), len(index), index.source, max_bad_fraction)
     return bad
+
+
+def _preflight_cache(index: annotations.VideoIndex, cache_dir: Path | None) -> Path | None:
+    """Where the preflight of ``index`` is cached; None where its source is not one file."""
+    source = Path(index.source)
+    if cache_dir is None or not source.is_file() or not len(index):
+        return None
+    st = source.stat()
+    first, last = index.paths[0][0], index.paths[len(index) - 1][0]
+    key = f"{source.resolve()}|{st.st_mtime_ns}|{st.st_size}|{len(index)}|{first}|{last}"
+    return cache_dir / "preflight" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
 
 
 def check_bad_fraction(num_bad: int, total: int, source: str, max_bad_fraction: float) -> None:
@@ -189,6 +219,7 @@ def build_data(
     world_size: int = 1,
     pin_memory: bool = False,
     preflight_train: bool = True,
+    shared: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> tuple[DataBundle, list[str]]:
     """Build train/val loaders; returns the bundle and the paths found bad by preflight.
 
@@ -196,6 +227,9 @@ def build_data(
     default). ``worker_timeout`` (seconds, 0 = none) bounds the wait for one batch from the
     worker processes, so a decoder that never returns fails the run instead of hanging it.
     ``preflight_train=False`` skips stat-ing the training files (evaluation only reads val).
+    ``shared(fn)`` runs ``fn`` once and gives every process its result: under DDP only rank 0
+    stats the files and the others receive the list (a dataset of 240k files stat-ed by every
+    rank at once is a storm on a shared filesystem).
     """
     options = dict(fold=fold, train_file=train_file, val_file=val_file, path_prefix=path_prefix,
                    classes_file=classes_file, split_dir=split_dir, video_dir=video_dir,
@@ -211,8 +245,12 @@ def build_data(
             f"{val_index.source}: class folders differ from train ({extra or 'missing classes'})"
         )
     check_val_classes(train_index, val_index)
-    bad = preflight(train_index, max_bad_fraction) if preflight_train else []
-    bad += preflight(val_index, max_bad_fraction)
+    def check_files() -> list[str]:
+        cache = default_cache_root()
+        found = preflight(train_index, max_bad_fraction, cache) if preflight_train else []
+        return found + preflight(val_index, max_bad_fraction, cache)
+
+    bad = (shared or (lambda fn: fn()))(check_files)
     clip_duration = num_frames * sampling_rate / fps  # seconds of video one clip spans
     train_ds = VideoClipDataset(
         train_index, num_frames, clip_duration,

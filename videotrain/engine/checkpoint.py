@@ -1,23 +1,82 @@
-"""Checkpoints that are never half-written, and the RNG state that makes resume exact."""
+"""Checkpoints that are safe to load, never half-written, and kept in a consistent set.
+
+Files in ``RUN/checkpoints/`` (``CheckpointDir``):
+
+- ``step-00000050.ckpt``: one file per saved optimizer step; the newest ``trainer.keep_last_k``
+  are kept (null: all);
+- ``last.ckpt``: a symbolic link to the newest step file (a hard link, or a copy, where the
+  filesystem has no symbolic links);
+- ``best.ckpt``: a hard link to (or copy of) the checkpoint written right after the validation
+  with the best ``val_top1`` so far; it outlives the pruning of its step file.
+
+A save writes the step file atomically (temporary file in the same folder, fsync, rename), then
+re-points ``last.ckpt`` (a new link renamed over the old one), then deletes step files beyond
+the newest K. A crash at any moment leaves complete files only, and ``last.ckpt`` names a
+complete file. Resume lists the step files (their names sort by step: no file is opened to find
+the newest) and loads the newest; a truncated or corrupt one is set aside (renamed
+``*.corrupt``) with a warning and the previous one is used.
+
+Loading goes through ``load`` only, which is ``torch.load(weights_only=True)``: tensors and plain
+Python values (dict, list, tuple, str, int, float, bool, None). Everything videotrain stores is
+of that kind (RNG states as tensors and ints, the resolved config as a dict), and ``save_atomic``
+refuses anything else. A file that would need arbitrary unpickling is refused with
+``UnsafeCheckpointError`` before any of its code runs.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import random
+import re
+import shutil
 import tempfile
+import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
+
 LAST = "last.ckpt"
+BEST = "best.ckpt"
+FORMAT_KEY = "videotrain_format"  # in every training checkpoint; the layout's version
+FORMAT = 2  # 1: the layout before safe loading (pickled numpy RNG state), which is refused
+_STEP_FILE = re.compile(r"^step-(\d+)\.ckpt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and says why."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The file needs arbitrary unpickling (code in the file would run): never loaded."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The file is truncated or otherwise unreadable (e.g. a crash or a full disk)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+# ---------------------------------------------------------------- RNG state as plain values
 
 
 def rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+    """The global RNGs' state as tensors and plain values (what ``weights_only`` loads)."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": int(version), "state": torch.tensor(mt, dtype=torch.int64),
+                   "gauss_next": gauss},
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -26,20 +85,74 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    np.random.set_state((npy["kind"], npy["keys"].cpu().numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+# ---------------------------------------------------------------- plain values, safe loading
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def plain(obj: Any, where: str = "checkpoint") -> Any:
+    """``obj`` with numpy values turned into tensors and Python numbers; ``TypeError`` naming
+    the key for anything ``torch.load(weights_only=True)`` would refuse (class instances, sets,
+    functions, ...), so that a checkpoint that saves is a checkpoint that loads. Containers
+    that need no change are returned as they are (a state dict keeps its ``_metadata``)."""
+    if type(obj) in _SCALARS or isinstance(obj, (torch.Tensor, torch.Size)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        items = {}
+        for k, v in obj.items():
+            if type(k) not in (str, int):
+                raise TypeError(f"{where}: key {k!r} is a {type(k).__name__}; checkpoints hold "
+                                "str and int keys only")
+            items[k] = plain(v, f"{where}.{k}")
+        if type(obj) in (dict, OrderedDict) and all(items[k] is obj[k] for k in items):
+            return obj
+        out = OrderedDict(items) if isinstance(obj, OrderedDict) else items
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if type(obj) in (list, tuple):
+        items = [plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return obj if all(a is b for a, b in zip(items, obj, strict=True)) else type(obj)(items)
+    raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; checkpoints "
+                    "hold tensors and plain values only (dict, list, tuple, str, int, float, bool, "
+                    "None), which torch.load(weights_only=True) reads back")
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_atomic(obj: dict[str, Any], path: str | Path) -> Path:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``.
 
-    A crash at any moment leaves either the previous checkpoint or the new one, never a
-    truncated file (``os.replace`` is atomic on POSIX within one filesystem).
+    A crash at any moment leaves either the previous file or the new one, never a truncated
+    file (``os.replace`` is atomic on POSIX within one filesystem). ``obj`` must hold tensors
+    and plain values only (see ``plain``).
     """
     path = Path(path)
+    obj = plain(obj)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -51,14 +164,194 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
     return path
 
 
-def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    # our own files hold RNG states (numpy arrays, tuples), so weights_only=False is needed
-    return torch.load(path, map_location=map_location, weights_only=False)
+def _unpickling_reason(err: Exception) -> str:
+    text = str(err)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n\n|$)", text, re.S)
+    reason = (found.group(1) if found else text.splitlines()[0] if text else type(err).__name__)
+    return " ".join(reason.split())
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu") -> Any:
+    """The one way videotrain reads a checkpoint: ``torch.load(weights_only=True)``.
+
+    Raises ``UnsafeCheckpointError`` for a file that needs arbitrary unpickling (nothing in it
+    runs) and ``CorruptCheckpointError`` for a truncated or unreadable one; both name the file.
+    """
+    path = Path(path)
+    try:
+        with warnings.catch_warnings():  # torch's note on plain pickle files, which we refuse anyway
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"{path} is not a safe videotrain checkpoint: it needs arbitrary unpickling "
+            f"({_unpickling_reason(err)}); refusing to load it. videotrain reads checkpoints with "
+            "torch.load(weights_only=True): tensors and plain Python values only") from None
+    except (RuntimeError, EOFError, ValueError) as err:  # what torch raises on a cut-off file
+        first = str(err).split(". ")[0].strip() or type(err).__name__
+        raise CorruptCheckpointError(f"{path} is truncated or corrupt ({first})", first) from err
+
+
+def check_training_checkpoint(blob: Any, path: str | Path) -> dict[str, Any]:
+    """``blob`` if it is a training checkpoint of this layout, else a ``CheckpointError``."""
+    if not isinstance(blob, dict) or "model" not in blob:
+        raise CheckpointError(f"{path} is not a videotrain training checkpoint (no 'model' entry)")
+    if blob.get(FORMAT_KEY) != FORMAT:
+        raise CheckpointError(
+            f"{path} is a videotrain checkpoint of layout {blob.get(FORMAT_KEY, 1)}; this version "
+            f"resumes from layout {FORMAT} only (python -m videotrain.eval still reads its model)")
+    return blob
+
+
+# ---------------------------------------------------------------- the checkpoint folder
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}.ckpt"
+
+
+def step_of(path: str | Path) -> int | None:
+    found = _STEP_FILE.match(Path(path).name)
+    return int(found.group(1)) if found else None
+
+
+def _point(folder: Path, name: str, target: Path, symbolic: bool) -> None:
+    """Make ``folder/name`` name ``target`` atomically: a symbolic link (relative), else a
+    hard link, else a copy; built under a temporary name and renamed over the old one."""
+    tmp = folder / f".{name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            if not symbolic:
+                raise OSError("hard link wanted")
+            os.symlink(target.name, tmp)
+        except OSError:
+            try:
+                os.link(target, tmp)
+            except OSError:
+                shutil.copyfile(target, tmp)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+        os.replace(tmp, folder / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+
+
+class CheckpointDir:
+    """``step-N.ckpt`` files, ``last.ckpt`` and ``best.ckpt`` in one folder (module docstring)."""
+
+    def __init__(self, folder: str | Path, keep_last_k: int | None = 2) -> None:
+        self.folder = Path(folder)
+        self.keep_last_k = keep_last_k
+
+    @property
+    def last(self) -> Path:
+        return self.folder / LAST
+
+    @property
+    def best(self) -> Path:
+        return self.folder / BEST
+
+    def step_files(self) -> list[Path]:
+        """Step files, newest first."""
+        if not self.folder.is_dir():
+            return []
+        found = [(step_of(p), p) for p in self.folder.iterdir() if step_of(p) is not None]
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def save(self, blob: dict[str, Any], step: int, best: bool = False) -> Path:
+        path = save_atomic(blob, self.folder / step_name(step))
+        _point(self.folder, LAST, path, symbolic=True)
+        if best:
+            _point(self.folder, BEST, path, symbolic=False)  # a hard link survives pruning
+        self.prune()
+        return path
+
+    def prune(self) -> None:
+        if self.keep_last_k is None:
+            return
+        for old in self.step_files()[self.keep_last_k:]:
+            old.unlink(missing_ok=True)
+
+    def clean_temporaries(self) -> None:
+        """Remove temporary files a killed writer left (``.NAME.*.tmp``); never loaded."""
+        if not self.folder.is_dir():
+            return
+        for tmp in self.folder.glob(".*.tmp"):
+            log.info("removing %s, left by an interrupted checkpoint write", tmp)
+            tmp.unlink(missing_ok=True)
+
+    def candidates(self) -> list[Path]:
+        """What resume tries, in order: the step files, newest first, then ``last.ckpt`` if it
+        is a file of its own (a copy, or the single-file layout of older versions)."""
+        out = self.step_files()
+        last = self.last
+        if last.is_file() and not last.is_symlink() and not any(_same(last, p) for p in out):
+            out.append(last)
+        return out
+
+    def describe(self, path: Path) -> str:
+        """``path``, and which of last.ckpt / best.ckpt name it."""
+        names = [n for n in (LAST, BEST) if (self.folder / n).exists() and _same(self.folder / n, path)
+                 and path.name != n]
+        return f"{path} ({' and '.join(names)} pointing to it)" if names else str(path)
+
+    def load_newest(self, map_location: str | torch.device = "cpu") -> tuple[Path, dict] | None:
+        """The newest readable training checkpoint and its contents, or None if there is none.
+
+        A truncated or corrupt newer file is renamed ``NAME.corrupt`` and the previous one is
+        used, with a warning naming both. An unsafe file (``UnsafeCheckpointError``) or one of
+        another layout stops the search: it is an error, not something to skip silently.
+        """
+        bad: list[tuple[Path, str, CorruptCheckpointError]] = []
+        for path in self.candidates():
+            described = self.describe(path)
+            try:
+                blob = check_training_checkpoint(load(path, map_location), path)
+            except CorruptCheckpointError as err:
+                bad.append((path, described, err))
+                continue
+            for old, old_described, err in bad:
+                aside = old.with_name(old.name + ".corrupt")
+                log.warning("checkpoint %s is unreadable (%s); resuming from the previous "
+                            "checkpoint %s instead (the unreadable file is kept as %s)",
+                            old_described, err.reason, path, aside.name)
+                os.replace(old, aside)
+            if bad:
+                _point(self.folder, LAST, path, symbolic=True)
+            return path, blob
+        if bad:
+            raise CorruptCheckpointError(
+                f"no readable checkpoint in {self.folder}: "
+                + "; ".join(str(err) for _, _, err in bad))
+        return None
+
+    def set_aside(self, suffix: str) -> Path | None:
+        """Rename the folder to ``checkpoints.SUFFIX`` (nothing in it is loaded again)."""
+        if not self.folder.is_dir() or not any(self.folder.iterdir()):
+            return None
+        dest = self.folder.with_name(f"{self.folder.name}.{suffix}")
+        os.replace(self.folder, dest)
+        return dest
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def find_last(ckpt_dir: str | Path) -> Path | None:
-    path = Path(ckpt_dir) / LAST
-    return path if path.exists() else None
+    """The newest checkpoint in ``ckpt_dir`` by name (not opened), or None."""
+    found = CheckpointDir(ckpt_dir).candidates()
+    last = Path(ckpt_dir) / LAST
+    if last.exists():
+        return last
+    return found[0] if found else None

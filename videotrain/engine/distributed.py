@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -138,6 +139,61 @@ def share_launch_time(ctx: DistContext) -> float:
         dist.broadcast(stamp, src=0)  # a CPU tensor: gloo
     os.environ[LAUNCH_TIME_ENV] = repr(float(stamp))
     return float(stamp)
+
+
+def from_main_process(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result broadcast to every rank (just ``fn()`` without a process
+    group): for what every rank must share, such as the run directory or which files exist.
+    An exception on rank 0 is raised on every rank (so none waits for a result forever)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as err:
+            box = [("error", err)]
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+# ---------------------------------------------------------------- a failing rank, named
+FAILED_KEY = "videotrain/failed/"
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """How long a rank waits in a collective for the others (the process group's timeout),
+    so that when one rank fails or hangs the others fail too instead of waiting 30 minutes."""
+    if dist.is_available() and dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
+def report_failure(rank: int, message: str) -> None:
+    """Leave ``message`` in the process group's store, where the other ranks look when their
+    collective times out (see :func:`failed_peers`). Best effort: the store may be gone."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.distributed_c10d._get_default_store().set(f"{FAILED_KEY}{rank}", message[:2000])
+        except Exception:  # noqa: BLE001 (the original error matters, not this one)
+            pass
+
+
+def failed_peers(world_size: int, me: int) -> dict[int, str]:
+    """The other ranks that reported a failure, with their messages."""
+    found: dict[int, str] = {}
+    if not (dist.is_available() and dist.is_initialized()):
+        return found
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for r in range(world_size):
+            if r != me and store.check([f"{FAILED_KEY}{r}"]):
+                found[r] = store.get(f"{FAILED_KEY}{r}").decode()
+    except Exception:  # noqa: BLE001
+        pass
+    return found
 
 
 def launch_time(pattern: str) -> str:

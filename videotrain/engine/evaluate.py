@@ -90,7 +90,9 @@ def multi_view_test(model: torch.nn.Module, data: DataBundle, bad: list[str], se
                     checkpoint: str | None = None, **describe: Any) -> dict[str, Any]:
     """Evaluate ``model`` on ``data.val`` (built with ``settings``' views per video); writes
     ``eval.json``, ``per_class.csv`` and ``confusion.png`` into ``out_dir`` and returns the
-    summary ``eval.json`` holds. ``describe`` adds fields to it (the clip shape, say)."""
+    summary ``eval.json`` holds. ``describe`` adds fields to it (the clip shape, say). Under
+    DDP (``data.val`` sharded by rank) it is a collective: the counts and skipped files are
+    reduced over the ranks, every rank returns the summary, and rank 0 writes the report."""
     s = settings
     meter = MultiViewAccuracy((1, 5), data.num_classes, s.aggregate)
     skipped = set(bad)
@@ -102,7 +104,13 @@ def multi_view_test(model: torch.nn.Module, data: DataBundle, bad: list[str], se
         check_bad_fraction(len(skipped & val_paths), len(val_paths), index.source, max_bad_fraction)
 
     m = evaluate(model, data.val, precision, device, progress=progress, on_skipped=on_skipped,
-                 meter=meter)
+                 meter=meter)  # under DDP: each rank its shard of the videos, the counts reduced
+    writes = True
+    if dist.is_available() and dist.is_initialized():
+        shards: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, sorted(skipped))
+        skipped = set().union(*shards)
+        writes = dist.get_rank() == 0  # every rank has the summary, rank 0 writes it
     summary = {
         "checkpoint": checkpoint, "split": "val", "source": index.source,
         "clips": s.clips, "crops": s.crops, "views": s.clips * s.crops, "aggregate": s.aggregate,
@@ -112,6 +120,8 @@ def multi_view_test(model: torch.nn.Module, data: DataBundle, bad: list[str], se
         "videos": m["val_videos"], "num_classes": data.num_classes,
         "skipped_videos": len(skipped), "skipped_paths": sorted(skipped), **describe,
     }
+    if not writes:
+        return summary
     write_eval_report(out_dir, summary, meter.confusion, data.class_names)
     log.info("eval (%d clips x %d crops, %s): video top-1 %.4f top-5 %.4f, clip top-1 %.4f, "
              "mean class acc %.4f over %d videos; written to %s", s.clips, s.crops, s.aggregate,

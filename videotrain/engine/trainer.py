@@ -19,11 +19,27 @@ pace); only rank 0 writes checkpoints and logs. A checkpoint holds every rank's 
 (``consumed``) and the strategy's mask counter are the same on all ranks, and each rank's own
 shard and mask stream follow from its rank. Evaluation runs on the unwrapped model, so its
 shards may be uneven without a collective waiting on a rank that has run out of batches.
+
+Checkpoints (``videotrain.engine.checkpoint``): ``checkpoints/step-N.ckpt`` every
+``checkpoint_every_n_steps`` and at each epoch end, the newest ``keep_last_k`` kept,
+``last.ckpt`` naming the newest and ``best.ckpt`` the one after the best validation (val_top1).
+They hold tensors and plain values only and are read with ``torch.load(weights_only=True)``;
+each records the resolved config, and resuming under a config that changes training is refused
+(``videotrain.engine.resume``, ``trainer.resume``).
+
+Preemption (``videotrain.engine.preempt``): while ``fit`` runs, SIGTERM, SIGUSR1 and SIGUSR2
+make the trainer finish the current optimizer step, write a checkpoint, log the signal, step
+and file, and raise ``Preempted``: the process exits with code 75 (``EXIT_PREEMPTED``), and the
+same command resumes. Under DDP the ranks agree on the stop at each step boundary (an
+all-reduce of the flag), so they all stop after the same step. A second signal while stopping
+exits at once (128 + signal number). The handlers that were installed before (e.g. submitit's,
+which requeues the job) are called once the checkpoint is written, and restored after training.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -40,6 +56,8 @@ from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.distributed import Comm
 from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
+from videotrain.engine.preempt import EXIT_PREEMPTED, Preempted, StopSignals, signal_name
+from videotrain.engine.resume import refusal, resume_mode
 from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.metrics.memory import StepPeakMemory, keep_freed_memory
@@ -61,8 +79,16 @@ class TrainerSettings:
     progress: bool = True
     test_after_fit: bool = False  # read by run.train: multi-view evaluation after the last step
     cpu_metered_steps: int | None = None  # CPU: meter this process's first N steps only; None: all
+    keep_last_k: int | None = 2  # step-N.ckpt files kept (plus last.ckpt and best.ckpt); None: all
+    resume: str = "auto"  # auto | force | false: see videotrain.engine.resume
 
     def __post_init__(self) -> None:
+        self.resume = resume_mode(self.resume)
+        if self.keep_last_k is not None and (isinstance(self.keep_last_k, bool)
+                                             or not isinstance(self.keep_last_k, int)
+                                             or self.keep_last_k < 1):
+            raise ValueError(f"trainer.keep_last_k must be an integer >= 1 or null (keep all), "
+                             f"got {self.keep_last_k!r}")
         if self.grad_accum < 1:
             raise ValueError(f"trainer.grad_accum must be >= 1, got {self.grad_accum}")
         if self.max_epochs < 1:
@@ -99,9 +125,29 @@ class TrainState:
     peaks: list[float] = field(default_factory=list)
     last_val: dict[str, float] = field(default_factory=dict)
     val_step: int = -1  # the step last_val was computed at
+    best_top1: float = -1.0  # the best val_top1 so far (best.ckpt), and its step
+    best_step: int = -1
+
+
+_RESUME_ERRORS = {cls.__name__: cls for cls in (
+    ckpt.CheckpointError, ckpt.UnsafeCheckpointError, ckpt.CorruptCheckpointError)}
+
+
+class ResumeRefused(ckpt.CheckpointError):
+    """The checkpoint was written under a config (or world size) that trains differently."""
+
+
+_RESUME_ERRORS["ResumeRefused"] = ResumeRefused
 
 
 class Trainer:
+    """The loop. ``config`` is the run's resolved config as a plain dict: recorded in every
+    checkpoint and compared on resume (optional: without it, resume is not guarded).
+
+    ``fit`` raises ``Preempted`` (a ``SystemExit`` with code ``EXIT_PREEMPTED`` = 75) when a
+    SIGTERM, SIGUSR1 or SIGUSR2 stopped training after a checkpoint (module docstring).
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -115,6 +161,7 @@ class Trainer:
         device: torch.device,
         comm: Comm | None = None,
         preflight_bad: list[str] | None = None,
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data, self.precision, self.s = data, precision, settings
@@ -122,6 +169,13 @@ class Trainer:
         self.comm = comm or Comm()
         self.is_main = self.comm.is_main
         self.ckpt_dir = self.out_dir / "checkpoints"
+        self.ckpts = ckpt.CheckpointDir(self.ckpt_dir, settings.keep_last_k)
+        self.config = config
+        self.signals = StopSignals()  # installed by fit
+        self._resume_checked = False
+        self._saved_step = -1  # the step of the last save (every rank)
+        self._last_path: Path | None = None  # the file it wrote (rank 0)
+        self._best_pending = False  # the last validation improved val_top1: the next save is best
         self.state = TrainState(skipped=set(preflight_bad or []))
         self.meter = StepPeakMemory(device)
         self.metered_here = 0  # steps this process metered (see _meters)
@@ -143,52 +197,93 @@ class Trainer:
     def strategy(self):
         return self.module.strategy
 
-    def save(self) -> None:
-        """Called on every rank at the same steps: gathers per-rank state, rank 0 writes."""
+    def save(self) -> Path | None:
+        """Called on every rank at the same steps: gathers per-rank state, rank 0 writes
+        ``step-N.ckpt`` (and points last.ckpt at it; best.ckpt too after an improved
+        validation) and returns its path."""
         st = self.state
         rngs = self.comm.all_gather(ckpt.rng_state())
         skipped = set().union(*self.comm.all_gather(sorted(st.skipped)))
+        best, self._best_pending = self._best_pending, False
+        self._saved_step = st.step
         if not self.is_main:
-            return
-        ckpt.save_atomic(
-            {
-                "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.precision.scaler.state_dict(),
-                "strategy": self.strategy.state_dict(),
-                "rng": rngs[0],
-                "rng_per_rank": rngs,
-                "world_size": self.comm.world_size,
-                "step": st.step,
-                "epoch": st.epoch,
-                "consumed": st.consumed,
-                "skipped": sorted(skipped),
-                "step_times": st.step_times,
-                "data_waits": st.data_waits,
-                "peaks": st.peaks,
-                "last_val": st.last_val,
-                "val_step": st.val_step,
-            },
-            self.ckpt_dir / ckpt.LAST,
-        )
+            return None
+        blob = {
+            ckpt.FORMAT_KEY: ckpt.FORMAT,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.precision.scaler.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "rng_per_rank": rngs,
+            "world_size": self.comm.world_size,
+            "step": st.step,
+            "epoch": st.epoch,
+            "consumed": st.consumed,
+            "total_steps": self.total_steps,
+            "skipped": sorted(skipped),
+            "step_times": st.step_times,
+            "data_waits": st.data_waits,
+            "peaks": st.peaks,
+            "last_val": st.last_val,
+            "val_step": st.val_step,
+            "best_top1": st.best_top1,
+            "best_step": st.best_step,
+            "config": self.config,
+        }
+        self._last_path = self.ckpts.save(blob, st.step, best=best)
+        return self._last_path
 
     def maybe_resume(self) -> bool:
-        # rank 0 decides, so that all ranks resume (or start fresh) together
-        found = ckpt.find_last(self.ckpt_dir)
-        path = self.comm.broadcast(None if found is None else str(found))
+        """Resume from the newest checkpoint as ``trainer.resume`` says; ``fit`` calls it unless
+        it was called before (``run.train`` does, before it writes anything into the run).
+
+        Rank 0 finds, loads and checks the checkpoint (``CheckpointDir.load_newest``: a corrupt
+        newest file falls back to the previous one; ``resume.refusal``: the config guard) and every
+        rank follows its decision, so that all ranks resume, start fresh, or fail together.
+        """
+        self._resume_checked = True
+        if self.s.resume == "false":
+            if self.is_main:
+                self._set_aside_previous_run()
+            self.comm.barrier()
+            return False
+        decision: dict[str, Any] = {"path": None, "error": None, "kind": None}
+        blob = None
+        if self.is_main:
+            self.ckpts.clean_temporaries()
+            try:
+                found = self.ckpts.load_newest(map_location=self.device)
+                if found is not None:
+                    path, blob = found
+                    why = refusal(blob, path, self.config, self.comm.world_size, self.s.resume)
+                    decision.update(path=str(path), error=why, kind="ResumeRefused")
+            except ckpt.CheckpointError as err:
+                decision.update(error=str(err), kind=type(err).__name__)
+        decision = self.comm.broadcast(decision)
+        if decision["error"]:
+            raise _RESUME_ERRORS.get(decision["kind"], ckpt.CheckpointError)(decision["error"])
+        path = decision["path"]
         if path is None:
             return False
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"rank {self.comm.rank} cannot read rank 0's checkpoint {path}: "
-                                    "under DDP the output directory must be on a shared filesystem")
-        blob = ckpt.load(path, map_location=self.device)
-        saved_world = blob.get("world_size", 1)
-        if saved_world != self.comm.world_size and blob["consumed"]:
-            raise ValueError(
-                f"{path} was written mid-epoch by {saved_world} process(es); resuming with "
-                f"{self.comm.world_size} would change every rank's data shard. Resume with the same "
-                "number of processes (or from an epoch-end checkpoint)")
+        if blob is None:  # ranks other than 0 read the file rank 0 chose
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"rank {self.comm.rank} cannot read rank 0's checkpoint "
+                                        f"{path}: under DDP the output directory must be on a "
+                                        "shared filesystem")
+            blob = ckpt.check_training_checkpoint(ckpt.load(path, map_location=self.device), path)
+        self._load(blob)
+        st = self.state
+        if self.is_main:
+            log.info("resumed from %s at step %d (epoch %d)", path, st.step, st.epoch)
+            if blob.get("total_steps", self.total_steps) != self.total_steps:
+                log.warning("training now ends at step %d, not %d as when %s was written "
+                            "(trainer.max_epochs / max_steps changed): the learning-rate schedule "
+                            "follows the new end from step %d on", self.total_steps,
+                            blob["total_steps"], path, st.step)
+        return True
+
+    def _load(self, blob: dict[str, Any]) -> None:
         self.module.load_state_dict(blob["model"])
         self.optimizer.load_state_dict(blob["optimizer"])
         self.scheduler.load_state_dict(blob["scheduler"])
@@ -197,18 +292,82 @@ class Trainer:
         # the loaders draw worker seeds from their own generators, not the global RNG, so the
         # restored state is exactly where the uninterrupted run was at this step; each rank
         # takes its own (dropout masks differ per rank), or rank 0's if the world size changed
-        per_rank = blob.get("rng_per_rank") or [blob["rng"]]
+        per_rank = blob["rng_per_rank"]
         ckpt.set_rng_state(per_rank[self.comm.rank] if len(per_rank) == self.comm.world_size
-                           else blob["rng"])
+                           else per_rank[0])
         st = self.state
         st.step, st.epoch, st.consumed = blob["step"], blob["epoch"], blob["consumed"]
         st.skipped |= set(blob["skipped"])
         st.step_times, st.peaks, st.last_val = blob["step_times"], blob["peaks"], blob["last_val"]
-        st.data_waits = blob.get("data_waits", [])
-        st.val_step = blob.get("val_step", -1)
-        self.logger.truncate_after(st.step)
-        log.info("resumed from %s at step %d (epoch %d)", path, st.step, st.epoch)
-        return True
+        st.data_waits, st.val_step = blob["data_waits"], blob["val_step"]
+        st.best_top1, st.best_step = blob["best_top1"], blob["best_step"]
+        self._saved_step = st.step
+
+    def _set_aside_previous_run(self) -> None:
+        """``trainer.resume=false``: start over. The old checkpoints move to
+        ``checkpoints.replaced-DATE-TIME/`` and metrics.jsonl to
+        ``metrics.replaced-DATE-TIME.jsonl``: kept for the user, never loaded."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = self.ckpts.set_aside(f"replaced-{stamp}")
+        metrics = self.out_dir / "metrics.jsonl"
+        if moved is not None or metrics.exists():
+            log.warning("trainer.resume=false: starting over in %s; the previous run's "
+                        "checkpoints (%s) and metrics.jsonl are kept with the suffix replaced-%s "
+                        "and not loaded", self.out_dir, moved or "none", stamp)
+        if metrics.exists():
+            os.replace(metrics, self.out_dir / f"metrics.replaced-{stamp}.jsonl")
+
+    # ---------------------------------------------------------------- stopping on a signal
+    def _agreed_stop(self) -> int | None:
+        """The stop signal if any rank got one (the same answer on every rank: an all-reduce
+        of the flag, at the step boundaries all ranks share), else None."""
+        local = self.signals.requested
+        if not self.comm.active:
+            return local
+        got = self.comm.reduce({"signal": local}, "max")["signal"]
+        return None if got is None else int(got)
+
+    def _stop_if_requested(self) -> None:
+        signum = self._agreed_stop()
+        if signum is not None:
+            self._preempt(signum)
+
+    def _preempt(self, signum: int) -> None:
+        """Checkpoint (unless this step's is written), log, stop the loader workers, call the
+        handler that was installed before ours, and raise ``Preempted``."""
+        st = self.state
+        if self._saved_step != st.step:
+            self.save()
+        own = self.signals.requested or signum  # this rank's own signal decides what to chain
+        prev = self.signals.previous_handler(own)
+        if self.is_main:
+            then = (f"handing over to the handler installed before ours "
+                    f"({getattr(prev, '__qualname__', prev)}; submitit's requeues the job)"
+                    if prev is not None else f"exiting with code {EXIT_PREEMPTED}")
+            log.warning("%s received: stopped after optimizer step %d (epoch %d, %d samples into "
+                        "it); checkpoint written: %s; %s. Re-running the same command resumes "
+                        "from it.", signal_name(signum), st.step, st.epoch, st.consumed,
+                        self._last_path, then)
+        self._close_loader_workers()
+        failed: BaseException | None = None
+        try:
+            self.signals.chain(own)
+        except BaseException as err:  # e.g. submitit's sys.exit after requeueing: after the barrier
+            failed = err
+        self.comm.barrier()  # no rank leaves before rank 0's previous handler has run
+        if failed is not None:
+            raise failed
+        raise Preempted(signum, st.step, self._last_path)
+
+    def _close_loader_workers(self) -> None:
+        """Stop the DataLoader worker processes now: they are persistent, and would otherwise
+        live until the loaders are garbage collected or the interpreter exits."""
+        for loader in (self.data.train, self.data.val):
+            it = getattr(loader, "_iterator", None)
+            if it is not None and hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()
+            if it is not None:
+                loader._iterator = None
 
     # ---------------------------------------------------------------- loop
     def _note_skipped(self, paths: list[str], dataset, source: str) -> None:
@@ -314,6 +473,10 @@ class Trainer:
             micro, loss_sum, data_wait = 0, 0.0, 0.0
             if s.checkpoint_every_n_steps and st.step % s.checkpoint_every_n_steps == 0:
                 self.save()
+            stop = self._agreed_stop()  # a step boundary: stop here if a rank got a signal
+            if stop is not None:
+                bar.close()
+                self._preempt(stop)
             if st.step >= self.total_steps:
                 break
             t_data = time.perf_counter()
@@ -351,8 +514,11 @@ class Trainer:
         metrics = evaluate(self.module, self.data.val, self.precision, self.device,
                            progress=self.s.progress and self.is_main, num_classes=self.data.num_classes,
                            on_skipped=lambda p: self._note_skipped(p, self.data.val.dataset, "val split"))
-        self.state.last_val = metrics
-        self.state.val_step = self.state.step
+        st = self.state
+        st.last_val, st.val_step = metrics, st.step
+        if metrics["val_top1"] is not None and metrics["val_top1"] > st.best_top1:
+            st.best_top1, st.best_step = metrics["val_top1"], st.step
+            self._best_pending = True  # the save that follows writes best.ckpt
         self.logger.log({**metrics, "epoch": self.state.epoch}, self.state.step)
         if self.is_main:
             log.info("step %d epoch %d: val top1 %.3f top5 %.3f (clip top1 %.3f)", self.state.step,
@@ -360,19 +526,29 @@ class Trainer:
         return metrics
 
     def fit(self) -> dict[str, Any]:
+        """Train to the end (resuming first, see ``maybe_resume``) and return ``results()``.
+        While it runs, SIGTERM / SIGUSR1 / SIGUSR2 stop it at the next optimizer-step boundary
+        with a checkpoint and ``Preempted`` (exit code 75); see the module docstring."""
         st, s = self.state, self.s
-        self.maybe_resume()
-        while st.step < self.total_steps and st.epoch < s.max_epochs:
-            finished = self.train_epoch()
-            if finished:
-                st.epoch += 1
-                st.consumed = 0
-            if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
+        if not self._resume_checked:
+            self.maybe_resume()
+        # metrics.jsonl as of the checkpoint: rows logged after it go (and a fresh start drops
+        # the rows of a run that died before its first checkpoint)
+        self.logger.truncate_after(st.step)
+        with StopSignals() as self.signals:
+            while st.step < self.total_steps and st.epoch < s.max_epochs:
+                finished = self.train_epoch()
+                if finished:
+                    st.epoch += 1
+                    st.consumed = 0
+                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
+                    self.validate()
+                self.save()
+                self._stop_if_requested()
+            if st.val_step != st.step:  # e.g. resumed from a mid-epoch checkpoint at the last step
                 self.validate()
-            self.save()
-        if st.val_step != st.step:  # e.g. resumed from a mid-epoch checkpoint at the last step
-            self.validate()
-            self.save()
+                self.save()
+            self._stop_if_requested()
         return self.results()
 
     def train_peak_mb(self) -> float | None:
@@ -410,6 +586,8 @@ class Trainer:
             "skipped_paths": sorted(skipped),
             "epochs": st.epoch,
             "steps": st.step,
+            "best_val_top1": st.best_top1 if st.best_step >= 0 else None,  # best.ckpt's
+            "best_step": st.best_step if st.best_step >= 0 else None,
             "num_classes": self.data.num_classes,
             "device": str(self.device),
             "precision": self.precision.key,

@@ -1,4 +1,5 @@
-"""Spatial backbones: torchvision image models turned into per-frame feature extractors.
+"""Spatial backbones: torchvision image models turned into per-frame feature extractors (timm
+models: ``videotrain.models.timm_backbone``; local weights: ``videotrain.models.weights``).
 
 Every backbone honours one small contract (the ``FrameBackbone`` base), so memory strategies
 never need ``isinstance`` checks on torchvision classes:
@@ -25,7 +26,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 
 class PretrainedWeightsUnavailable(RuntimeError):
-    """Raised when ``model.backbone.pretrained`` is set but the weights cannot be fetched."""
+    """Raised when ``model.pretrained`` is set but the weights cannot be fetched."""
 
 
 class FrameBackbone(nn.Module):
@@ -35,6 +36,15 @@ class FrameBackbone(nn.Module):
 
     def blocks(self) -> list[nn.Module]:
         raise NotImplementedError
+
+    # Loading image-model weights into ``self.net`` (``model.pretrained_path``,
+    # ``videotrain.models.weights``): the classifier's state-dict prefixes, which are dropped,
+    # and a hook that adapts a checkpoint's keys or shapes to the model.
+    def classifier_prefixes(self) -> tuple[str, ...]:
+        return ()
+
+    def adapt_image_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:  # (N, C, H, W) -> (N, D)
         raise NotImplementedError
@@ -82,6 +92,9 @@ class ResNetBackbone(FrameBackbone):
     def blocks(self) -> list[nn.Module]:
         return [b for layer in (self.net.layer1, self.net.layer2, self.net.layer3, self.net.layer4) for b in layer]
 
+    def classifier_prefixes(self) -> tuple[str, ...]:
+        return ("fc",)
+
     def forward(self, frames: torch.Tensor) -> torch.Tensor:  # (N, C, H, W) -> (N, D)
         return self.net(frames)
 
@@ -97,6 +110,9 @@ class ViTBackbone(FrameBackbone):
 
     def blocks(self) -> list[nn.Module]:
         return list(self.net.encoder.layers)
+
+    def classifier_prefixes(self) -> tuple[str, ...]:
+        return ("heads",)
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:  # (N, C, H, W) -> (N, D)
         return self.net(frames)

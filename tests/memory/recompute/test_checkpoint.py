@@ -72,7 +72,7 @@ def assert_like_e2e(kit, ref: nn.Module, model: nn.Module, losses: list) -> None
     kit.assert_close_dicts(kit.bn_buffers(ref), kit.bn_buffers(model), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit", "skip"])
+@pytest.mark.parametrize("backbone", ["resnet", "vit", "skip", "timm_resnet", "timm_convnext", "timm_vit"])
 @pytest.mark.parametrize(("policy", "options"), POLICIES)
 def test_every_policy_matches_e2e(kit, backbone: str, policy: str, options: dict) -> None:
     ref, model, losses = run_pair(kit, backbone, Recompute(policy, **options))

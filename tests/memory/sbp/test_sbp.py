@@ -17,6 +17,8 @@ from videotrain.memory.sbp.blocks import branch_norms
 
 CONFIGS = Path(CONFIG_DIR)
 GRANULARITIES = ("frame", "block")
+TIMM = ["timm_resnet", "timm_convnext", "timm_vit"]  # tiny timm models (tests/memory/conftest.py)
+BACKBONES = ["resnet", "vit", *TIMM]
 
 
 def sbp(**kw) -> StochasticBackprop:
@@ -27,7 +29,7 @@ def backbone_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.clone() for n, b in model.backbone.named_buffers()}
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("backbone", BACKBONES)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_keep_ratio_one_reproduces_e2e_exactly(kit, backbone: str, granularity: str) -> None:
     ref, model = kit.model_pair(backbone, sbp(keep_ratio=1.0, granularity=granularity))
@@ -38,7 +40,7 @@ def test_keep_ratio_one_reproduces_e2e_exactly(kit, backbone: str, granularity: 
         assert torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("backbone", BACKBONES)
 @pytest.mark.parametrize(("granularity", "keep_ratio"), [("frame", 0.25), ("block", 0.6)])
 def test_forward_and_running_stats_equal_e2e(kit, backbone, granularity, keep_ratio) -> None:
     ref, model = kit.model_pair(backbone, sbp(keep_ratio=keep_ratio, granularity=granularity))
@@ -48,9 +50,11 @@ def test_forward_and_running_stats_equal_e2e(kit, backbone, granularity, keep_ra
     for n in theirs:
         if n.endswith("num_batches_tracked"):
             assert int(ours[n]) == int(theirs[n]) == 1, n  # updated exactly once
-        elif granularity == "frame":
+        elif granularity == "frame" and backbone in ("resnet", "vit"):
             assert torch.equal(ours[n], theirs[n]), n  # the stats pass *is* e2e's forward
-        else:  # later blocks see kept rows that differ from e2e's by float rounding only
+        else:  # later blocks see kept rows that differ from e2e's by float rounding only; so do
+            # lockstep's kept/dropped convolutions where a kernel's rounding depends on the
+            # batch size (timm resnet10t's 1x1 downsample conv on 2x2 maps: ~1e-7)
             torch.testing.assert_close(ours[n], theirs[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
@@ -74,7 +78,8 @@ def _hand_reference(kit, backbone: str, policy: str, keep: torch.Tensor, x: torc
     return ref, logits.detach()
 
 
-@pytest.mark.parametrize(("backbone", "policy"), [("resnet", "full_batch"), ("resnet", "frozen"), ("vit", "full_batch")])
+@pytest.mark.parametrize(("backbone", "policy"), [("resnet", "full_batch"), ("resnet", "frozen"), ("vit", "full_batch"),
+                                                  *((b, "full_batch") for b in TIMM), ("timm_resnet", "frozen")])
 def test_frame_granularity_gradient_spec(kit, backbone: str, policy: str) -> None:
     strategy = sbp(keep_ratio=0.375, bn_policy=policy, nograd_chunk=3)
     plain, model = kit.model_pair(backbone, strategy)
@@ -111,6 +116,17 @@ def test_grad_scale_inverse_keep_scales_backbone_grads_only(kit) -> None:
     kit.assert_close_dicts(kit.grads(scaled.head), kit.grads(plain.head), rtol=0, atol=0)
 
 
+def _branch_ends(blk: nn.Module) -> list[nn.Module]:
+    """The last module of each residual branch of a block (their outputs are the branches')."""
+    if hasattr(blk, "drop_path1"):  # timm ViT: ... ls1 -> drop_path1, ... ls2 -> drop_path2
+        return [blk.drop_path1, blk.drop_path2]
+    if hasattr(blk, "conv_dw"):  # timm ConvNeXt: conv_dw, norm, mlp, gamma -> drop_path
+        return [blk.drop_path]
+    if hasattr(blk, "mlp"):  # torchvision ViT: dropout(attention), mlp
+        return [blk.dropout, blk.mlp]
+    return [getattr(blk, "bn3", blk.bn2)]  # ResNets (torchvision and timm): the last BN
+
+
 def _detach_dropped_branches(kit, ref: nn.Module, strategy: StochasticBackprop) -> list:
     """Hooks on an e2e copy: in each wrapped block, dropped frames' residual branch outputs
     are detached, and (full-batch BN) their rows are constants at the branch's BN inputs."""
@@ -126,13 +142,12 @@ def _detach_dropped_branches(kit, ref: nn.Module, strategy: StochasticBackprop) 
         def in_hook(_m, args, rows=rows):
             return (kit.row_detach(args[0], rows),)
 
-        ends = [blk.dropout, blk.mlp] if hasattr(blk, "mlp") else [getattr(blk, "bn3", blk.bn2)]
-        hooks += [m.register_forward_hook(out_hook) for m in ends]
+        hooks += [m.register_forward_hook(out_hook) for m in _branch_ends(blk)]
         hooks += [m.register_forward_pre_hook(in_hook) for m in branch_norms(blk)]
     return hooks
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("backbone", BACKBONES)
 def test_block_granularity_matches_branch_detached_reference(kit, backbone: str) -> None:
     strategy = sbp(keep_ratio=0.375, granularity="block", blocks=1.0)
     ref, model = kit.model_pair(backbone, strategy)
@@ -180,7 +195,7 @@ def test_block_wrapped_block_zeroes_branch_grad_keeps_skip(kit) -> None:
     assert not torch.allclose(x_full.grad[~mask], x_skip.grad[~mask])  # the branch mattered
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("backbone", BACKBONES)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_saved_activation_bytes_scale_with_keep_ratio(kit, backbone: str, granularity: str) -> None:
     x = kit.video()
@@ -201,7 +216,7 @@ def test_saved_activation_bytes_scale_with_keep_ratio(kit, backbone: str, granul
         assert sizes[0.5] < sizes[1.0], sizes
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("backbone", BACKBONES)
 @pytest.mark.parametrize("granularity", ["block"])  # block wraps blocks *and* patches BN
 def test_noop_in_eval_and_under_no_grad(kit, backbone: str, granularity: str) -> None:
     plain = kit.BACKBONES[backbone]()

@@ -30,7 +30,7 @@ def pair(kit, backbone: str, policy: str, bn_policy: str = "full_batch", keep_ra
     return plain.train(), composed.train()
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+@pytest.mark.parametrize("backbone", ["resnet", "vit", "timm_resnet", "timm_convnext", "timm_vit"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_composed_equals_plain_sbp(kit, backbone: str, policy: str) -> None:
     plain, composed = pair(kit, backbone, policy)

@@ -93,13 +93,14 @@ def test_forward_is_e2e_forward_bit_for_bit() -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_model_level_matches_record_apply_and_runs_each_frame_once(kit) -> None:
+@pytest.mark.parametrize("backbone", ["resnet", "timm_resnet"])  # timm: traced by its own tracer
+def test_model_level_matches_record_apply_and_runs_each_frame_once(kit, backbone: str) -> None:
     x = kit.video()
     out: dict[bool, tuple] = {}
     for lockstep in (True, False):
-        _, model = kit.model_pair("resnet", sbp(lockstep=lockstep))
+        _, model = kit.model_pair(backbone, sbp(lockstep=lockstep))
         rows: list[int] = []
-        conv1 = model.backbone.net.conv1
+        conv1 = next(m for m in model.backbone.modules() if isinstance(m, nn.Conv2d))  # a leaf
         hook = conv1.register_forward_hook(lambda _m, args, _o, rows=rows: rows.append(args[0].shape[0]))
         logits = kit.step(model, x)
         hook.remove()
@@ -111,8 +112,10 @@ def test_model_level_matches_record_apply_and_runs_each_frame_once(kit) -> None:
     backbone = {k: v for k, v in out[True][1].items() if k.startswith("backbone.")}
     kit.assert_close_dicts(backbone, {k: out[False][1][k] for k in backbone}, rtol=1e-4, atol=1e-6)
     for name, buf in out[True][2].items():
-        if name.startswith("backbone."):  # the backbone's statistics: e2e's forward in both
+        if name.startswith("backbone.") and backbone == "resnet":  # e2e's forward in both
             assert torch.equal(buf, out[False][2][name]), name
+        elif name.startswith("backbone."):  # up to a conv kernel's batch-size-dependent rounding
+            torch.testing.assert_close(buf, out[False][2][name], rtol=1e-5, atol=1e-6)
 
 
 def test_stores_what_record_apply_stores(kit) -> None:

@@ -174,8 +174,10 @@ def _flops(node: fx.Node, gm: fx.GraphModule, out_bytes: int) -> float:
             return 2.0 * out_numel * mod.in_channels // mod.groups * k
         if isinstance(mod, nn.Linear):
             return 2.0 * out_numel * mod.in_features
-        if isinstance(mod, nn.MultiheadAttention):
-            shape = (meta[0] if isinstance(meta, tuple | list) else meta).shape  # (N, L, E)
+        if isinstance(mod, nn.MultiheadAttention) or (  # or a leaf timm Attention: qkv, proj
+                isinstance(getattr(mod, "qkv", None), nn.Linear) and isinstance(getattr(mod, "proj", None), nn.Linear)):
+            first = meta if isinstance(meta, TensorMetadata) else meta[0]  # MHA: (out, weights)
+            shape = first.shape  # (N, L, E)
             n, seq, e = (int(s) for s in shape) if len(shape) == 3 else (1, int(shape[0]), int(shape[-1]))
             return 2.0 * n * seq * e * 4 * e + 4.0 * n * seq * seq * e
     return float(out_numel)
@@ -362,8 +364,23 @@ def make_out_of_place(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def fx_tracer(module: nn.Module) -> fx.Tracer:
+    """The tracer ``module`` asks for (``module.fx_tracer()``, the backbone contract's optional
+    hook: timm backbones name their untraceable modules and functions), else a plain one."""
+    make = getattr(module, "fx_tracer", None)
+    return make() if callable(make) else fx.Tracer()
+
+
+def symbolic_trace(module: nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` with the module's own tracer (:func:`fx_tracer`)."""
+    tracer = fx_tracer(module)
+    graph = tracer.trace(module)
+    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
 def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, Graph, dict[str, int]]:
-    """fx-trace ``backbone``, make it out of place, propagate shapes for ``example (N,C,H,W)``.
+    """fx-trace ``backbone`` (with its own tracer, :func:`fx_tracer`), make it out of place,
+    propagate shapes for ``example (N,C,H,W)``.
 
     Returns the traced module (sharing parameters and buffers with ``backbone``), the tensor DAG,
     and a map from fx node name to vertex index. Shape propagation runs the real kernels on the
@@ -372,7 +389,7 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
     will train; its memory is that of a ``no_grad`` forward. BN running statistics and the RNG
     are restored afterwards.
     """
-    gm = make_out_of_place(fx.symbolic_trace(backbone))
+    gm = make_out_of_place(symbolic_trace(backbone))
     buffers = {k: b.clone() for k, b in gm.named_buffers()}  # parameters are not changed
     devices = [example.device] if example.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():  # grad on per node inside
@@ -389,11 +406,17 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
     grad_alias: list[bool] = []
     saves: list[bool] = []
     tensor_preds: dict[str, set[int]] = {}  # node -> vertex preds, through contracted non-tensor nodes
+    # tensors computed from parameters alone (timm ConvNeXt's ``gamma.reshape(1, -1, 1, 1)``) are
+    # not activations: contracted like non-tensor nodes. As vertices without predecessors each
+    # could join any lower set, multiplying the lower sets past the exact DP's cap.
+    from_input: set[str] = set()
     for node in gm.graph.nodes:
         ps: set[int] = set()
         for inp in node.all_input_nodes:
             ps |= {index[inp.name]} if inp.name in index else tensor_preds.get(inp.name, set())
-        if _is_tensor_node(node):
+        if node.op == "placeholder" or any(i.name in from_input for i in node.all_input_nodes):
+            from_input.add(node.name)
+        if _is_tensor_node(node) and node.name in from_input:
             index[node.name] = len(names)
             out_bytes = _meta_bytes(node.meta["tensor_meta"])
             names.append(node.name)

@@ -14,6 +14,12 @@ blocks by attribute names (duck typing), not by torchvision class:
 * Transformer encoder blocks (torchvision ``EncoderBlock``: ``ln_1, self_attention, dropout,
   ln_2, mlp``): ``x = x + dropout(attn(ln_1(x)))``; ``x + mlp(ln_2(x))``, two split branches
   sharing the block's frame subset.
+* timm blocks, matched by the ``forward`` they re-express (class attribute names alone would
+  also match look-alikes such as timm's post-norm ``ResPostBlock``, whose forward differs):
+  ResNet ``BasicBlock``/``Bottleneck`` (``act(branch(x) + (downsample(x) or x))``), ConvNeXt's
+  ``ConvNeXtBlock`` (``branch(x) + shortcut(x)``) and the ViT ``Block``
+  (``x + branch(attention)``, then ``+ branch(mlp)``), and every timm subclass that keeps
+  that forward.
 * Any block defining ``sbp_forward(x, branch)`` (the extension point for new backbones).
 
 Wrapping patches ``forward`` on the block *instance*: parameters and ``state_dict`` keys do
@@ -69,6 +75,68 @@ def vit_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torc
     return x + branch(mlp, x)
 
 
+def timm_resnet_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+    """timm ``BasicBlock``/``Bottleneck`` with a split branch. ``x (N, C, H, W)``."""
+    bottleneck = hasattr(block, "conv3")
+
+    def residual(z: torch.Tensor) -> torch.Tensor:  # conv1 .. bn2 (BasicBlock) / bn3, se, drop_path
+        if bottleneck:
+            out = block.act1(block.bn1(block.conv1(z)))
+            out = block.aa(block.act2(block.drop_block(block.bn2(block.conv2(out)))))
+            out = block.bn3(block.conv3(out))
+        else:
+            out = block.aa(block.act1(block.drop_block(block.bn1(block.conv1(z)))))
+            out = block.bn2(block.conv2(out))
+        if block.se is not None:
+            out = block.se(out)
+        if block.drop_path is not None:
+            out = block.drop_path(out)
+        return out
+
+    shortcut = x if block.downsample is None else block.downsample(x)  # every frame, with grad
+    act = block.act3 if bottleneck else block.act2
+    return act(branch(residual, x) + shortcut)
+
+
+def convnext_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+    """timm ``ConvNeXtBlock`` with a split branch. ``x (N, C, H, W)``."""
+
+    def residual(z: torch.Tensor) -> torch.Tensor:
+        y = block.conv_dw(z)
+        if block.use_conv_mlp:
+            y = block.mlp(block.norm(y))
+        else:  # channels-last LayerNorm and MLP
+            y = block.mlp(block.norm(y.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+        if block.gamma is not None:
+            y = y.mul(block.gamma.reshape(1, -1, 1, 1))
+        return block.drop_path(y)
+
+    return branch(residual, x) + block.shortcut(x)
+
+
+def timm_vit_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+    """timm ViT ``Block`` (pre-norm, layer scale, drop path) with both residual branches split.
+    ``x (N, S, D)``."""
+
+    def attention(z: torch.Tensor) -> torch.Tensor:
+        return block.drop_path1(block.ls1(block.attn(block.norm1(z))))
+
+    def mlp(z: torch.Tensor) -> torch.Tensor:
+        return block.drop_path2(block.ls2(block.mlp(block.norm2(z))))
+
+    x = x + branch(attention, x)
+    return x + branch(mlp, x)
+
+
+# (module, qualified name) of a block class's ``forward`` -> the adapter that re-expresses it
+_FORWARD_ADAPTERS: dict[tuple[str, str], Adapter] = {
+    ("timm.models.resnet", "BasicBlock.forward"): timm_resnet_block_forward,
+    ("timm.models.resnet", "Bottleneck.forward"): timm_resnet_block_forward,
+    ("timm.models.convnext", "ConvNeXtBlock.forward"): convnext_block_forward,
+    ("timm.models.vision_transformer", "Block.forward"): timm_vit_block_forward,
+}
+
+
 def _custom_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
     return block.sbp_forward(x, branch)
 
@@ -77,6 +145,10 @@ def block_adapter(block: nn.Module) -> Adapter:
     """The adapter that knows where ``block``'s residual branches are."""
     if callable(getattr(block, "sbp_forward", None)):
         return _custom_block_forward
+    forward = getattr(type(block), "forward", None)
+    key = (getattr(forward, "__module__", ""), getattr(forward, "__qualname__", ""))
+    if key in _FORWARD_ADAPTERS:
+        return _FORWARD_ADAPTERS[key]
     if all(hasattr(block, a) for a in _RESNET_ATTRS):
         return resnet_block_forward
     if all(hasattr(block, a) for a in _VIT_ATTRS):
@@ -84,7 +156,9 @@ def block_adapter(block: nn.Module) -> Adapter:
     raise TypeError(
         f"memory.granularity=block: do not know the residual branch of {type(block).__name__}. "
         f"Supported: ResNet blocks ({', '.join(_RESNET_ATTRS)}), transformer encoder blocks "
-        f"({', '.join(_VIT_ATTRS)}), or a block defining sbp_forward(x, branch)."
+        f"({', '.join(_VIT_ATTRS)}), timm's ResNet, ConvNeXt and ViT blocks "
+        f"({', '.join(sorted({q.split('.')[0] for _, q in _FORWARD_ADAPTERS}))}), or a block "
+        f"defining sbp_forward(x, branch)."
     )
 
 

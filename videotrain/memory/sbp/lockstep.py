@@ -38,6 +38,7 @@ from torch import fx, nn
 from torch.fx.node import map_aggregate
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from videotrain.memory.recompute.graph import fx_tracer
 from videotrain.memory.sbp.split import FullBatchNorm, full_batch_stats_bn, merge_rows
 
 
@@ -57,7 +58,7 @@ def lockstep_graph(backbone: nn.Module) -> fx.Graph | None:
     """The backbone's forward as an fx graph, or ``None`` when it cannot be traced (data-
     dependent control flow, say); the caller then falls back to record/apply."""
     try:
-        graph = fx.Tracer().trace(backbone)
+        graph = fx_tracer(backbone).trace(backbone)  # timm backbones bring their own tracer
     except Exception:  # noqa: BLE001 - any tracing failure means "use the general path"
         return None
     inputs = [n for n in graph.nodes if n.op == "placeholder"]

@@ -1,0 +1,226 @@
+"""Resume, guarded: the config a checkpoint was written with must match in what changes
+training (``trainer.resume=auto``), unless forced; ``trainer.resume=false`` starts over; a
+truncated newest checkpoint falls back to the previous one; an unsafe one is refused; a
+different world size is refused (mid-epoch, even when forced); keep_last_k and best.ckpt."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import videotrain.run as run
+from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.resume import config_diff, flatten, one_sided, resume_mode
+from videotrain.engine.trainer import ResumeRefused
+
+BASE = dict(trainer__max_epochs=1, trainer__checkpoint_every_n_steps=2, model__head__dropout=0.5)
+
+
+def _losses(rows: list[dict]) -> list[tuple[int, float]]:
+    return [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def finished(run_overrides, compose_cfg, tmp_path_factory) -> Path:
+    """A finished 4-step run (checkpoints at steps 2 and 4). Copy it before changing it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run.train(compose_cfg(run_overrides(**BASE)), out)
+    return out
+
+
+@pytest.fixture
+def run_dir(finished: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(finished, dst, symlinks=True)
+    return dst
+
+
+def test_config_diff_ignores_math_neutral_keys() -> None:
+    old = {"optim": {"lr": 0.001, "name": "adamw"}, "trainer": {"max_epochs": 2, "grad_accum": 1},
+           "logger": {"wandb": {"mode": "offline"}}, "data": {"num_workers": 4, "train_scale": [0.25, 1]}}
+    new = {"optim": {"lr": 0.002, "name": "adamw"}, "trainer": {"max_epochs": 9, "grad_accum": 1},
+           "logger": {"wandb": {"mode": "disabled"}}, "data": {"num_workers": 0, "train_scale": [0.25, 1.0]},
+           "seed": 1}
+    assert flatten(old)["data.train_scale"] == [0.25, 1]
+    both, added = one_sided(config_diff(old, new))
+    assert both == [("optim.lr", 0.001, 0.002)]
+    assert [k for k, _, _ in added] == ["seed"]  # new on one side: warned about, not refused
+    assert config_diff(None, new) == []
+    assert [resume_mode(v) for v in ("auto", "force", False, "false", True)] == [
+        "auto", "force", "false", "false", "auto"]
+
+
+def test_invalid_resume_value_names_the_key(run_overrides, compose_cfg, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="trainer.resume must be one of auto, force, false; got 'maybe'"):
+        run.train(compose_cfg(run_overrides(trainer__resume="maybe")), tmp_path)
+    with pytest.raises(ValueError, match="trainer.keep_last_k must be an integer >= 1 or null"):
+        run.train(compose_cfg(run_overrides(trainer__keep_last_k=0)), tmp_path)
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_changed_lr_is_refused_listing_the_key(run_dir: Path, run_overrides, compose_cfg) -> None:
+    config_before = (run_dir / "config.yaml").read_text()
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(ResumeRefused) as refused:
+        run.train(compose_cfg(run_overrides(**BASE, optim__lr=0.002)), run_dir)
+    message = str(refused.value)
+    path = run_dir / "checkpoints" / "step-00000004.ckpt"
+    assert message.splitlines()[0] == (f"cannot resume from {path}: the config differs from the "
+                                       "one it was written with in what changes training: optim.lr")
+    assert "  optim.lr: 0.001 -> 0.002" in message.splitlines()
+    assert "trainer.resume=force" in message and "trainer.resume=false" in message
+    # nothing of the refused run was written
+    assert (run_dir / "config.yaml").read_text() == config_before
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_math_neutral_changes_resume(run_dir: Path, run_overrides, compose_cfg, metrics_rows,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    cfg = compose_cfg(run_overrides(**{**BASE, "trainer__max_epochs": 2}, trainer__progress=True,
+                                    trainer__log_every_n_steps=2, logger__wandb__project="other",
+                                    trainer__keep_last_k=3, eval__clips=2))
+    with caplog.at_level(logging.INFO):
+        results = run.train(cfg, run_dir)
+    assert "resumed from" in caplog.text and "at step 4 (epoch 1)" in caplog.text
+    assert "training now ends at step 8, not 4" in caplog.text
+    assert results["steps"] == 8
+    assert [s for s, _ in _losses(metrics_rows(run_dir))] == [1, 2, 3, 4, 6, 8]
+
+
+def test_force_resumes_with_a_warning(run_dir: Path, run_overrides, compose_cfg,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    cfg = compose_cfg(run_overrides(**{**BASE, "trainer__max_epochs": 2}, optim__lr=0.002,
+                                    trainer__resume="force"))
+    with caplog.at_level(logging.WARNING):
+        results = run.train(cfg, run_dir)
+    assert "trainer.resume=force: resuming from" in caplog.text
+    assert "  optim.lr: 0.001 -> 0.002" in caplog.text
+    assert results["steps"] == 8
+    saved = ckpt.load(run_dir / "checkpoints" / "last.ckpt")
+    assert saved["config"]["optim"]["lr"] == 0.002  # new checkpoints record the new config
+    assert saved["config"]["trainer"]["resume"] == "force"
+
+
+def test_resume_false_starts_over(run_dir: Path, run_overrides, compose_cfg, metrics_rows,
+                                  finished: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        results = run.train(compose_cfg(run_overrides(**BASE, trainer__resume="false")), run_dir)
+    assert "trainer.resume=false: starting over" in caplog.text and results["steps"] == 4
+    (old,) = run_dir.glob("checkpoints.replaced-*")
+    assert sorted(p.name for p in old.iterdir()) == sorted(
+        p.name for p in (finished / "checkpoints").iterdir())
+    assert len(list(run_dir.glob("metrics.replaced-*.jsonl"))) == 1
+    # a fresh run: each step once, and the same losses (same seed) as the first time
+    assert _losses(metrics_rows(run_dir)) == _losses(metrics_rows(finished))
+
+
+def test_truncated_last_falls_back_to_the_previous(run_dir: Path, run_overrides, compose_cfg,
+                                                   metrics_rows, finished: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    folder = run_dir / "checkpoints"
+    newest = folder / "step-00000004.ckpt"
+    assert os.readlink(folder / "last.ckpt") == newest.name
+    data = (folder / "last.ckpt").read_bytes()
+    (folder / "last.ckpt").write_bytes(data[: len(data) // 3])  # truncates the file it names
+    with caplog.at_level(logging.INFO):
+        run.train(compose_cfg(run_overrides(**BASE)), run_dir)
+    previous = folder / "step-00000002.ckpt"
+    assert (f"checkpoint {newest} (last.ckpt pointing to it) is unreadable" in caplog.text)
+    assert f"resuming from the previous checkpoint {previous}" in caplog.text
+    assert f"resumed from {previous} at step 2" in caplog.text
+    # steps 3 and 4 were trained again, exactly as the first time
+    assert _losses(metrics_rows(run_dir)) == _losses(metrics_rows(finished))
+    assert ckpt.load(folder / "last.ckpt")["step"] == 4
+
+
+class CreatesAFile:
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_unsafe_newest_checkpoint_is_refused(run_dir: Path, run_overrides, compose_cfg,
+                                             tmp_path: Path) -> None:
+    marker = tmp_path / "created-by-unpickling"
+    evil = run_dir / "checkpoints" / "step-00000099.ckpt"
+    torch.save({"videotrain_format": 2, "model": {}, "x": CreatesAFile(marker)}, evil)
+    os.remove(run_dir / "checkpoints" / "last.ckpt")
+    os.symlink(evil.name, run_dir / "checkpoints" / "last.ckpt")
+    with pytest.raises(ckpt.UnsafeCheckpointError) as refused:
+        run.train(compose_cfg(run_overrides(**BASE)), run_dir)
+    assert str(refused.value).startswith(
+        f"{evil} is not a safe videotrain checkpoint: it needs arbitrary unpickling (")
+    assert not marker.exists() and evil.exists()  # refused, and left for the user to look at
+
+
+def test_keep_last_k_and_best_ckpt(run_overrides, compose_cfg, metrics_rows,
+                                   tmp_path: Path) -> None:
+    cfg = compose_cfg(run_overrides(trainer__max_epochs=3, trainer__checkpoint_every_n_steps=1,
+                                    trainer__keep_last_k=2, model__head__dropout=0.5))
+    results = run.train(cfg, tmp_path)  # 12 steps, 12 saves (+3 at epoch ends)
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "best.ckpt", "last.ckpt", "step-00000011.ckpt", "step-00000012.ckpt"]
+    vals = [(r["step"], r["val_top1"]) for r in metrics_rows(tmp_path) if "val_top1" in r]
+    top = max(v for _, v in vals)
+    first_best = next(s for s, v in vals if v == top)
+    best = ckpt.load(folder / "best.ckpt")
+    assert best["step"] == best["best_step"] == first_best and best["best_top1"] == top
+    assert best["last_val"]["val_top1"] == top
+    assert results["best_val_top1"] == top and results["best_step"] == first_best
+    assert json.loads((tmp_path / "results.json").read_text())["best_step"] == first_best
+
+
+def _fake_world_size(path: Path, world_size: int) -> None:
+    blob = ckpt.load(path)
+    blob["world_size"] = world_size
+    ckpt.save_atomic(blob, path)
+
+
+def test_another_world_size_is_refused(run_dir: Path, run_overrides, compose_cfg,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The policy: a different number of DDP processes changes the global batch and the data
+    shards. At an epoch end it is refused like a config change (force resumes); mid-epoch it
+    is refused even with force (the shards' positions cannot be re-derived)."""
+    folder = run_dir / "checkpoints"
+    end, mid = folder / "step-00000004.ckpt", folder / "step-00000002.ckpt"
+    for path in (end, mid):
+        _fake_world_size(path, 2)  # as if written by two processes
+    with pytest.raises(ResumeRefused, match=r"world_size \(DDP processes\): 2 -> 1"):
+        run.train(compose_cfg(run_overrides(**BASE)), run_dir)
+    end.unlink()  # now the newest is mid-epoch
+    for mode in ("auto", "force"):
+        with pytest.raises(ResumeRefused) as refused:
+            run.train(compose_cfg(run_overrides(**BASE, trainer__resume=mode)), run_dir)
+        assert str(refused.value).startswith(
+            f"cannot resume from {mid}: it was written mid-epoch by 2 process(es), and this run "
+            "has 1; the samples each rank has already trained on this epoch cannot be re-derived")
+    shutil.copy(mid, end)  # an epoch-end checkpoint again (its content does not matter here)
+    blob = ckpt.load(end)
+    blob.update(consumed=0, epoch=1, step=4)
+    ckpt.save_atomic(blob, end)
+    with caplog.at_level(logging.WARNING):
+        results = run.train(compose_cfg(run_overrides(**BASE, trainer__resume="force")), run_dir)
+    assert "world_size (DDP processes): 2 -> 1" in caplog.text and results["steps"] == 4
+
+
+def test_keys_of_another_version_are_warned_about(run_dir: Path, run_overrides, compose_cfg,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A key the checkpoint's config lacks (added by a later videotrain) does not block."""
+    path = run_dir / "checkpoints" / "step-00000004.ckpt"
+    blob = ckpt.load(path)
+    lr_scaling = blob["config"]["optim"].pop("lr_scaling")
+    ckpt.save_atomic(blob, path)
+    with caplog.at_level(logging.WARNING):
+        results = run.train(compose_cfg(run_overrides(**BASE)), run_dir)
+    assert results["steps"] == 4
+    assert f"not compared with {path}: keys set in only one of the two configs" in caplog.text
+    assert f"  optim.lr_scaling: (not set) -> {lr_scaling}" in caplog.text

@@ -1,0 +1,123 @@
+"""Stopping cleanly when the job is told to: SIGTERM, SIGUSR1 and SIGUSR2.
+
+``StopSignals`` installs handlers for these signals while the trainer trains (``Trainer.fit``)
+and restores the previous ones afterwards. A handler only records the request; the trainer
+looks at it at every optimizer-step boundary (under DDP the ranks agree on it there, with an
+all-reduce), finishes nothing more, writes a checkpoint, and raises ``Preempted``, which ends
+the process with ``EXIT_PREEMPTED`` (75, ``EX_TEMPFAIL``: "try again later"). Re-running the
+same command resumes from that checkpoint.
+
+- A second signal while the trainer is stopping raises ``Interrupted`` at once (exit code
+  128 + the signal number, as if the signal had killed the process); checkpoints are written
+  atomically, so the last complete one stays loadable.
+- The previous handler is not lost: once the checkpoint is written, ``chain`` calls it (if it
+  is a Python function). Under submitit this is submitit's own handler, which requeues the job
+  on USR2 (its preemption / time-limit signal) and logs and ignores SIGTERM.
+- Handlers are installed from the main thread of the main process only. Forked children that
+  inherit them (DataLoader workers) ignore SIGUSR1/SIGUSR2 (a SLURM ``--signal`` reaches every
+  process of the job step; the main process stops the workers itself) and die on SIGTERM, as
+  they would without the handler (their parent uses SIGTERM to end stuck workers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75  # os.EX_TEMPFAIL
+SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class Preempted(SystemExit):
+    """Training stopped at an optimizer-step boundary on a signal, after writing a checkpoint.
+
+    A ``SystemExit`` (code ``EXIT_PREEMPTED``), so that it passes through Hydra, which turns
+    other exceptions into exit code 1, and ends the process with the documented code; code that
+    runs the trainer in-process can catch it.
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: str | Path | None) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+    def __str__(self) -> str:
+        return (f"stopped by {signal_name(self.signum)} after step {self.step}; checkpoint "
+                f"{self.checkpoint}; exit code {EXIT_PREEMPTED}")
+
+
+class Interrupted(SystemExit):
+    """A second stop signal while stopping: leave at once (exit code 128 + signal number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"{signal_name(self.signum)} again while stopping: exiting at once"
+
+
+class StopSignals:
+    """Context manager: handlers for ``SIGNALS`` while inside, the previous ones restored after.
+
+    ``requested`` is the first signal received (None before). Outside the main thread (where
+    Python cannot install handlers) it does nothing, and ``requested`` stays None.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = SIGNALS) -> None:
+        self.signals = signals
+        self.requested: int | None = None
+        self.previous: dict[int, Any] = {}
+        self._pid: int | None = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self.previous)
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("not in the main thread: no stop-signal handlers installed")
+            return self
+        self._pid = os.getpid()
+        for signum in self.signals:
+            self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, prev in self.previous.items():
+            signal.signal(signum, signal.SIG_DFL if prev is None else prev)
+        self.previous = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:  # a forked child (a DataLoader worker) inherited this
+            if signum == signal.SIGTERM:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        if self.requested is not None:
+            raise Interrupted(signum)
+        self.requested = signum
+
+    def previous_handler(self, signum: int) -> Any:
+        prev = self.previous.get(signum)
+        return prev if callable(prev) else None
+
+    def chain(self, signum: int) -> None:
+        """Call the handler ``signum`` had before ours, if it was a Python function (e.g.
+        submitit's, which requeues the job and exits). Its exceptions propagate."""
+        prev = self.previous_handler(signum)
+        if prev is not None:
+            prev(signum, None)

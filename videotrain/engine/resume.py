@@ -1,0 +1,151 @@
+"""Guarded resume: a checkpoint continues only the training it was written by.
+
+Every checkpoint records the run's resolved config (a plain dict). On resume it is compared
+with the current one, key by dotted key. Keys that do not change what is computed (listed in
+``MATH_NEUTRAL``: when to stop, what is logged, how often to checkpoint or validate, data
+loading parallelism, evaluation settings, the device) may change freely; any other difference,
+and a different number of DDP processes, refuses the resume with the keys and their old and new
+values, unless ``trainer.resume=force`` (then it is a warning). Keys set on one side only (added
+or removed by a videotrain update) are listed in a warning but do not block.
+
+``trainer.resume`` (``RESUME_MODES``): ``auto`` resumes from the newest checkpoint when there
+is one (guarded), ``force`` resumes whatever differs (but never mid-epoch under another world
+size, see ``world_size_problem``), ``false`` starts over (the previous checkpoints are set aside,
+not loaded).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RESUME_MODES = ("auto", "force", "false")
+
+# Dotted keys (or prefixes, ending in ".") that may differ between a checkpoint and the run
+# resuming it. trainer.max_epochs / max_steps move where training stops, and with it the end of
+# the cosine schedule (the trainer logs the change); the rest changes no computed value.
+MATH_NEUTRAL = (
+    "trainer.max_epochs", "trainer.max_steps", "trainer.progress", "trainer.log_every_n_steps",
+    "trainer.checkpoint_every_n_steps", "trainer.keep_last_k", "trainer.resume",
+    "trainer.val_every_n_epochs", "trainer.test_after_fit", "trainer.cpu_metered_steps",
+    "data.num_workers", "data.worker_timeout", "data.val_batch_size", "data.max_bad_fraction",
+    "logger.", "eval.", "checkpoint", "device",
+)
+
+ABSENT = object()
+
+
+def resume_mode(value: Any) -> str:
+    """``trainer.resume`` normalised to one of ``RESUME_MODES`` (YAML ``false`` is a bool,
+    ``true`` means ``auto``); a clear error naming the key otherwise."""
+    text = str(value).strip().lower()
+    text = "auto" if text == "true" else text
+    if text not in RESUME_MODES:
+        raise ValueError(f"trainer.resume must be one of auto, force, false; got {value!r}")
+    return text
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists are values (compared whole)."""
+    if not isinstance(cfg, dict) or (prefix and not cfg):
+        return {prefix: cfg}
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return {k.rstrip("."): v for k, v in out.items()}
+
+
+def is_neutral(key: str) -> bool:
+    return any(key == n or (n.endswith(".") and key.startswith(n)) for n in MATH_NEUTRAL)
+
+
+def config_diff(saved: dict | None, current: dict | None) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, current value)`` for every key that differs and is not neutral;
+    empty when either config is unknown. A key present on one side only has ``ABSENT`` there."""
+    if saved is None or current is None:
+        return []
+    old, new = flatten(saved), flatten(current)
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, ABSENT), new.get(key, ABSENT)
+        if not is_neutral(key) and not _equal(a, b):
+            diffs.append((key, a, b))
+    return diffs
+
+
+def one_sided(diffs: list[tuple[str, Any, Any]]) -> tuple[list, list]:
+    """``diffs`` split into (keys set on both sides, keys set on one side only). A key on one
+    side only comes from a videotrain version that added or removed it (a group switch also
+    changes ``_target_`` or ``name``, which are compared), so it does not block a resume."""
+    both = [d for d in diffs if d[1] is not ABSENT and d[2] is not ABSENT]
+    return both, [d for d in diffs if d[1] is ABSENT or d[2] is ABSENT]
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if a is ABSENT or b is ABSENT:
+        return a is b
+    if type(a) in (int, float) and type(b) in (int, float):  # 1 == 1.0, but not True == 1
+        return float(a) == float(b)
+    return type(a) is type(b) and a == b
+
+
+def show(value: Any) -> str:
+    if value is ABSENT:
+        return "(not set)"
+    if value is None:
+        return "null"
+    return str(value) if isinstance(value, str) else repr(value)
+
+
+def describe_diffs(diffs: list[tuple[str, Any, Any]]) -> str:
+    return "\n".join(f"  {key}: {show(a)} -> {show(b)}" for key, a, b in diffs)
+
+
+def world_size_problem(saved: int, current: int, consumed: int, path: str) -> str | None:
+    """Why a checkpoint written by ``saved`` processes cannot be resumed by ``current`` at
+    all, or None. Mid-epoch (``consumed`` > 0) the samples each rank has trained on this epoch
+    follow from the old sharding; under another world size the rest of the epoch would skip or
+    repeat samples, so not even ``trainer.resume=force`` resumes it."""
+    if saved == current or not consumed:
+        return None
+    return (f"cannot resume from {path}: it was written mid-epoch by {saved} process(es), and "
+            f"this run has {current}; the samples each rank has already trained on this epoch "
+            f"cannot be re-derived for another number of processes (the rest of the epoch would "
+            f"skip or repeat samples). Resume with {saved} process(es), or from a checkpoint "
+            "written at an epoch end (with trainer.resume=force, since the world size changes "
+            "the global batch)")
+
+
+def refusal(blob: dict[str, Any], path: str | Path, config: dict | None, world_size: int,
+            mode: str) -> str | None:
+    """Why the checkpoint ``blob`` (read from ``path``) may not be resumed by a run with
+    ``config`` on ``world_size`` processes under ``trainer.resume=mode``; None if it may.
+    Under ``force`` the differences are logged as a warning instead."""
+    saved_world = blob.get("world_size", 1)
+    hard = world_size_problem(saved_world, world_size, blob["consumed"], str(path))
+    if hard:
+        return hard
+    if blob.get("config") is None or config is None:
+        log.info("%s or this run records no config: resuming without comparing them", path)
+    diffs, added = one_sided(config_diff(blob.get("config"), config))
+    if added:
+        log.warning("not compared with %s: keys set in only one of the two configs (added or "
+                    "removed by a videotrain update, or with +key=...):\n%s", path,
+                    describe_diffs(added))
+    if saved_world != world_size:
+        diffs.append(("world_size (DDP processes)", saved_world, world_size))
+    if not diffs:
+        return None
+    if mode == "force":
+        log.warning("trainer.resume=force: resuming from %s although these settings that change "
+                    "training differ from the checkpoint's:\n%s", path, describe_diffs(diffs))
+        return None
+    keys = ", ".join(k for k, _, _ in diffs)
+    return (f"cannot resume from {path}: the config differs from the one it was written with "
+            f"in what changes training: {keys}\n{describe_diffs(diffs)}\n"
+            "Resume with the checkpoint's values, pass trainer.resume=force to continue with the "
+            "new ones, or trainer.resume=false to start over in this folder (another "
+            "hydra.run.dir starts a separate run).")

@@ -1,0 +1,84 @@
+"""``python -m videotrain.export checkpoint=PATH export.format=torch_export|onnx [export.out=FILE]``:
+write a trained model as a deployable graph that takes ``video (B, T, C, H, W)`` (normalized
+frames at the run's ``data.num_frames`` x ``data.crop_size``) and returns ``logits (B, K)``.
+
+What is exported is the evaluation forward: the model in eval mode, built as plain e2e (memory
+strategies change only training, so no SBP, checkpointing or memory=auto machinery is traced),
+every frame through the backbone at once (``eval.frame_chunk`` does not apply). The batch
+dimension is dynamic (``export.dynamic_batch``).
+
+* ``torch_export``: ``torch.export.export`` + ``torch.export.save`` -> ``.pt2``
+  (load with ``torch.export.load(path).module()``);
+* ``onnx``: ``torch.onnx.export(..., dynamo=True)`` -> ``.onnx``, input ``video``, output
+  ``logits``; needs the ``export`` extra (``pip install 'videotrain[export]'``: onnx,
+  onnxscript, onnxruntime).
+
+With ``export.check=true`` (default) the file is loaded back (ONNX: onnxruntime) and its logits
+compared with the eager model's on another batch size. A ``FILE.json`` beside it records the
+input shape, the normalization, the class names and that difference. The model and its run's
+config are found as by ``videotrain.predict`` / ``videotrain.eval``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from videotrain.build import CONFIG_DIR, clean_errors, validate
+from videotrain.engine.inference import (
+    SUFFIXES,
+    ExportSettings,
+    check_export,
+    export_metadata,
+    export_model,
+)
+from videotrain.predict import load_trained
+
+log = logging.getLogger(__name__)
+
+
+def export(cfg: DictConfig, overrides: list[str] | None = None,
+           out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Export ``cfg.checkpoint`` as ``cfg.export`` says; returns the metadata written beside it
+    (with ``path``)."""
+    settings = ExportSettings(**OmegaConf.to_container(cfg.export, resolve=True))
+    trained = load_trained(cfg, list(overrides or []), keep=("export",), device="cpu")
+    model = trained.model.cpu().eval()
+    model.eval_frame_chunk = None  # one backbone call over every frame: a static graph
+    d = trained.cfg.data
+    t, size = int(d.num_frames), int(d.crop_size)
+    example = torch.randn(settings.batch_size, t, 3, size, size,
+                          generator=torch.Generator().manual_seed(0))  # (B, T, C, H, W)
+    suffix = SUFFIXES[settings.format]
+    out = Path(settings.out).expanduser() if settings.out else Path(out_dir or ".") / f"model{suffix}"
+    log.info("exporting %s (%s) to %s: input (B, %d, 3, %d, %d), %d classes", trained.path,
+             settings.format, out, t, size, size, len(trained.class_names))
+    export_model(model, example, out, settings.format, settings.dynamic_batch, settings.opset)
+    diff = None
+    if settings.check:
+        diff = check_export(model, out, settings.format, example, settings.dynamic_batch)
+        log.info("exported model vs eager: max abs difference of the logits %.3g", diff)
+    meta = export_metadata(settings.format, t, size, trained.class_names, str(trained.path),
+                           settings.dynamic_batch, settings.batch_size, diff)
+    Path(f"{out}.json").write_text(json.dumps(meta, indent=2))
+    print(f"wrote {out} ({settings.format}; input video (B, {t}, 3, {size}, {size}) -> logits "
+          f"(B, {len(trained.class_names)}))", flush=True)
+    return {**meta, "path": str(out)}
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    with clean_errors():
+        export(validate(cfg), list(hc.overrides.task), hc.runtime.output_dir)
+
+
+if __name__ == "__main__":
+    main()
