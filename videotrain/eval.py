@@ -25,6 +25,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from videotrain.build import (
     CONFIG_DIR,
@@ -50,11 +51,13 @@ def find_run_config(checkpoint: Path) -> Path | None:
     return None
 
 
-def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str]) -> DictConfig:
+def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str],
+                    keep: tuple[str, ...] = ()) -> DictConfig:
     """``base`` with the parts named by command-line ``overrides`` (``data.root=...``,
-    ``model/backbone=resnet18``) taken from ``composed``, and ``eval``/``checkpoint`` always."""
+    ``model/backbone=resnet18``) taken from ``composed``, and ``eval``/``checkpoint`` and the
+    app's own nodes (``keep``) always."""
     out = OmegaConf.create(OmegaConf.to_container(base, resolve=True))
-    keys = ["eval", "checkpoint"]
+    keys = ["eval", "checkpoint", *keep]
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~").replace("/", ".")
         if not key.startswith("hydra"):
@@ -66,32 +69,49 @@ def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str]
     return out
 
 
-def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
-    """Load ``cfg.checkpoint`` into the configured model and run the multi-view evaluation."""
+def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict[str, Any]]:
+    """``cfg.checkpoint``'s path and contents, read with ``torch.load(weights_only=True)``
+    (``videotrain.engine.checkpoint.load``): a file that needs arbitrary unpickling is refused
+    (``UnsafeCheckpointError``) and nothing in it runs. Call it before reading any data."""
     if not cfg.get("checkpoint"):
         raise ValueError("checkpoint=PATH is required (e.g. checkpoint=outputs/.../checkpoints/last.ckpt)")
     path = Path(str(cfg.checkpoint)).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint: file not found: {path}")
-    # first, before any data is read: torch.load(weights_only=True), so a file that needs
-    # arbitrary unpickling is refused (UnsafeCheckpointError) and nothing in it runs
-    state = ckpt.load(path, map_location="cpu")
+    blob = ckpt.load(path, map_location="cpu")
+    if not isinstance(blob, dict):
+        raise ValueError(f"checkpoint {path} holds a {type(blob).__name__}, not a state dict or "
+                         "a videotrain checkpoint")
+    return path, blob
+
+
+def model_state(blob: dict[str, Any]) -> dict[str, Any]:
+    """The model's state dict in a videotrain checkpoint, or the plain state dict it is."""
+    return blob["model"] if "model" in blob else blob
+
+
+def load_trained_weights(model: nn.Module, blob: dict[str, Any], path: Path) -> None:
+    """The checkpoint's weights into ``model``, with its evaluation memory budget: the training
+    steps' measured peaks (``eval.frame_chunk=auto`` stays within what training needed)."""
+    peaks = blob.get("peaks") or []  # MB
+    if peaks:
+        model.eval_memory_budget = max(peaks[1:] or peaks) * 2**20
+    try:
+        model.load_state_dict(model_state(blob))
+    except RuntimeError as err:
+        raise ValueError(f"checkpoint {path} does not fit the configured model (model/backbone, "
+                         f"model/head and the number of classes must match training): {err}") from err
+
+
+def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
+    """Load ``cfg.checkpoint`` into the configured model and run the multi-view evaluation."""
+    path, blob = read_checkpoint(cfg)  # first, before any data is read
     device = resolve_device(cfg.device)
     precision = build_precision(cfg, device)
     settings = eval_settings(cfg)  # bad eval.* values fail before any data is read
     data, bad = build_eval_data(cfg, device)
     model = build_model(cfg, data.num_classes)
-    if not isinstance(state, dict):
-        raise ValueError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict or "
-                         "a videotrain checkpoint")
-    peaks = state.get("peaks") or []  # the training steps' measured peaks (MB)
-    if peaks:  # eval.frame_chunk=auto: stay within what training needed
-        model.eval_memory_budget = max(peaks[1:] or peaks) * 2**20
-    try:
-        model.load_state_dict(state["model"] if "model" in state else state)
-    except RuntimeError as err:
-        raise ValueError(f"checkpoint {path} does not fit the configured model (model/backbone, "
-                         f"model/head and the number of classes must match training): {err}") from err
+    load_trained_weights(model, blob, path)
     model.to(device)
     return multi_view_test(model, data, bad, settings, precision, device, out_dir,
                            max_bad_fraction=float(cfg.data.max_bad_fraction),

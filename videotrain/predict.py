@@ -39,7 +39,6 @@ from videotrain.build import (
 )
 from videotrain.data.dataset import BadVideo
 from videotrain.data.loaders import READER_OPTIONS, read_index, resolve_root
-from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.inference import (
     PredictSettings,
     ViewReader,
@@ -48,7 +47,13 @@ from videotrain.engine.inference import (
     predict_video,
     top_classes,
 )
-from videotrain.eval import apply_overrides, find_run_config
+from videotrain.eval import (
+    apply_overrides,
+    find_run_config,
+    load_trained_weights,
+    model_state,
+    read_checkpoint,
+)
 from videotrain.models.video import VideoClassifier
 
 log = logging.getLogger(__name__)
@@ -79,12 +84,7 @@ def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...],
         return cfg, None
     log.info("model and data settings from %s (overridden by the command line)",
              saved or f"the config stored in {path}")
-    out = apply_overrides(base, cfg, overrides)
-    for key in keep:
-        if key in cfg:
-            value = cfg[key]
-            value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-            OmegaConf.update(out, key, value, merge=False, force_add=True)
+    out = apply_overrides(base, cfg, overrides, keep)
     return out, (saved.parent if saved is not None else None)
 
 
@@ -120,15 +120,9 @@ def load_trained(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = 
                  device: str | None = None) -> Trained:
     """``cfg.checkpoint``'s model (evaluation mode, on ``device``, default ``cfg.device``) and
     its run's config."""
-    if not cfg.get("checkpoint"):
-        raise ValueError("checkpoint=PATH is required (e.g. checkpoint=outputs/.../checkpoints/last.ckpt)")
-    path = Path(str(cfg.checkpoint)).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint: file not found: {path}")
-    blob = ckpt.load(path)
+    path, blob = read_checkpoint(cfg)
     cfg, run_dir = run_config(cfg, overrides, keep, blob)
-    state = blob["model"] if "model" in blob else blob
-    num_classes = _num_classes(state, path)
+    num_classes = _num_classes(model_state(blob), path)
     with open_dict(cfg):
         # the checkpoint holds the weights, and the evaluation forward is the same under every
         # memory strategy: build plain e2e (no SBP / checkpoint wrappers, no memory=auto planning)
@@ -136,14 +130,7 @@ def load_trained(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = 
         cfg.model.pretrained_path = None
         cfg.memory = E2E
     model = build_model(cfg, num_classes)
-    peaks = blob.get("peaks") or []  # eval.frame_chunk=auto: stay within what training needed
-    if peaks:
-        model.eval_memory_budget = max(peaks[1:] or peaks) * 2**20
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        raise ValueError(f"checkpoint {path} does not fit the configured model (model/backbone, "
-                         f"model/head and the number of classes must match training): {err}") from err
+    load_trained_weights(model, blob, path)
     model.to(resolve_device(device or cfg.device)).eval()
     return Trained(cfg, model, class_names_of(cfg, run_dir, num_classes), blob, path)
 

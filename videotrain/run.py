@@ -66,17 +66,17 @@ def name_the_rank(err: Exception, ctx: DistContext, worker_timeout: float) -> Ex
     """Under DDP, say which rank failed: this rank's error goes into the process group's store,
     and a rank that gave up waiting in a collective names the ranks that reported a failure.
     A data-loader timeout becomes a message naming the rank and ``data.worker_timeout``."""
-    mine = f"rank {ctx.rank}: {type(err).__name__}: {err}".splitlines()[0]
-    if isinstance(err, RuntimeError) and "DataLoader timed out" in str(err):
-        mine = (f"rank {ctx.rank}: no batch from its data-loader workers within "
-                f"data.worker_timeout={worker_timeout:g} s (a video decode hangs, or the storage "
-                f"stalls): {err}")
+    timed_out = isinstance(err, RuntimeError) and "DataLoader timed out" in str(err)
+    mine = (f"rank {ctx.rank}: no batch from its data-loader workers within "
+            f"data.worker_timeout={worker_timeout:g} s (a video decode hangs, or the storage "
+            f"stalls): {err}" if timed_out
+            else f"rank {ctx.rank}: {type(err).__name__}: {err}".splitlines()[0])
     distributed.report_failure(ctx.rank, mine)
     peers = distributed.failed_peers(ctx.world_size, ctx.rank)
     if peers:
         failed = "; ".join(f"rank {r} failed ({m})" for r, m in sorted(peers.items()))
         return RuntimeError(f"rank {ctx.rank} stopped because {failed}; its own error: {err}")
-    return RuntimeError(mine) if mine.startswith(f"rank {ctx.rank}: no batch") else err
+    return RuntimeError(mine) if timed_out else err
 
 
 def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:

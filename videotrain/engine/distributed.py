@@ -256,6 +256,11 @@ class Comm:
         dist.all_gather_object(out, obj)
         return out
 
+    def from_main(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0, its result (or its exception) on every rank
+        (:func:`from_main_process`)."""
+        return from_main_process(fn) if self.active else fn()
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self.active:
             return obj

@@ -129,15 +129,8 @@ class TrainState:
     best_step: int = -1
 
 
-_RESUME_ERRORS = {cls.__name__: cls for cls in (
-    ckpt.CheckpointError, ckpt.UnsafeCheckpointError, ckpt.CorruptCheckpointError)}
-
-
 class ResumeRefused(ckpt.CheckpointError):
     """The checkpoint was written under a config (or world size) that trains differently."""
-
-
-_RESUME_ERRORS["ResumeRefused"] = ResumeRefused
 
 
 class Trainer:
@@ -248,24 +241,24 @@ class Trainer:
                 self._set_aside_previous_run()
             self.comm.barrier()
             return False
-        decision: dict[str, Any] = {"path": None, "error": None, "kind": None}
-        blob = None
-        if self.is_main:
+        loaded: list[dict[str, Any]] = []
+
+        def newest() -> str | None:  # rank 0's decision; its error is raised on every rank
             self.ckpts.clean_temporaries()
-            try:
-                found = self.ckpts.load_newest(map_location=self.device)
-                if found is not None:
-                    path, blob = found
-                    why = refusal(blob, path, self.config, self.comm.world_size, self.s.resume)
-                    decision.update(path=str(path), error=why, kind="ResumeRefused")
-            except ckpt.CheckpointError as err:
-                decision.update(error=str(err), kind=type(err).__name__)
-        decision = self.comm.broadcast(decision)
-        if decision["error"]:
-            raise _RESUME_ERRORS.get(decision["kind"], ckpt.CheckpointError)(decision["error"])
-        path = decision["path"]
+            found = self.ckpts.load_newest(map_location=self.device)
+            if found is None:
+                return None
+            path, blob = found
+            why = refusal(blob, path, self.config, self.comm.world_size, self.s.resume)
+            if why:
+                raise ResumeRefused(why)
+            loaded.append(blob)
+            return str(path)
+
+        path = self.comm.from_main(newest)
         if path is None:
             return False
+        blob = loaded[0] if loaded else None
         if blob is None:  # ranks other than 0 read the file rank 0 chose
             if not Path(path).is_file():
                 raise FileNotFoundError(f"rank {self.comm.rank} cannot read rank 0's checkpoint "

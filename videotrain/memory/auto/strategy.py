@@ -47,7 +47,13 @@ from videotrain.memory.auto.candidates import (
     reason,
     render_table,
 )
-from videotrain.memory.auto.predict import GIB, UNSEEN_FRAC, StepMemory, usable_bytes
+from videotrain.memory.auto.predict import (
+    CUDA_CONTEXT_GIB,
+    GIB,
+    UNSEEN_FRAC,
+    StepMemory,
+    usable_bytes,
+)
 from videotrain.memory.auto.predicted import INFEASIBLE, choose_predicted, predicted_candidates
 from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
 from videotrain.memory.base import FrameFeatures, MemoryStrategy
@@ -280,11 +286,9 @@ class AutoStrategy:
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.backbone.modules())
         self.candidates = predicted_candidates(num_frames, has_bn, self.checkpoint_fracs, self.options,
                                                self.lower_set_cap)
-        memories: dict[str, StepMemory] = {}
-
-        def run(c: Candidate) -> None:
+        def run(c: Candidate) -> StepMemory | None:
             try:
-                memories[c.name] = mem = predict(memory_node(c))
+                mem = predict(memory_node(c))
             except Exception as err:  # one candidate's failure must not stop the decision
                 text = str(err).splitlines()[0][:300]
                 infeasible = text.startswith(InfeasibleBudget.__name__ + ": ")
@@ -292,23 +296,23 @@ class AutoStrategy:
                           else f"its prediction failed: {text}")
                 if not infeasible:
                     log.warning("memory=auto: %s: %s", c.name, c.skip)
-                return
+                return None
             c.predicted_peak = max(mem.train_peak, mem.eval_peak or 0) - base
             c.extra.update({"predicted_train_peak_gb": round(mem.train_peak / GIB, 3),
                             "predicted_eval_peak_gb": round((mem.eval_peak or 0) / GIB, 3)})
+            return mem
 
-        e2e = self.candidates[0]
-        base = 0.0
-        run(e2e)  # what e2e holds between steps (weights, gradients, optimizer state) sets the scale
-        if e2e.name in memories:
-            held = memories[e2e.name]
+        e2e, base = self.candidates[0], 0.0
+        held = run(e2e)  # what e2e holds between steps (weights, gradients, optimizer state) sets the scale
+        if held is not None:
             base = held.held - held.batch
-            e2e.predicted_peak = max(held.train_peak, held.eval_peak or 0) - base
+            e2e.predicted_peak -= base
         # the trainer's scale: a step's peak over what is held between steps
         self.budget = usable / (1 + UNSEEN_FRAC) - base
         self.budget_source = (
             f"{source}: {usable / GIB:.2f} GiB for the allocator"
-            + (" (less 0.5 GiB of CUDA context)" if self.budget_gb is not None and target == "cuda" else "")
+            + (f" (less {CUDA_CONTEXT_GIB:g} GiB of CUDA context)" if self.budget_gb is not None
+               and target == "cuda" else "")
             + f", less {UNSEEN_FRAC:.0%} for workspaces and fragmentation, less {base / GIB:.2f} GiB "
             "held between steps (weights, gradients, optimizer state), predicted on fake tensors")
         self.mode = "predicted"
