@@ -55,10 +55,21 @@ def test_discovery_found_the_known_groups() -> None:
         assert option in GROUPS.get(group, []), (group, option)
 
 
+@pytest.fixture(scope="module")
+def finetune_source(compose_cfg, tmp_path_factory) -> Path:
+    """A 5-class state dict of the fine-tuning experiments' model (resnet50 + transformer head),
+    for their required ``model.init_from``: the tiny datasets have 4 classes, so the head is
+    re-initialised and the backbone loaded."""
+    cfg = compose_cfg(["+exp=ucf101_finetune", "model.init_from=unused", "data.root=unused"])
+    path = tmp_path_factory.mktemp("finetune") / "kinetics5.pt"
+    torch.save(builder.build_model(cfg, num_classes=5, init=False).state_dict(), path)
+    return path
+
+
 @pytest.fixture
-def tiny_cfg(compose_cfg, layout_root, isolated_env: Path, tiny_synthetic_overrides):
+def tiny_cfg(compose_cfg, layout_root, isolated_env: Path, tiny_synthetic_overrides, request):
     """Compose with a group choice, pointing the data at the tiny session dataset (written
-    in the layout the data config reads)."""
+    in the layout the data config reads), and giving what an experiment requires."""
 
     def _cfg(*overrides: str) -> DictConfig:
         # which dataset? only an experiment file needs composing to find out
@@ -68,6 +79,11 @@ def tiny_cfg(compose_cfg, layout_root, isolated_env: Path, tiny_synthetic_overri
             data = [f"data.root={isolated_env}", *tiny_synthetic_overrides]
         else:
             data = [f"data.root={layout_root(first.data.layout)}"]
+        try:
+            builder.check_required(first)
+        except ValueError as err:  # the fine-tuning experiments: model.init_from
+            assert "model.init_from is required" in str(err)
+            data.append(f"model.init_from={request.getfixturevalue('finetune_source')}")
         return compose_cfg([*overrides, *data])
 
     return _cfg

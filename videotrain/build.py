@@ -37,8 +37,10 @@ from videotrain.engine.distributed import SINGLE_PROCESS, DistContext
 from videotrain.engine.evaluate import EvalSettings
 from videotrain.engine.optim import build_optimizer, scaled_lr
 from videotrain.engine.precision import Precision
+from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.base import SelfPlanning
+from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier
 from videotrain.models.weights import load_backbone_weights
 
@@ -101,10 +103,32 @@ OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True, replac
 schema.register()  # the structured configs every YAML group composes onto
 
 
+def _required(what: str) -> Any:
+    raise ValueError(f"a required value is not set: {what}")
+
+
+# `key: ${required:WHAT}` in an experiment: the user must set `key` on the command line.
+# (A `???` cannot do this in an experiment: merged over the root's default, it is ignored.)
+OmegaConf.register_new_resolver("required", _required, replace=True)
+
+
+def check_required(cfg: DictConfig, prefix: str = "") -> None:
+    """Raise a ``ValueError`` naming every key still set to ``${required:...}``."""
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig):
+            check_required(node, f"{prefix}{key}.")
+        elif OmegaConf.is_interpolation(cfg, str(key)) and str(node._value()).startswith("${required:"):
+            what = str(node._value())[len("${required:"):-1].strip()
+            raise ValueError(f"{prefix}{key} is required here: {what} ({prefix}{key}=...)")
+
+
 def validate(cfg: DictConfig) -> DictConfig:
-    """Reject keys no schema has (``+trainer.max_epoch=3``), naming the nearest valid one; the
-    types were checked while composing. Every app calls it on the config it runs."""
+    """Reject keys no schema has (``+trainer.max_epoch=3``), naming the nearest valid one, and
+    keys an experiment requires that are not set; the types were checked while composing. Every
+    app calls it on the config it runs."""
     schema.check_keys(cfg)
+    check_required(cfg)
     return cfg
 
 
@@ -156,9 +180,16 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
     return Precision.from_config(cfg.trainer, device)
 
 
-def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False) -> VideoClassifier:
+def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
+                init: bool = True) -> VideoClassifier:
     """Backbone (``model/backbone``, with ``model.pretrained`` or ``model.pretrained_path``
-    weights), head (``model/head``) and strategy (``memory``).
+    weights), head (``model/head``) and strategy (``memory``); then ``model.init_from`` (a
+    trained video model's weights) and ``model.freeze_backbone`` (``videotrain.models.finetune``).
+
+    ``init=False`` skips every source of initial weights (``model.pretrained``,
+    ``model.pretrained_path``, ``model.init_from``): for commands that load a trained checkpoint
+    next (eval, predict, export) or read only the model's structure (plan), and which should
+    neither download nor need the files training started from.
 
     ``sync_bn`` converts BatchNorm layers to SyncBatchNorm *before* the strategy prepares the
     backbone, so that wrappers the strategy installs (checkpointed blocks) see the final layers.
@@ -166,8 +197,8 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False) -> Vid
     if cfg.model.get("pretrained_path") and cfg.model.get("pretrained"):
         raise ValueError("set at most one of model.pretrained (download) and "
                          "model.pretrained_path (a local file)")
-    backbone = instantiate(cfg.model.backbone, pretrained=cfg.model.get("pretrained"))
-    if cfg.model.get("pretrained_path"):  # local image weights (offline); see models/weights.py
+    backbone = instantiate(cfg.model.backbone, pretrained=cfg.model.get("pretrained") if init else None)
+    if init and cfg.model.get("pretrained_path"):  # local image weights (offline); see models/weights.py
         load_backbone_weights(backbone, str(cfg.model.pretrained_path))
     head = instantiate(cfg.model.head, in_dim=backbone.feature_dim, num_classes=num_classes)
     if sync_bn:
@@ -179,6 +210,16 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False) -> Vid
         head = nn.SyncBatchNorm.convert_sync_batchnorm(head)
     model = VideoClassifier(backbone, head, instantiate(cfg.memory))
     model.eval_frame_chunk = eval_settings(cfg).frame_chunk
+    if init and cfg.model.get("init_from"):  # fine-tuning from a trained video model
+        init_from(model, str(cfg.model.init_from))
+    if cfg.model.get("freeze_backbone"):
+        frozen = freeze_backbone(model)
+        log.info("model.freeze_backbone=true: %d backbone parameters frozen (BatchNorm statistics "
+                 "too); only the head trains", frozen)
+        if model.strategy.name != "e2e":
+            log.warning("model.freeze_backbone=true: memory=%s has nothing to save, since the "
+                        "backbone runs without autograd; memory=e2e does the same",
+                        model.strategy.name)
     return model
 
 
@@ -231,10 +272,19 @@ def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
             raise ValueError(f"data.{key} is required for data={cfg.data.name} (e.g. data.{key}=...)")
     d = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=True)
     assert isinstance(d, dict)
+    r = recipe_settings(cfg)  # the recipe's per-clip augmentations act in the training transform
     # every data key is a build_data argument (tests/test_configs.py checks it)
     return build_data(**{**d, "seed": cfg.seed, "rank": rank, "world_size": world_size,
+                         "randaugment": (r.randaugment_ops, r.randaugment_magnitude),
+                         "random_erasing": r.random_erasing,
                          "pin_memory": device.type == "cuda",
                          "shared": distributed.from_main_process if world_size > 1 else None, **extra})
+
+
+def recipe_settings(cfg: DictConfig) -> RecipeSettings:
+    """The ``recipe`` group (MixUp, CutMix, RandAugment, random erasing, EMA), checked."""
+    node = cfg.get("recipe")
+    return RecipeSettings(**OmegaConf.to_container(node, resolve=True)) if node is not None else RecipeSettings()
 
 
 def eval_settings(cfg: DictConfig) -> EvalSettings:
@@ -268,7 +318,11 @@ def optimizer_from_cfg(cfg: DictConfig, model: nn.Module,
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     optim.pop("lr_scaling", None)
     optim.pop("base_batch_size", None)
-    return build_optimizer(model, **{**optim, "lr": effective_lr(cfg, world_size)})
+    head_lr = optim.pop("head_lr", None)  # scaled with the global batch like optim.lr
+    if head_lr is not None:
+        head_lr = scaled_lr(head_lr, cfg.optim.get("lr_scaling", "none"),
+                            cfg.optim.get("base_batch_size"), global_batch_size(cfg, world_size))
+    return build_optimizer(model, **{**optim, "lr": effective_lr(cfg, world_size), "head_lr": head_lr})
 
 
 def trainer_settings(cfg: DictConfig) -> TrainerSettings:

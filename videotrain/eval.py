@@ -39,6 +39,7 @@ from videotrain.build import (
 )
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.evaluate import multi_view_test
+from videotrain.models.finetune import trained_state
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,9 @@ def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict[str, Any]]:
 
 
 def model_state(blob: dict[str, Any]) -> dict[str, Any]:
-    """The model's state dict in a videotrain checkpoint, or the plain state dict it is."""
-    return blob["model"] if "model" in blob else blob
+    """The weights a videotrain checkpoint ships (its EMA's when the run kept one, see
+    ``recipe.ema_decay``), or the plain state dict it is."""
+    return trained_state(blob)[0]
 
 
 def load_trained_weights(model: nn.Module, blob: dict[str, Any], path: Path) -> None:
@@ -96,8 +98,11 @@ def load_trained_weights(model: nn.Module, blob: dict[str, Any], path: Path) -> 
     peaks = blob.get("peaks") or []  # MB
     if peaks:
         model.eval_memory_budget = max(peaks[1:] or peaks) * 2**20
+    state, kind = trained_state(blob)
+    if kind == "EMA weights":
+        log.info("checkpoint %s: loading its EMA weights (the run's recipe.ema_decay)", path)
     try:
-        model.load_state_dict(model_state(blob))
+        model.load_state_dict(state)
     except RuntimeError as err:
         raise ValueError(f"checkpoint {path} does not fit the configured model (model/backbone, "
                          f"model/head and the number of classes must match training): {err}") from err
@@ -110,7 +115,7 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     precision = build_precision(cfg, device)
     settings = eval_settings(cfg)  # bad eval.* values fail before any data is read
     data, bad = build_eval_data(cfg, device)
-    model = build_model(cfg, data.num_classes)
+    model = build_model(cfg, data.num_classes, init=False)
     load_trained_weights(model, blob, path)
     model.to(device)
     return multi_view_test(model, data, bad, settings, precision, device, out_dir,

@@ -67,7 +67,7 @@ def strategy_from(cfg: DictConfig) -> Recompute:
 def make_report(cfg: DictConfig) -> dict[str, Any]:
     """The plan report for ``cfg`` (raises ``InfeasibleBudget`` with the smallest budget)."""
     num_classes = int(cfg.data.get("num_classes") or 2)
-    model = build_model(cfg, num_classes).train()
+    model = build_model(cfg, num_classes, init=False).train()
     d = cfg.data
     frames = torch.zeros(int(d.batch_size) * int(d.num_frames), 3, int(d.crop_size), int(d.crop_size))
     strategy = strategy_from(cfg)
@@ -87,11 +87,11 @@ def auto_report(cfg: DictConfig) -> dict[str, Any]:
     name = str(cfg.device)
     if OmegaConf.select(cfg, "memory.budget_gb") is not None:
         device = torch.device(name) if name.startswith("cuda") else resolve_device(name)
-        model = build_model(cfg, num_classes)  # stays on the CPU: only its structure is read
+        model = build_model(cfg, num_classes, init=False)  # stays on the CPU: only its structure is read
         return plan_memory(cfg, model, None, device, num_classes) or {}
     device = resolve_device(name)
     precision = build_precision(cfg, device)
-    model = build_model(cfg, num_classes).to(device)
+    model = build_model(cfg, num_classes, init=False).to(device)
     return plan_memory(cfg, model, precision, device, num_classes) or {}
 
 

@@ -126,10 +126,8 @@ def load_trained(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = 
     with open_dict(cfg):
         # the checkpoint holds the weights, and the evaluation forward is the same under every
         # memory strategy: build plain e2e (no SBP / checkpoint wrappers, no memory=auto planning)
-        cfg.model.pretrained = None
-        cfg.model.pretrained_path = None
         cfg.memory = E2E
-    model = build_model(cfg, num_classes)
+    model = build_model(cfg, num_classes, init=False)
     load_trained_weights(model, blob, path)
     model.to(resolve_device(device or cfg.device)).eval()
     return Trained(cfg, model, class_names_of(cfg, run_dir, num_classes), blob, path)
@@ -146,7 +144,8 @@ def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, An
     ev = eval_settings(cfg)
     d = cfg.data
     reader = ViewReader(int(d.num_frames), d.num_frames * d.sampling_rate / d.fps, int(d.short_side),
-                        int(d.crop_size), ev.clips, ev.crops)
+                        int(d.crop_size), ev.clips, ev.crops, decoder=str(d.get("decoder", "pyav")),
+                        sampler=str(d.get("sampler", "random")))  # runs from before these keys: defaults
     device = next(trained.model.parameters()).device
     precision = build_precision(cfg, device)
     source = Path(str(cfg.video)).expanduser()

@@ -25,6 +25,7 @@ from videotrain.build import (
     global_batch_size,
     optimizer_from_cfg,
     plan_memory,
+    recipe_settings,
     resolve_device,
     seed_everything,
     trainer_settings,
@@ -83,6 +84,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     comm = Comm(ctx)
     device = resolve_device(cfg.device, ctx)
     settings = trainer_settings(cfg)  # validate cheap settings before generating data
+    recipe = recipe_settings(cfg)
     precision = build_precision(cfg, device)
     sync_bn = use_sync_bn(cfg, ctx, device)
     global_batch, lr = global_batch_size(cfg, ctx.world_size), effective_lr(cfg, ctx.world_size)
@@ -105,7 +107,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     scheduler = warmup_cosine(optimizer, total_steps, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio)
     trainer = Trainer(model, optimizer, scheduler, data, precision, settings, out_dir,
                       MetricsLogger(out_dir, enabled=False), device, comm=comm, preflight_bad=bad,
-                      config=config)
+                      config=config, recipe=recipe)
     # resume (or refuse to) before anything of this run is written: a refused resume leaves the
     # run's config.yaml, metrics.jsonl and wandb run as they were
     trainer.maybe_resume()

@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from videotrain.data.loaders import READER_OPTIONS, build_data
 from videotrain.engine.evaluate import EvalSettings
 from videotrain.engine.inference import ExportSettings, PredictSettings
+from videotrain.engine.recipe import RecipeSettings
 from videotrain.memory.auto.strategy import AutoStrategy
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
@@ -122,6 +123,8 @@ class AdamWSchema:
        default_factory=lambda: [0.9, 0.999])
     lr_scaling: str = "none"
     base_batch_size: Optional[int] = 8  # noqa: UP045
+    layer_decay: Optional[float] = None  # noqa: UP045 (layer-wise LR decay; null = off)
+    head_lr: Optional[float] = None  # noqa: UP045 (null: optim.lr)
 
 
 @dataclass
@@ -132,6 +135,8 @@ class SGDSchema:
     momentum: float = 0.9
     lr_scaling: str = "none"
     base_batch_size: Optional[int] = 8  # noqa: UP045
+    layer_decay: Optional[float] = None  # noqa: UP045
+    head_lr: Optional[float] = None  # noqa: UP045
 
 
 @dataclass
@@ -158,6 +163,8 @@ class ModelSchema:
     head: Any = None
     pretrained: Any = None  # torchvision: null | DEFAULT | an enum name; timm: true | a tag
     pretrained_path: Optional[str] = None  # noqa: UP045 (local backbone weights, offline)
+    init_from: Optional[str] = None  # noqa: UP045 (a trained video model to fine-tune)
+    freeze_backbone: bool = False
 
 
 @dataclass
@@ -174,6 +181,7 @@ class RootSchema:
     eval: Any = None
     predict: Any = None
     export: Any = None
+    recipe: Any = None
     seed: int = 0
     deterministic: bool = False
     device: str = "auto"
@@ -184,7 +192,8 @@ class RootSchema:
 def _data_schema(reader_options: tuple[str, ...]) -> type:
     """``build_data``'s arguments with the options of one layout's reader (the others' left out)."""
     others = {o for opts in READER_OPTIONS.values() for o in opts} - set(reader_options)
-    internal = ("seed", "rank", "world_size", "pin_memory", "preflight_train", "shared")
+    internal = ("seed", "rank", "world_size", "pin_memory", "preflight_train", "shared",
+                "randaugment", "random_erasing")  # the last two: the recipe group's
     return schema_of(build_data, (*internal, *sorted(others)), target=False)
 
 
@@ -197,6 +206,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "eval": {"eval_schema": schema_of_dataclass(EvalSettings)},
     "predict": {"predict_schema": schema_of_dataclass(PredictSettings)},
     "export": {"export_schema": schema_of_dataclass(ExportSettings)},
+    "recipe": {"recipe_schema": schema_of_dataclass(RecipeSettings)},
     "data": {f"{name}_data_schema": _data_schema(options) for name, options in
              {**READER_OPTIONS, "synthetic": ()}.items()},
     "model/backbone": {"resnet_schema": schema_of(resnet, ("pretrained",)),

@@ -1,5 +1,6 @@
 """The PyAV clip decoder: the same frames as pytorchvideo's decoder, decoded with less work,
-and the files pytorchvideo handles badly (WebM without a stream duration, raw streams)."""
+and the files pytorchvideo handles badly (WebM without a stream duration, raw streams); frames
+by index for ``data.sampler=segment``."""
 
 from __future__ import annotations
 
@@ -155,3 +156,38 @@ def test_decoding_seeks_to_the_window_and_stops_after_it(tmp_path: Path) -> None
     with CountingVideoFile(str(path)) as v:  # overlapping windows share one pass
         v.clips([(2.0, 3.0), (1.5, 2.5), (2.5, 3.5)], 4)
         assert v.decoded == 26  # from the keyframe at 1.0 s to the frame at 3.5 s
+
+
+# ------------------------------------------------------- frames by index (data.sampler=segment)
+def test_frame_count_comes_from_the_packets(video: Path, tmp_path: Path) -> None:
+    """WebM headers carry no frame count and a truncated AVI's overstates it: count packets."""
+    with VideoFile(str(video)) as v:
+        assert v.frame_count() == 40
+    cut = tmp_path / f"cut{video.suffix}"
+    cut.write_bytes(video.read_bytes()[: video.stat().st_size // 2])
+    if video.suffix != ".mp4":  # a cut MP4 loses its index (at the end) and does not open
+        with av.open(str(cut)) as c:
+            header = c.streams.video[0].frames
+        with VideoFile(str(cut)) as v:
+            n = v.frame_count()
+            assert 0 < n < 40 and header in (0, 40)
+            assert v.frames_at([[n - 1, n + 5]])[0].shape == (2, 32, 32, 3)  # past the end: last
+
+
+def test_frames_at_indices_are_the_stream_frames(video: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with VideoFile(str(video)) as v:
+        everything = v.clips([(0.0, 4.0)], 40)[0]  # all 40 frames, in order
+    converted = []
+    real = av.VideoFrame.to_ndarray
+
+    def counting(self, *args, **kwargs):
+        converted.append(self.pts)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(av.VideoFrame, "to_ndarray", counting)
+    with VideoFile(str(video)) as v:
+        v.frame_count()  # then decoding starts over from the first frame
+        clips = v.frames_at([[2, 7, 12, 37], [37, 0, 0]])
+    assert np.array_equal(clips[0], everything[[2, 7, 12, 37]])
+    assert np.array_equal(clips[1], everything[[37, 0, 0]])
+    assert len(converted) == 5  # each distinct chosen frame once

@@ -66,10 +66,12 @@ def test_param_groups_and_optimizer_choice() -> None:
     head.cls = nn.Parameter(torch.zeros(1, 1, 4))
     head.pos = nn.Embedding(8, 4)
     model = nn.ModuleDict({"lin": nn.Linear(3, 4), "norm": nn.LayerNorm(4), "head": head})
-    decay, no_decay = param_groups(model, 0.05)
-    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
-    assert [p.shape for p in decay["params"]] == [torch.Size([4, 3])]  # only the matrix decays
-    assert len(no_decay["params"]) == 5  # bias, norm weight and bias, cls token, positions
+    groups = param_groups(model, 0.05, lr=1e-3)
+    decay = [p for g in groups if g["weight_decay"] == 0.05 for p in g["params"]]
+    no_decay = [p for g in groups if g["weight_decay"] == 0.0 for p in g["params"]]
+    assert [p.shape for p in decay] == [torch.Size([4, 3])]  # only the matrix decays
+    assert len(no_decay) == 5  # bias, norm weight and bias, cls token, positions
+    assert {g["lr"] for g in groups} == {1e-3}
     assert isinstance(build_optimizer(model, "adamw", 1e-3, 0.05), torch.optim.AdamW)
     sgd = build_optimizer(model, "sgd", 0.1, momentum=0.9)
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["nesterov"]

@@ -1,13 +1,15 @@
-"""A map-style clip dataset over ``LabeledVideoPaths``: pytorchvideo's clip samplers choose the
-windows, ``videotrain.data.decode`` (PyAV) decodes them.
+"""A map-style clip dataset over ``LabeledVideoPaths``: ``videotrain.data.clip_sampling`` chooses the
+frames (``data.sampler``: random time windows, or TSN segments), ``videotrain.data.decode``
+(PyAV) or ``decode_torchcodec`` (``data.decoder``) decodes them.
 
 Why map-style: pytorchvideo's ``LabeledVideoDataset`` is an ``IterableDataset``, so an epoch's
 length depends on ``num_workers`` (pytorchvideo #102) and a ``DistributedSampler`` cannot
 shard it. Here the sampler owns the order, and the loader can be resumed mid-epoch.
 
 Why per-sample seeds: each item is addressed by a ``SampleKey(index, epoch)``, and all of its
-randomness (clip start, crop, flip) comes from a seed derived from ``(seed, epoch, index)``.
-The same step therefore sees the same pixels whatever the worker count and after a resume.
+randomness (clip start or segment frames, crop, flip) comes from a seed derived from
+``(seed, epoch, index)``. The same step therefore sees the same pixels whatever the worker
+count and after a resume.
 
 Why a ``skipped`` field: a broken video is replaced by another one (so batch size and epoch
 length stay fixed), and the item reports the broken path. Workers are separate processes, so
@@ -22,10 +24,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from pytorchvideo.data.clip_sampling import ConstantClipsPerVideoSampler, RandomClipSampler
 
 from videotrain.data.annotations import VideoIndex
-from videotrain.data.decode import VideoFile, uniform_indices
+from videotrain.data.decode import check_decoder, open_video, uniform_indices
+from videotrain.data.decode_torchcodec import DecoderUnavailable
+from videotrain.data.clip_sampling import check_sampler, clip_windows, segment_indices
 
 __all__ = ["BadVideo", "SampleKey", "VideoClipDataset", "collate", "uniform_indices"]
 
@@ -45,7 +48,9 @@ class VideoClipDataset(torch.utils.data.Dataset):
     """Returns ``{"video": (V, T, C, H, W) or (T, C, H, W), "label", "index", "skipped"}``.
 
     Training items are one random clip; evaluation items stack ``clips x crops`` views
-    (``V``), uniformly spaced in time, for video-level aggregation.
+    (``V``), uniformly spaced in time, for video-level aggregation. ``sampler`` and ``decoder``
+    are ``data.sampler`` (``random`` | ``segment``) and ``data.decoder`` (``pyav`` |
+    ``torchcodec``); an unknown name, or torchcodec not installed, fails here.
     """
 
     def __init__(
@@ -58,7 +63,12 @@ class VideoClipDataset(torch.utils.data.Dataset):
         num_clips: int = 1,
         seed: int = 0,
         max_retries: int = 20,
+        decoder: str = "pyav",
+        sampler: str = "random",
     ) -> None:
+        check_decoder(decoder)
+        check_sampler(sampler)
+        self.decoder, self.sampler = decoder, sampler
         self.index = index
         self.num_frames = num_frames
         self.clip_duration = clip_duration
@@ -74,18 +84,20 @@ class VideoClipDataset(torch.utils.data.Dataset):
     def _decode(self, path: str) -> list[torch.Tensor]:
         """Decode the clips of one video: a list of uint8 ``(T, C, H, W)`` tensors."""
         try:
-            video = VideoFile(path)
+            video = open_video(path, self.decoder)
+        except DecoderUnavailable:
+            raise  # a setup error, not a bad video
         except Exception as err:  # missing, empty, not a container, no video stream, ...
             raise BadVideo(f"{path}: cannot open ({type(err).__name__}: {err})") from err
         try:
-            duration = video.duration if video.duration is not None else video.measure_duration()
-            if self.train:
-                infos = [RandomClipSampler(self.clip_duration)(0.0, duration, {})]
-            else:
-                sampler = ConstantClipsPerVideoSampler(self.clip_duration, self.num_clips)
-                infos = [sampler(0.0, duration, {}) for _ in range(self.num_clips)]
-            windows = [(float(i.clip_start_sec), float(i.clip_end_sec)) for i in infos]
-            clips = video.clips(windows, self.num_frames)  # each (T, H, W, C) uint8
+            clips_per_video = 1 if self.train else self.num_clips
+            if self.sampler == "segment":  # T frames spread over the whole video
+                picks = segment_indices(video.frame_count(), self.num_frames, self.train, clips_per_video)
+                clips = video.frames_at([p.tolist() for p in picks])  # each (T, H, W, C) uint8
+            else:  # T frames of a window of clip_duration seconds
+                duration = video.duration if video.duration is not None else video.measure_duration()
+                windows = clip_windows(duration, self.clip_duration, self.train, clips_per_video)
+                clips = video.clips(windows, self.num_frames)  # each (T, H, W, C) uint8
             return [torch.from_numpy(c).permute(0, 3, 1, 2) for c in clips]  # (T, C, H, W)
         except Exception as err:  # truncated stream, decoder error, no frames, ...
             raise BadVideo(f"{path}: cannot decode ({type(err).__name__}: {err})") from err

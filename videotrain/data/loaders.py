@@ -16,7 +16,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from videotrain.data import annotations
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
+from videotrain.data.decode import check_decoder
 from videotrain.data.layouts import default_cache_root, ensure_synthetic
+from videotrain.data.clip_sampling import check_sampler
 from videotrain.data.split_files import hmdb51_index, ucf101_index
 from videotrain.data.ssv2 import ssv2_index
 from videotrain.data.transforms import eval_transform, train_transform
@@ -214,6 +216,10 @@ def build_data(
     labels_file: str | None = None,
     video_ext: str | None = None,
     worker_timeout: float = 0,
+    decoder: str = "pyav",
+    sampler: str = "random",
+    randaugment: tuple[int, int] = (0, 9),
+    random_erasing: float = 0.0,
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
@@ -226,6 +232,10 @@ def build_data(
     ``fold`` ... ``video_ext`` are reader options (see ``READER_OPTIONS``; None = the reader's
     default). ``worker_timeout`` (seconds, 0 = none) bounds the wait for one batch from the
     worker processes, so a decoder that never returns fails the run instead of hanging it.
+    ``decoder`` (``pyav`` | ``torchcodec``) reads the videos; ``sampler`` (``random`` time
+    windows | ``segment``, TSN's one frame per segment of the whole video) picks their frames.
+    ``randaugment`` (ops, magnitude; 0 ops = off) and ``random_erasing`` (probability) are the
+    recipe's per-clip augmentations (``recipe.*``, not data keys).
     ``preflight_train=False`` skips stat-ing the training files (evaluation only reads val).
     ``shared(fn)`` runs ``fn`` once and gives every process its result: under DDP only rank 0
     stats the files and the others receive the list (a dataset of 240k files stat-ed by every
@@ -236,6 +246,8 @@ def build_data(
                    labels_file=labels_file, video_ext=video_ext)
     if worker_timeout < 0:
         raise ValueError(f"data.worker_timeout must be >= 0 seconds, got {worker_timeout}")
+    check_decoder(decoder)  # before the files are read: a wrong name or a missing extra
+    check_sampler(sampler)
     path = resolve_root(name, root, synthetic, layout)
     train_index = read_index(layout, path, "train", num_classes, options)
     val_index = read_index(layout, path, "val", num_classes or len(train_index.class_names), options)
@@ -254,11 +266,14 @@ def build_data(
     clip_duration = num_frames * sampling_rate / fps  # seconds of video one clip spans
     train_ds = VideoClipDataset(
         train_index, num_frames, clip_duration,
-        train_transform(short_side, crop_size, tuple(train_scale), hflip), train=True, seed=seed,
+        train_transform(short_side, crop_size, tuple(train_scale), hflip,
+                        randaugment=tuple(randaugment), random_erasing=random_erasing), train=True, seed=seed,
+        decoder=decoder, sampler=sampler,
     )
     val_ds = VideoClipDataset(
         val_index, num_frames, clip_duration,
         eval_transform(short_side, crop_size, val_crops), train=False, num_clips=val_clips, seed=seed,
+        decoder=decoder, sampler=sampler,
     )
     train_sampler = ResumableSampler(train_ds, shuffle=True, seed=seed, rank=rank,
                                      world_size=world_size, drop_last=True)

@@ -23,10 +23,16 @@ def train_transform(
     hflip: bool = True,
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
+    randaugment: tuple[int, int] = (0, 9),
+    random_erasing: float = 0.0,
 ) -> v2.Compose:
-    """Short-side scale, random resized crop, optional flip, normalize -> (T, C, crop, crop).
+    """Short-side scale, random resized crop, optional flip, RandAugment, normalize, random
+    erasing -> (T, C, crop, crop).
 
     ``hflip`` must be off when left/right is part of the label (the synthetic task).
+    ``randaugment``: (ops per clip, magnitude of 31 bins); 0 ops = off. ``random_erasing``: the
+    probability of erasing one box. Both draw one set of parameters per clip, applied to every
+    frame (the clip is one ``tv_tensors.Video``), so augmentation never flickers in time.
     """
     steps: list[v2.Transform] = [
         v2.Resize(short_side, antialias=True),
@@ -34,7 +40,12 @@ def train_transform(
     ]
     if hflip:
         steps.append(v2.RandomHorizontalFlip())
+    ops, magnitude = randaugment
+    if ops > 0:
+        steps.append(v2.RandAugment(num_ops=ops, magnitude=magnitude))  # on uint8 frames
     steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]
+    if random_erasing > 0:
+        steps.append(v2.RandomErasing(p=random_erasing, value=0))  # 0: the mean, once normalized
     return v2.Compose([v2.Lambda(_as_video), *steps, v2.Lambda(_as_plain)])
 
 

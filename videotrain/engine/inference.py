@@ -85,15 +85,16 @@ def list_videos(path: Path) -> list[Path]:
 
 class ViewReader:
     """Decodes one file into the evaluation's views ``(clips * crops, T, C, H, W)``, through the
-    evaluation dataset's own decoding, clip sampling and transform. Raises ``BadVideo`` (naming
-    the file) for a missing, empty or corrupt video."""
+    evaluation dataset's own decoding, clip sampling and transform (``decoder``, ``sampler``:
+    the run's ``data.decoder``, ``data.sampler``). Raises ``BadVideo`` (naming the file) for a
+    missing, empty or corrupt video."""
 
     def __init__(self, num_frames: int, clip_duration: float, short_side: int, crop_size: int,
-                 clips: int, crops: int) -> None:
+                 clips: int, crops: int, decoder: str = "pyav", sampler: str = "random") -> None:
         nothing = VideoIndex(LabeledVideoPaths([]), [], "predict")  # files come one by one
         self.dataset = VideoClipDataset(
             nothing, num_frames, clip_duration, eval_transform(short_side, crop_size, crops),
-            train=False, num_clips=clips)
+            train=False, num_clips=clips, decoder=decoder, sampler=sampler)
 
     def __call__(self, path: Path) -> torch.Tensor:
         return self.dataset.decode_views(str(path))  # (V, T, C, H, W)

@@ -9,21 +9,87 @@ import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases, norm weights and embeddings (1-D params and tokens)."""
-    decay, no_decay = [], []
+def _no_decay(name: str, p: nn.Parameter) -> bool:
+    """Biases, norm weights and embeddings (1-D params and tokens) get no weight decay."""
+    return p.ndim <= 1 or name.endswith((".cls", "pos.weight", "cls_token", "pos_embed",
+                                         "class_token", "pos_embedding"))
+
+
+def backbone_layers(backbone: nn.Module) -> tuple[dict[str, int], int]:
+    """Layer ids for layer-wise LR decay: ``({parameter name: id}, number of layers)``.
+
+    Built from the backbone contract's ``blocks()`` (execution order): blocks that share a
+    parent module are one layer (a CNN's stages: ``layer1`` ... ``layer4``, ``stages.0`` ...),
+    and where all blocks share one parent each block is its own layer (a transformer's
+    encoder blocks). Parameters before the first block (stem, patch and position embeddings)
+    are layer 0; those between blocks (a ConvNeXt stage's downsampling) join the next block's
+    layer; those after the last (the final norm) belong with the head (layer n + 1).
+    """
+    names = {id(m): n for n, m in backbone.named_modules()}
+    blocks = [names[id(b)] for b in backbone.blocks()]
+    parents = [n.rsplit(".", 1)[0] if "." in n else "" for n in blocks]
+    per_block = len(set(parents)) == 1
+    ids: dict[str, int] = {}
+    layer = 0
+    for i, name in enumerate(blocks):
+        if i == 0 or per_block or parents[i] != parents[i - 1]:
+            layer += 1
+        ids[name] = layer
+    out: dict[str, int] = {}
+    pending: list[str] = []  # outside every block: they join the next block's layer
+    seen_block = False
+    for pname, _ in backbone.named_parameters():
+        owner = next((b for b in blocks if pname.startswith(b + ".")), None)
+        if owner is None:
+            pending.append(pname)
+            continue
+        out.update({p: ids[owner] if seen_block else 0 for p in pending})
+        out[pname], seen_block, pending = ids[owner], True, []
+    out.update({p: layer + 1 for p in pending})
+    return out, layer
+
+
+def param_groups(model: nn.Module, weight_decay: float, lr: float, layer_decay: float | None = None,
+                 head_lr: float | None = None) -> list[dict]:
+    """Parameter groups with their own ``lr``: weight decay off for 1-D params and tokens;
+    with ``layer_decay`` (``optim.layer_decay``) the backbone's layer ``i`` of ``n`` trains at
+    ``lr * layer_decay ** (n + 1 - i)`` (BEiT/VideoMAE's layer-wise decay); the head trains at
+    ``head_lr`` (``optim.head_lr``; None: ``lr``). A model without ``backbone``/``head``
+    attributes gets the two plain groups."""
+    if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
+        raise ValueError(f"optim.layer_decay must be in (0, 1] or null, got {layer_decay}")
+    backbone, head = getattr(model, "backbone", None), getattr(model, "head", None)
+    layers, n = ({}, 0)
+    if layer_decay is not None and backbone is not None and hasattr(backbone, "blocks"):
+        layers, n = backbone_layers(backbone)
+    groups: dict[tuple[str, float, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim <= 1 or name.endswith((".cls", "pos.weight")) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        part_lr = lr
+        if head is not None and name.startswith("head."):
+            part_lr = lr if head_lr is None else head_lr
+            where = "head"
+        elif name.startswith("backbone.") and name[len("backbone."):] in layers:
+            layer = layers[name[len("backbone."):]]
+            part_lr = lr * layer_decay ** (n + 1 - layer)
+            where = f"backbone.layer{layer}"
+        else:
+            where = "backbone" if name.startswith("backbone.") else "other"
+        groups.setdefault((where, part_lr, _no_decay(name, p)), []).append(p)
+    return [{"params": ps, "lr": g_lr, "weight_decay": 0.0 if nd else weight_decay,
+             "name": f"{where}{'/no_decay' if nd else ''}"}
+            for (where, g_lr, nd), ps in groups.items()]
 
 
 def build_optimizer(
     model: nn.Module, name: str, lr: float, weight_decay: float = 0.0,
     momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999),
+    layer_decay: float | None = None, head_lr: float | None = None,
 ) -> torch.optim.Optimizer:
-    groups = param_groups(model, weight_decay)
+    groups = param_groups(model, weight_decay, lr, layer_decay, head_lr)
+    if not groups:
+        raise ValueError("no parameter requires a gradient: nothing to train")
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
     if name == "sgd":

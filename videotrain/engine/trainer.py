@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from videotrain.data.loaders import DataBundle, check_bad_fraction
@@ -57,6 +56,7 @@ from videotrain.engine.distributed import Comm
 from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
 from videotrain.engine.preempt import EXIT_PREEMPTED, Preempted, StopSignals, signal_name
+from videotrain.engine.recipe import BatchMix, RecipeSettings, WeightEMA, soft_target_loss
 from videotrain.engine.resume import refusal, resume_mode
 from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger
@@ -155,6 +155,7 @@ class Trainer:
         comm: Comm | None = None,
         preflight_bad: list[str] | None = None,
         config: dict[str, Any] | None = None,
+        recipe: RecipeSettings | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data, self.precision, self.s = data, precision, settings
@@ -179,6 +180,10 @@ class Trainer:
         self.epoch_samples = self.steps_per_epoch * settings.grad_accum * data.train.batch_size
         # clips per optimizer step over all ranks: what the learning rate sees
         self.global_batch_size = data.train.batch_size * settings.grad_accum * self.comm.world_size
+        # the recipe's batch-level parts (videotrain.engine.recipe): MixUp / CutMix, weight EMA
+        recipe = recipe or RecipeSettings()
+        self.mix = BatchMix(recipe, data.num_classes) if recipe.mixes else None
+        self.ema = WeightEMA(self.module, recipe.ema_decay) if recipe.ema_decay else None
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -224,6 +229,9 @@ class Trainer:
             "best_step": st.best_step,
             "config": self.config,
         }
+        if self.ema is not None:  # what eval, predict, export and model.init_from load
+            blob["ema_model"] = self.ema.state_dict()
+            blob["ema_updates"] = self.ema.num_updates
         self._last_path = self.ckpts.save(blob, st.step, best=best)
         return self._last_path
 
@@ -282,6 +290,12 @@ class Trainer:
         self.scheduler.load_state_dict(blob["scheduler"])
         self.precision.scaler.load_state_dict(blob["scaler"])
         self.strategy.load_state_dict(blob["strategy"])
+        if self.ema is not None:
+            if "ema_model" in blob:
+                self.ema.load(blob["ema_model"], int(blob["ema_updates"]))
+            else:  # a guarded resume refuses this; trainer.resume=force restarts the average
+                log.warning("the checkpoint has no EMA weights (recipe.ema_decay was off): the "
+                            "EMA starts from the resumed weights")
         # the loaders draw worker seeds from their own generators, not the global RNG, so the
         # restored state is exactly where the uninterrupted run was at this step; each rank
         # takes its own (dropout masks differ per rank), or rank 0's if the world size changed
@@ -382,9 +396,12 @@ class Trainer:
         return nullcontext() if last_micro or no_sync is None else no_sync()
 
     def _loss(self, video: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets: torch.Tensor = labels  # (B,) class indices, or (B, K) probabilities when mixed
+        if self.mix is not None:
+            video, targets = self.mix(video, labels)
         with self.precision.autocast():
             logits = self.model(video)  # (B, K)
-        return F.cross_entropy(logits.float(), labels, label_smoothing=self.s.label_smoothing)
+        return soft_target_loss(logits, targets, self.s.label_smoothing)
 
     def _optimizer_step(self) -> float | None:
         scaler = self.precision.scaler
@@ -441,6 +458,8 @@ class Trainer:
                 t_data = time.perf_counter()
                 continue
             grad_norm = self._optimizer_step()
+            if self.ema is not None:
+                self.ema.update(self.module)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             st.step_times.append(time.perf_counter() - t_step - waited_in_step)
@@ -458,7 +477,7 @@ class Trainer:
                 mean = self.comm.reduce({"train_loss": train_loss}, "mean")
                 slowest = self.comm.reduce({"step_time_s": st.step_times[-1],
                                             "data_wait_s": data_wait, "peak_mem_mb": peak}, "max")
-                row = {**mean, "lr": self.scheduler.get_last_lr()[0], "epoch": st.epoch,
+                row = {**mean, "lr": max(self.scheduler.get_last_lr()), "epoch": st.epoch,
                        **slowest, "skipped_videos": len(st.skipped)}
                 if grad_norm is not None:
                     row["grad_norm"] = grad_norm
@@ -500,22 +519,34 @@ class Trainer:
         return peak
 
     def validate(self) -> dict[str, float]:
+        """Validate the model (``val_*``) and, with ``recipe.ema_decay``, its EMA
+        (``val_ema_*``). best.ckpt follows val top-1 of the weights the run ships: the EMA's
+        when there is one, else the model's."""
         self.comm.sync_buffers(self.module)
         peak = self.train_peak_mb()
-        if peak is not None:  # evaluation (eval.frame_chunk=auto) stays within training's peak
-            self.module.eval_memory_budget = peak * 2**20
-        metrics = evaluate(self.module, self.data.val, self.precision, self.device,
+        models = {"val": self.module}
+        if self.ema is not None:
+            self.comm.sync_buffers(self.ema.module)
+            models["val_ema"] = self.ema.module
+        metrics: dict[str, float] = {}
+        for prefix, model in models.items():
+            if peak is not None:  # evaluation (eval.frame_chunk=auto) stays within training's peak
+                model.eval_memory_budget = peak * 2**20
+            got = evaluate(model, self.data.val, self.precision, self.device,
                            progress=self.s.progress and self.is_main, num_classes=self.data.num_classes,
                            on_skipped=lambda p: self._note_skipped(p, self.data.val.dataset, "val split"))
+            metrics.update({prefix + k[len("val"):]: v for k, v in got.items()})
         st = self.state
         st.last_val, st.val_step = metrics, st.step
-        if metrics["val_top1"] is not None and metrics["val_top1"] > st.best_top1:
-            st.best_top1, st.best_step = metrics["val_top1"], st.step
+        shipped = metrics["val_ema_top1" if self.ema is not None else "val_top1"]
+        if shipped is not None and shipped > st.best_top1:
+            st.best_top1, st.best_step = shipped, st.step
             self._best_pending = True  # the save that follows writes best.ckpt
         self.logger.log({**metrics, "epoch": self.state.epoch}, self.state.step)
         if self.is_main:
-            log.info("step %d epoch %d: val top1 %.3f top5 %.3f (clip top1 %.3f)", self.state.step,
-                     self.state.epoch, metrics["val_top1"], metrics["val_top5"], metrics["val_clip_top1"])
+            log.info("step %d epoch %d: val top1 %.3f top5 %.3f (clip top1 %.3f)%s", st.step,
+                     st.epoch, metrics["val_top1"], metrics["val_top5"], metrics["val_clip_top1"],
+                     f"; EMA top1 {metrics['val_ema_top1']:.3f}" if self.ema is not None else "")
         return metrics
 
     def fit(self) -> dict[str, Any]:

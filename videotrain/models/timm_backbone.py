@@ -153,6 +153,7 @@ def timm_backbone(
     name: str,
     pretrained: bool | str | None = None,
     dynamic_img_size: bool = True,
+    drop_path_rate: float = 0.0,
     kwargs: Mapping[str, Any] | None = None,
 ) -> TimmBackbone:
     """timm model ``name`` as a per-frame backbone.
@@ -160,17 +161,23 @@ def timm_backbone(
     ``pretrained``: None/False (from scratch); True or ``"DEFAULT"`` (timm's default weights for
     ``name``); any other string is a timm pretrained tag (``name.TAG``, e.g. ``"augreg_in21k"``).
     ``dynamic_img_size``: build ViT-family models for any input size (ignored by models without
-    the option, and when ``kwargs`` fixes ``img_size``). ``kwargs``: more ``timm.create_model``
-    arguments (``drop_path_rate``, ``depth``, ``embed_dim``, ...).
+    the option, and when ``kwargs`` fixes ``img_size``). ``drop_path_rate``: stochastic depth
+    (the recipe's drop-path), drawn per frame, since the backbone sees a clip's frames as a batch
+    of images. ``kwargs``: more ``timm.create_model`` arguments (``depth``, ``embed_dim``, ...).
     """
     timm = _timm()
     if not name:
         raise ValueError("model.backbone.name: a timm model name is required (e.g. resnet18, "
                          "convnext_atto, vit_tiny_patch16_224; timm.list_models() lists them)")
     kwargs = dict(kwargs or {})
-    for reserved in ("num_classes", "pretrained"):
+    for reserved, key in (("num_classes", "videotrain"), ("pretrained", "model.pretrained"),
+                          ("drop_path_rate", "model.backbone.drop_path_rate")):
         if reserved in kwargs:
-            raise ValueError(f"model.backbone.kwargs.{reserved} is set by videotrain; remove it")
+            raise ValueError(f"model.backbone.kwargs.{reserved} is set by {key}; remove it")
+    if not 0.0 <= drop_path_rate < 1.0:
+        raise ValueError(f"model.backbone.drop_path_rate must be in [0, 1), got {drop_path_rate}")
+    if drop_path_rate:
+        kwargs["drop_path_rate"] = drop_path_rate
     base = name.split(".", 1)[0]
     if not timm.is_model(base):
         close = timm.list_models(f"*{base[:6]}*")[:8]

@@ -32,6 +32,15 @@ class VideoClassifier(nn.Module):
         self.eval_frame_chunk: int | str | None = None
         self.eval_memory_budget: float | None = None
         self._chunks: dict[tuple, int] = {}  # (video shape, dtype, device, budget) -> chunk
+        # model.freeze_backbone (videotrain.models.finetune): the backbone runs without autograd
+        # and in eval mode (BatchNorm statistics fixed); the memory strategy has nothing to save
+        self.backbone_frozen = False
+
+    def train(self, mode: bool = True) -> VideoClassifier:
+        super().train(mode)
+        if self.backbone_frozen:
+            self.backbone.eval()
+        return self
 
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         if video.dim() != 5:
@@ -40,7 +49,10 @@ class VideoClassifier(nn.Module):
         if max_frames is not None and video.shape[1] > max_frames:
             raise ValueError(f"a clip of {video.shape[1]} frames has frame positions up to "
                              f"{video.shape[1] - 1}, but model.head.max_frames={max_frames}")
-        if self.training and torch.is_grad_enabled():
+        if self.backbone_frozen:
+            with torch.no_grad():
+                out = encode_all_frames(self.backbone, video, self.frame_chunk(video))
+        elif self.training and torch.is_grad_enabled():
             out = self.strategy.encode(self.backbone, video)
         else:
             out = encode_all_frames(self.backbone, video, self.frame_chunk(video))

@@ -92,7 +92,17 @@ class Recompute(StatelessStrategy):
 
     # ------------------------------------------------------------------ setup
     def prepare(self, backbone: nn.Module) -> nn.Module:
-        """``blocks``: wrap each block's forward once, in place; graph policies plan lazily."""
+        """``blocks``: wrap each block's forward once, in place; graph policies plan lazily.
+
+        Graph policies refuse a backbone with active drop-path (stochastic depth): its random
+        fills are traced as graph nodes, and their masks are not yet shown to match e2e's
+        (docs/recipes.md); per-block checkpointing replays them through torch.utils.checkpoint."""
+        if self.policy != "blocks":
+            drop = [n for n, m in backbone.named_modules() if float(getattr(m, "drop_prob", 0) or 0) > 0]
+            if drop:
+                raise ValueError(f"memory.policy={self.policy} does not support drop-path yet "
+                                 f"({len(drop)} active modules, e.g. {drop[0]}); use "
+                                 "memory.policy=blocks or model.backbone.drop_path_rate=0")
         if self.policy == "blocks":
             if not callable(getattr(backbone, "blocks", None)):
                 raise TypeError("memory.policy=blocks needs a backbone with .blocks()")

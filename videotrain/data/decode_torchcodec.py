@@ -1,0 +1,209 @@
+"""Clip decoding with torchcodec (``data.decoder=torchcodec``): the same frames as PyAV's
+``decode.VideoFile`` for the same windows and frame indices, through torchcodec's batch API.
+
+Why offer it: torchcodec is PyTorch's own video decoder. It decodes straight into tensors, its
+exact seek mode scans the packets once at open (so every frame has an index and a timestamp
+before anything is decoded), and it fetches a batch of frames in one call, converting only
+those. Why optional: it loads the *system* FFmpeg shared libraries (major versions 4-9) and
+each torchcodec release supports a range of torch versions (pyproject's ``torchcodec`` extra
+pins one that fits), whereas PyAV wheels bundle their own FFmpeg.
+
+How a window becomes frames without converting all of them: the scan gives the number of
+frames ``N`` and the first timestamp, so in a constant-frame-rate stream frame ``i`` is at
+``first + i * step`` (``step``: one over the header's frame rate). A window's frames are then
+known by index, ``uniform_indices`` picks the kept ones exactly as ``VideoFile.clips`` does,
+and one ``get_frames_at`` call decodes the kept frames of every window. Timestamps lie exactly on the grid (MP4, AVI) or on it rounded
+to whole milliseconds (WebM: 30 fps frames are 33 or 34 ms apart, which can move a window's edge
+by one frame); the kept frames are chosen on both, and the timestamps the call returns rule out
+the lattice they do not lie on. A window the two disagree on that the timestamps cannot settle
+(rare), and every window of a stream on neither (variable frame rate, or a header rate that
+disagrees with the scan), takes the exact path: ``get_frames_played_in_range`` decodes the
+window's frames by timestamp (converting all of them) and ``num_frames`` are kept.
+
+Known difference: a window wholly past the real end of the stream (a header that overstates
+the duration) falls back to the last ``num_frames`` frames here; PyAV falls back to the frames
+decoded since the keyframe it sought to, which may be fewer.
+
+Not readable here, unlike PyAV: raw elementary streams (``.h264`` without a container), which
+the exact scan cannot seek back through; they fail as a ``BadVideo`` like a corrupt file.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from videotrain.data.decode import uniform_indices
+
+INSTALL_HINT = (
+    'data.decoder=torchcodec needs the optional torchcodec extra (pip install -e ".[torchcodec]") '
+    "and the system FFmpeg shared libraries, major version 4 to 9 (apt-get install ffmpeg, or "
+    "its libavcodec, libavformat, libavutil, libavfilter, libavdevice, libswscale and "
+    "libswresample packages); or set data.decoder=pyav (the default), which needs neither"
+)
+
+EPS = 1e-6  # in frames: a window edge this close to a frame's predicted time counts as on it
+TIME_EPS = 1e-9  # in seconds: the same, for timestamps compared directly
+RATE_TOLERANCE = 0.01  # relative: the header's frame rate against the scanned average
+# Where a constant-rate stream's timestamps lie, in seconds: exactly on the grid (0: MP4, AVI)
+# or on it rounded to whole milliseconds (Matroska/WebM's default timestamp unit).
+LATTICES = (0.0, 1e-3)
+
+_CPP_PREFIX = re.compile(r"^[\w:]+, \S+\.(?:cpp|h):\d+, ")  # "Fn, /src/File.cpp:41, message"
+
+
+class DecoderUnavailable(RuntimeError):
+    """``data.decoder=torchcodec`` but torchcodec (or the FFmpeg it loads) cannot be imported."""
+
+
+def require_torchcodec() -> Any:
+    """torchcodec's ``VideoDecoder`` class, or a ``DecoderUnavailable`` saying what to install.
+
+    Importing fails with an ``ImportError`` when the package is missing, and with a
+    ``RuntimeError``/``OSError`` when the FFmpeg libraries it loads are missing or too new."""
+    try:
+        from torchcodec.decoders import VideoDecoder
+    except Exception as err:  # any import failure means "not usable here"
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise DecoderUnavailable(f"{INSTALL_HINT} ({type(err).__name__}: {cause})") from err
+    return VideoDecoder
+
+
+class TorchCodecVideo:
+    """An open video file read with torchcodec; the interface of ``decode.VideoFile``.
+
+    Use as a context manager; times are seconds from the stream's start (its header's start
+    time, as PyAV counts them).
+    """
+
+    def __init__(self, path: str, threads: int = 1) -> None:
+        video_decoder = require_torchcodec()
+        self.path = path
+        if not os.path.exists(path):  # the same exception as PyAV's
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        try:
+            self.decoder = video_decoder(path, seek_mode="exact", dimension_order="NHWC",
+                                         num_ffmpeg_threads=threads)
+        except RuntimeError as err:  # drop the C++ source location from FFmpeg's message
+            raise RuntimeError(_CPP_PREFIX.sub("", str(err))) from err
+        m = self.decoder.metadata
+        self.num_frames = int(m.num_frames or 0)
+        if self.num_frames < 1:
+            raise ValueError("no video frames")
+        self.first = float(m.begin_stream_seconds)  # the first frame's timestamp (scanned)
+        self.end = float(m.end_stream_seconds)  # the last frame's timestamp + its duration
+        header_start = m.begin_stream_seconds_from_header
+        self.start = float(header_start) if header_start is not None else 0.0
+        # Seconds per frame: the header's rate, where the scan agrees with it (a variable-rate
+        # stream's seldom does), else the scanned average; checked again on decoded timestamps.
+        scanned = (self.end - self.first) / self.num_frames
+        rate = float(m.average_fps_from_header or 0.0)
+        self.step = 1.0 / rate if rate > 0 else scanned
+        constant = scanned <= 0 or abs(self.step / scanned - 1.0) < RATE_TOLERANCE
+        if self.step <= 0:  # one frame without a duration nor a rate: any step will do
+            self.step = 1.0
+        # the LATTICES the timestamps may lie on; decoded timestamps rule some out
+        self.lattices: tuple[float, ...] = LATTICES if constant else ()
+        header = m.duration_seconds_from_header  # the header first, as VideoFile does
+        self.duration: float | None = float(header) if header is not None else self.end - self.start
+
+    def measure_duration(self) -> float:
+        """Known from the scan at open: the end of the last frame."""
+        self.duration = self.end - self.start
+        return self.duration
+
+    def frame_count(self) -> int:
+        return self.num_frames
+
+    def _decode(self, indices: Sequence[int]) -> tuple[dict[int, np.ndarray], dict[int, float]]:
+        """Each distinct index's frame ``(H, W, 3)`` and timestamp, from one batch call."""
+        unique = sorted({int(i) for i in indices})
+        if not unique:
+            return {}, {}
+        batch = self.decoder.get_frames_at(unique)
+        data = batch.data.numpy()  # (n, H, W, 3) uint8
+        pts = batch.pts_seconds.tolist()
+        return ({i: data[k] for k, i in enumerate(unique)},
+                {i: float(pts[k]) for k, i in enumerate(unique)})
+
+    def frames_at(self, indices: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The frames at each list of indices, as uint8 ``(T, H, W, 3)`` arrays."""
+        clips = [[min(int(i), self.num_frames - 1) for i in clip] for clip in indices]
+        frames, _ = self._decode([i for clip in clips for i in clip])
+        return [np.stack([frames[i] for i in clip]) for clip in clips]
+
+    def _time_of(self, i: int, quantum: float) -> float:
+        """Frame ``i``'s predicted timestamp: on the grid, rounded to ``quantum`` (if not 0)."""
+        t = self.first + i * self.step
+        return math.floor(t / quantum + 0.5) * quantum if quantum else t
+
+    def _first_index_at(self, t: float, quantum: float) -> int:
+        """The first frame at or after ``t`` seconds, as predicted (``N`` if none)."""
+        t += self.start
+        i = min(max(math.ceil((t - self.first) / self.step - EPS), 0), self.num_frames)
+        if quantum:  # rounding moves a timestamp by up to half a quantum: settle it
+            while i > 0 and self._time_of(i - 1, quantum) >= t - TIME_EPS:
+                i -= 1
+            while i < self.num_frames and self._time_of(i, quantum) < t - TIME_EPS:
+                i += 1
+        return i
+
+    def _window_indices(self, start: float, end: float, num_frames: int,
+                        quantum: float = 0.0) -> list[int]:
+        """The kept frames of ``[start, end)``, chosen as ``VideoFile.clips`` chooses them; an
+        empty window (past the real end) takes the last ``num_frames`` frames before it."""
+        lo, hi = self._first_index_at(start, quantum), self._first_index_at(end, quantum)
+        inside = range(lo, hi)
+        if not inside:
+            inside = range(max(lo - num_frames, 0), lo) or range(lo, min(lo + 1, self.num_frames))
+        return [inside[k] for k in uniform_indices(len(inside), num_frames).tolist()]
+
+    def _exact_window(self, start: float, end: float, num_frames: int) -> np.ndarray:
+        """The window's frames found by timestamp (a variable-frame-rate stream)."""
+        lo = max(start + self.start, self.first)
+        hi = min(end + self.start, self.end)
+        if lo < hi:
+            batch = self.decoder.get_frames_played_in_range(lo, hi)
+            frames, pts = batch.data, batch.pts_seconds  # (n, H, W, 3), (n,)
+            if hi >= self.end:  # the range stops before the end: add the last frame
+                last = self.decoder.get_frames_at([self.num_frames - 1])
+                if not len(pts) or last.pts_seconds[0] > pts[-1]:
+                    frames, pts = torch.cat([frames, last.data]), torch.cat([pts, last.pts_seconds])
+            t = pts - self.start  # it starts with the frame on screen at ``lo``: keep those from it
+            frames = frames[(t >= start - TIME_EPS) & (t < end - TIME_EPS)]  # (n', H, W, 3)
+            if len(frames):
+                return frames[uniform_indices(len(frames), num_frames)].numpy()
+        return self.frames_at([self._window_indices(start, end, num_frames)])[0]
+
+    def clips(self, windows: Sequence[tuple[float, float]], num_frames: int) -> list[np.ndarray]:
+        """``num_frames`` frames evenly spaced over the frames in each ``[start, end)`` window,
+        as uint8 ``(T, H, W, 3)`` arrays in the order of ``windows``."""
+        picks = [{q: self._window_indices(s, e, num_frames, q) for q in self.lattices}
+                 for s, e in windows]  # per window, the kept frames on each possible lattice
+        frames, pts = self._decode([i for p in picks for pick in p.values() for i in pick])
+        self.lattices = tuple(q for q in self.lattices  # those the decoded timestamps lie on
+                              if all(abs(t - self._time_of(i, q)) <= TIME_EPS for i, t in pts.items()))
+        out = []
+        for (s, e), pick in zip(windows, picks, strict=True):
+            choices = {tuple(pick[q]) for q in self.lattices}
+            if len(choices) == 1:
+                out.append(np.stack([frames[i] for i in choices.pop()]))
+            else:  # off every lattice (variable rate), or they disagree on this window (rare)
+                out.append(self._exact_window(s, e, num_frames))
+        return out
+
+    def close(self) -> None:
+        self.decoder = None  # torchcodec frees the file with the decoder object
+
+    def __enter__(self) -> TorchCodecVideo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,127 @@
+"""Fine-tuning: ``model.init_from`` (start from a trained video model) and
+``model.freeze_backbone`` (train the head only).
+
+``model.init_from=CKPT`` reads a videotrain checkpoint (its EMA weights when it has them, see
+``videotrain.engine.ema``) or a plain state dict of a ``VideoClassifier`` (``.safetensors`` or a
+``torch.save`` file), always with ``torch.load(weights_only=True)``:
+
+* the backbone's weights are loaded always, and must fit exactly (a different backbone is an
+  error that lists the keys at fault);
+* the head's weights are loaded when every shape matches, and otherwise the head keeps its fresh
+  initialisation, reported in the log with the shapes that differ: the usual case of a Kinetics-400
+  model fine-tuned on UCF101's 101 classes.
+
+Nothing else of the checkpoint (optimizer, schedule, step) is taken: fine-tuning is a new run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from videotrain.engine import checkpoint as ckpt
+from videotrain.models.weights import read_state_dict
+
+log = logging.getLogger(__name__)
+
+_SHOW = 6  # keys listed per kind in a message
+
+
+class InitFromMismatch(ValueError):
+    """``model.init_from`` holds a backbone that does not fit the configured one."""
+
+
+def trained_state(blob: dict[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
+    """The weights a videotrain checkpoint ships (the EMA's when the run kept one, else the
+    model's), or the plain state dict ``blob`` is; with a word on which it was."""
+    if "ema_model" in blob:
+        return blob["ema_model"], "EMA weights"
+    if "model" in blob and isinstance(blob["model"], dict):
+        return blob["model"], "model weights"
+    return blob, "state dict"
+
+
+def read_init_state(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of ``model.init_from``: a videotrain checkpoint or a plain state dict."""
+    p = Path(str(path)).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"model.init_from: file not found: {p}")
+    if p.suffix == ".safetensors":
+        return read_state_dict(p), "state dict"
+    try:
+        blob = ckpt.load(p, map_location="cpu")  # weights_only=True; refuses pickled code
+    except ckpt.CheckpointError as err:
+        raise type(err)(f"model.init_from: {err}") from err
+    if not isinstance(blob, dict):
+        raise ValueError(f"model.init_from={str(p)!r} holds a {type(blob).__name__}, not a state "
+                         "dict or a videotrain checkpoint")
+    state, kind = trained_state(blob)
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if state and all(k.startswith("module.") for k in state):  # saved from a DDP wrapper
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state, kind
+
+
+def _part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _listing(keys: list[str]) -> str:
+    return ", ".join(keys[:_SHOW]) + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")
+
+
+def init_from(model: nn.Module, path: str | Path) -> dict[str, Any]:
+    """Load ``path`` into ``model`` (a ``VideoClassifier``) as the module docstring says.
+    Returns ``{"source", "weights", "head": "loaded" | "re-initialised", "head_mismatch"}``."""
+    state, kind = read_init_state(path)
+    backbone, head = _part(state, "backbone."), _part(state, "head.")
+    if not backbone:
+        raise InitFromMismatch(f"model.init_from={str(path)!r} has no backbone.* weights: it must be a "
+                               "videotrain checkpoint or a VideoClassifier state dict (for image-model "
+                               "weights use model.pretrained_path)")
+    own = model.backbone.state_dict()
+    missing = sorted(k for k in own if k not in backbone and not k.endswith("num_batches_tracked"))
+    unexpected = sorted(k for k in backbone if k not in own)
+    shapes = sorted(f"{k} {tuple(backbone[k].shape)} vs {tuple(own[k].shape)}"
+                    for k in backbone if k in own and backbone[k].shape != own[k].shape)
+    if missing or unexpected or shapes:
+        parts = [f"{len(keys)} {what}: {_listing(keys)}" for what, keys in (
+            ("missing keys", missing), ("unexpected keys", unexpected),
+            ("shape mismatches (file vs model)", shapes)) if keys]
+        raise InitFromMismatch(f"model.init_from={str(path)!r}: its backbone does not fit the configured "
+                               f"model/backbone: " + "; ".join(parts))
+    model.backbone.load_state_dict(backbone, strict=False)  # only BN counters may be absent
+
+    own_head = model.head.state_dict()
+    mismatch = sorted(
+        f"{k} {tuple(head[k].shape) if k in head else 'absent'} vs {tuple(v.shape)}"
+        for k, v in own_head.items() if k not in head or head[k].shape != v.shape)
+    extra = sorted(k for k in head if k not in own_head)
+    if not mismatch and not extra:
+        model.head.load_state_dict(head)
+        log.info("model.init_from: loaded backbone and head (%s, %d tensors) from %s",
+                 kind, len(backbone) + len(head), path)
+        outcome = "loaded"
+    else:
+        log.warning("model.init_from: loaded the backbone (%s, %d tensors) from %s; the head was "
+                    "re-initialised, since its shapes differ (file vs model: %s)", kind,
+                    len(backbone), path, _listing(mismatch + [f"{k} (not in model)" for k in extra]))
+        outcome = "re-initialised"
+    return {"source": str(path), "weights": kind, "head": outcome, "head_mismatch": mismatch + extra}
+
+
+def freeze_backbone(model: nn.Module) -> int:
+    """Train the head only: the backbone's parameters stop requiring gradients and its
+    BatchNorm statistics stop updating (``VideoClassifier`` keeps a frozen backbone in eval
+    mode). Returns the number of frozen parameters."""
+    frozen = 0
+    for p in model.backbone.parameters():
+        p.requires_grad_(False)
+        frozen += p.numel()
+    model.backbone_frozen = True
+    model.train(model.training)  # applies eval mode to the backbone now
+    return frozen
