@@ -153,30 +153,122 @@ def test_cli_failed_row_exits_nonzero(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- the data suite
 def test_data_suite_rows() -> None:
-    from videotrain.bench.suites import DATA_SUITES
+    from videotrain.bench.suites import DATA_BACKENDS, DATA_SUITES, worker_counts
 
-    assert [r["name"] for r in DATA_SUITES["data"]] == [
-        "data/videotrain-w0", "data/videotrain-w1", "data/videotrain-w2", "data/pytorchvideo-w2"]
+    names = [r["name"] for r in DATA_SUITES["data"]]
+    assert worker_counts(2) == (1, 2) and worker_counts(16) == (1, 2, 16) and worker_counts(1) == (1, 2)
+    assert len(names) == len(set(names)) == 2 * 2 * len(DATA_BACKENDS) * len(worker_counts())
+    assert names[:4] == ["data/kinetics/train/pyav-w1", "data/kinetics/train/pytorchvideo-w1",
+                         "data/kinetics/train/torchcodec-w1", "data/kinetics/train/segment-w1"]
+    assert "data/ssv2/test/pytorchvideo-w2" in names
     assert "data" not in SUITES and not any(r.get("kind") == "data" for r in SUITES["all"])
 
 
-TINY_DATA = ["data.crop_size=32", "data.short_side=32", "data.num_frames=4", "data.batch_size=4",
-             "data=synthetic", "device=cpu"]
+# tiny versions of the two clip sets (2 videos, 1-2 s, keyframe every 25 / 12 frames): the
+# real encoders, sizes and frame rates, a fraction of the time
+TINY_SETS = {"kinetics": {"count": 2, "seconds": 2.0, "gop": 25},
+             "ssv2": {"count": 2, "seconds": 2.0, "gop": 12}}
+# small clips through the same pipelines: 4 frames at stride 2, 64 px short side, crop 56
+TINY_PIPELINE = ["data.num_frames=4", "data.sampling_rate=2", "data.short_side=64",
+                 "data.crop_size=56", "data.batch_size=1", "data.val_clips=2", "data.val_crops=3"]
 
 
-@pytest.mark.parametrize("pipeline", ["videotrain", "pytorchvideo"])
-def test_data_row_measures_the_same_clips(pipeline: str, tiny_synthetic_overrides, isolated_env) -> None:
-    """Both pipelines, in-process and without workers, on the tiny session dataset: the same
-    clips, counted the same way."""
+@pytest.fixture(scope="module")
+def tiny_sets(isolated_env: Path) -> dict:
+    from videotrain.bench.clips import clip_set, ensure_clip_set
+
+    specs = {name: clip_set(name, **kw) for name, kw in TINY_SETS.items()}
+    return {name: (spec, ensure_clip_set(spec)) for name, spec in specs.items()}
+
+
+@pytest.mark.parametrize("name, codec, fmt, size, fps, keyframes", [
+    ("kinetics", "h264", "mp4", (340, 256), 25.0, [0, 25]),
+    ("ssv2", "vp9", "webm", (427, 240), 12.0, [0, 12]),
+])
+def test_clip_sets_are_shaped_like_the_datasets(tiny_sets, name, codec, fmt, size, fps,
+                                                keyframes) -> None:
+    from videotrain.bench.clips import CLIP_SETS, probe, set_info
+    from videotrain.data.annotations import kinetics_index
+
+    spec, root = tiny_sets[name]
+    index = kinetics_index(root, "train")  # the project's reader takes the layout
+    assert len(index) == 2 and index.class_names[0] == "class_0"
+    assert (root / "val.csv").read_text() == (root / "train.csv").read_text()
+    for path, _ in index.paths:
+        p = probe(path)
+        assert (p["codec"], (p["width"], p["height"]), p["fps"]) == (codec, size, fps)
+        assert fmt in p["format"] and p["pix_fmt"] == "yuv420p" and p["audio_streams"] == 0
+        assert p["frames"] == spec.num_frames and p["keyframes"] == keyframes
+    info = set_info(root)
+    assert info["mean_kbps"] > 50 and info["generation_s"] > 0  # not trivially compressible
+    # the full-size sets: the datasets' lengths, rates and keyframe spacing (one in a video)
+    full = CLIP_SETS[name]
+    assert (full.seconds, full.fps, full.gop) == ((10.0, 25, 250) if name == "kinetics"
+                                                 else (4.0, 12, 128))
+    assert full.num_frames <= full.gop
+
+
+def _tiny_overrides(tiny_sets, name: str) -> list[str]:
+    from videotrain.bench.data import set_overrides
+
+    spec, root = tiny_sets[name]
+    return [*set_overrides(str(root), spec.fps), *TINY_PIPELINE, "device=cpu"]
+
+
+@pytest.mark.parametrize("pipeline", ["train", "test"])
+@pytest.mark.parametrize("loader", ["videotrain", "pytorchvideo"])
+def test_data_row_measures_the_same_clips(tiny_sets, loader: str, pipeline: str) -> None:
+    """Both loaders, in-process and without workers: the same clips, counted the same way
+    (test: 2 temporal clips per video, each with 3 crops)."""
     from videotrain.bench.data import measure_data
 
-    overrides = [*TINY_DATA, f"data.root={isolated_env}", *tiny_synthetic_overrides]
-    r = measure_data({"pipeline": pipeline, "num_workers": 0, "overrides": overrides,
-                      "device": "cpu"})
-    # 16 videos, batch 4: the first batch is start-up, the other 3 are timed
-    assert r["clips"] == 12 and r["batches"] == 3 and r["videos"] == 16
-    assert r["clip_shape"] == (4, 3, 32, 32) and r["pin_memory"] is False
+    r = measure_data({"loader": loader, "pipeline": pipeline, "num_workers": 0,
+                      "overrides": _tiny_overrides(tiny_sets, "kinetics"), "device": "cpu",
+                      "timed_clips": 4})
+    assert r["clips"] == 4 and r["videos"] == 2 and r["clips_per_s"] > 0
+    assert r["clip_shape"] == ((4, 3, 56, 56) if pipeline == "train" else (3, 4, 3, 56, 56))
     assert r["clips_per_s"] == pytest.approx(r["clips"] / r["elapsed_s"])
+
+
+def test_timed_batches_are_whole_waves() -> None:
+    from videotrain.bench.data import timed_batches
+
+    assert timed_batches(48, 4, 1) == 12 and timed_batches(48, 4, 2) == 12
+    assert timed_batches(40, 10, 2) == 4 and timed_batches(10, 10, 3) == 3
+    assert timed_batches(1, 4, 2) == 2
+
+
+def test_workers_needed_arithmetic() -> None:
+    from videotrain.bench.report import target_workers, workers_needed
+
+    assert workers_needed(4.0, 5.0, 9.0) == (1, 0.9)  # one worker is enough
+    n, eff = workers_needed(90.0, 5.0, 9.0)  # 4.5 clips/s per worker at scale
+    assert eff == pytest.approx(0.9) and n == 20
+    assert workers_needed(90.0, 5.0, 12.0) == (18, 1.0)  # superlinear is capped at linear
+    assert workers_needed(6.0, 5.0, None) == (2, 1.0)
+    rows = [{"set": "kinetics", "pipeline": "train", "backend": b, "num_workers": w,
+             "clips_per_s": c} for b, w, c in (("pyav", 1, 5.0), ("pyav", 2, 9.0),
+                                               ("pytorchvideo", 1, 3.0),
+                                               ("pytorchvideo", 2, 6.0))]
+    rows.append({"set": "kinetics", "pipeline": "train", "backend": "torchcodec",
+                 "num_workers": 1, "unavailable": "not installed"})
+    rows += [{"set": "kinetics", "pipeline": "train", "backend": "segment", "sampler": "segment",
+              "num_workers": w, "clips_per_s": 50.0 * w} for w in (1, 2)]  # other frames
+    (t,) = target_workers(rows, 90.0)
+    assert (t["backend"], t["workers"], t["rate_per_worker_at_scale"]) == ("pyav", 20, 4.5)
+
+
+def test_torchcodec_row_unavailable_without_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    from videotrain.bench.data import unavailable
+    from videotrain.bench.suites import data_row
+
+    monkeypatch.setitem(sys.modules, "torchcodec", None)  # import torchcodec -> ImportError
+    reason = unavailable(data_row("torchcodec", 1), {"decoder": "pyav"})
+    assert reason.startswith("not installed (") and "torchcodec" in reason
+    assert unavailable(data_row("segment", 1), {"decoder": "pyav"}) == (
+        "unavailable: this version has no data.sampler option")
+    assert unavailable(data_row("segment", 1), {"sampler": "random"}) is None
+    assert unavailable(data_row("pyav", 1), {}) is None
 
 
 def test_data_rows_combine_and_ratios() -> None:
@@ -184,34 +276,47 @@ def test_data_rows_combine_and_ratios() -> None:
     from videotrain.bench.suites import data_row
 
     runs = [{"clips_per_s": c, "startup_s": 0.5, "clips": 12} for c in (10.0, 30.0, 20.0)]
-    w0 = combine_data(data_row("videotrain", 0), runs)
-    assert w0["clips_per_s"] == 20.0 and w0["clips_per_s_range"] == "10.0–30.0"
-    w2 = combine_data(data_row("videotrain", 2), [{"clips_per_s": 50.0, "startup_s": 1.0}])
+    w1 = combine_data(data_row("pyav", 1), runs)
+    assert w1["clips_per_s"] == 20.0 and w1["clips_per_s_range"] == "10.0–30.0"
+    w2 = combine_data(data_row("pyav", 2), [{"clips_per_s": 50.0, "startup_s": 1.0}])
+    assert w2["clips_per_s_per_worker"] == 25.0
     peer = combine_data(data_row("pytorchvideo", 2), [{"clips_per_s": 40.0, "startup_s": 1.0}])
-    bad = combine_data(data_row("videotrain", 1), [{"error": "boom"}])
-    rows = [w0, bad, w2, peer]
+    bad = combine_data(data_row("pyav", 1, "ssv2"), [{"error": "boom"}])
+    na = combine_data(data_row("torchcodec", 2), [{"unavailable": "not installed (x)"}])
+    rows = [w1, bad, w2, peer, na]
     add_data_ratios(rows)
-    assert w2["vs_peer"] == pytest.approx(1.25) and w2["vs_w0"] == pytest.approx(2.5)
-    assert w0["vs_peer"] is None and bad["vs_peer"] is None and peer["vs_peer"] == 1.0
+    assert w2["vs_peer"] == pytest.approx(1.25) and w2["vs_w1"] == pytest.approx(2.5)
+    assert w1["vs_peer"] is None and bad["vs_peer"] is None and peer["vs_peer"] == 1.0
+    assert na["vs_peer"] is None and na["unavailable"] == "not installed (x)"
 
 
-def test_data_bench_tiny(tmp_path: Path, tiny_synthetic_overrides, isolated_env) -> None:
-    """One row through the runner (a fresh process) and the files it writes."""
+def test_data_bench_tiny(tmp_path: Path, tiny_sets, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows through the runner (a fresh process each), a torchcodec row that cannot import its
+    module, and the files written: table with a ratio column, JSON, PNG, worker targets."""
     from videotrain.bench.cli import run_data_bench
     from videotrain.bench.suites import data_row
 
+    monkeypatch.setitem(sys.modules, "torchcodec", None)
     out = tmp_path / "bench"
-    overrides = [*TINY_DATA, f"data.root={isolated_env}", *tiny_synthetic_overrides]
-    rows, meta, table = run_data_bench(out=out, device="cpu", extra_overrides=overrides,
-                                       rows=[data_row("videotrain", 0)], log=lambda *a, **k: None)
-    (row,) = rows
-    assert not row.get("error"), row.get("error")
-    assert row["name"] == "data/videotrain-w0" and row["clips"] == 12 and row["vs_w0"] == 1.0
+    rows, meta, table = run_data_bench(
+        out=out, device="cpu", extra_overrides=TINY_PIPELINE, timed_clips=2, target=50.0,
+        rows=[data_row(b, 1) for b in ("pyav", "pytorchvideo", "torchcodec")],
+        sets={name: spec for name, (spec, _) in tiny_sets.items()}, log=lambda *a, **k: None)
+    pyav, peer, codec = rows
+    assert not pyav.get("error") and not peer.get("error"), (pyav.get("error"), peer.get("error"))
+    assert pyav["clips"] == peer["clips"] == 2 and pyav["clips_per_s"] > 0 < peer["clips_per_s"]
+    assert pyav["vs_peer"] == pytest.approx(pyav["clips_per_s"] / peer["clips_per_s"])
+    assert codec["unavailable"].startswith("not installed") and "wall_s" not in codec
     data = json.loads((out / "bench.json").read_text())
-    assert [r["kind"] for r in data["rows"]] == ["data"]
-    assert data["meta"]["setting"]["num_frames"] == 4 and data["meta"]["setting"]["batch_size"] == 4
+    assert [r["kind"] for r in data["rows"]] == ["data"] * 3
+    assert data["meta"]["setting"]["num_frames"] == 4
+    assert data["meta"]["setting"]["sets"]["kinetics"]["codec"] == "libx264"
+    (target,) = data["targets"]
+    assert target["backend"] in ("pyav", "pytorchvideo") and target["workers"] >= 1
     md = (out / "bench.md").read_text()
-    assert table in md and "| videotrain | 0 |" in md and "FAILED" not in md
+    assert table in md and "× pytorchvideo, same workers" in md and "FAILED" not in md
+    assert "| kinetics | train | pyav | 1 |" in md and "not installed (" in md
+    assert "Workers to feed 50 clips/s" in md
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 

@@ -77,15 +77,21 @@ def test_window_past_the_end_falls_back_to_the_last_frames(video: Path) -> None:
     assert np.array_equal(late[-1], last[-1])  # the video's final frame
 
 
-def test_only_kept_frames_are_converted(video: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    converted = []
+@pytest.fixture
+def converted(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The timestamps of the frames converted to arrays (``VideoFrame.to_ndarray`` calls)."""
+    calls: list = []
     real = av.VideoFrame.to_ndarray
 
     def counting(self, *args, **kwargs):
-        converted.append(self.pts)
+        calls.append(self.pts)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(av.VideoFrame, "to_ndarray", counting)
+    return calls
+
+
+def test_only_kept_frames_are_converted(video: Path, converted: list) -> None:
     with VideoFile(str(video)) as v:
         v.clips([(0.0, 2.0)], 4)  # 20 frames in the window, 4 kept
     assert len(converted) == 4
@@ -174,17 +180,10 @@ def test_frame_count_comes_from_the_packets(video: Path, tmp_path: Path) -> None
             assert v.frames_at([[n - 1, n + 5]])[0].shape == (2, 32, 32, 3)  # past the end: last
 
 
-def test_frames_at_indices_are_the_stream_frames(video: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_frames_at_indices_are_the_stream_frames(video: Path, converted: list) -> None:
     with VideoFile(str(video)) as v:
         everything = v.clips([(0.0, 4.0)], 40)[0]  # all 40 frames, in order
-    converted = []
-    real = av.VideoFrame.to_ndarray
-
-    def counting(self, *args, **kwargs):
-        converted.append(self.pts)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(av.VideoFrame, "to_ndarray", counting)
+    converted.clear()
     with VideoFile(str(video)) as v:
         v.frame_count()  # then decoding starts over from the first frame
         clips = v.frames_at([[2, 7, 12, 37], [37, 0, 0]])

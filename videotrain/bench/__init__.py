@@ -9,8 +9,9 @@ The GPU suite (``--suite gpu``) is the acceptance run on a CUDA machine: resnet5
 head, B=8 x T=16 at 224 px in bf16, written to ``docs/results/gpu/<gpu name>/``; without CUDA it
 exits at once (status 2) with one line. The checkpoint suite has torch's own planner,
 ``sac_milp``, as a peer (``sac_peer.py``). The data suite (``--suite data``, ``data.py``)
-measures the loaders instead: decoded clips/s with 0, 1 and 2 workers and pytorchvideo's
-``LabeledVideoDataset`` pipeline on the same files.
+measures the loaders instead: decoded and transformed clips/s of the train and test pipelines
+with 1, 2 and N workers, against pytorchvideo's ``LabeledVideoDataset`` on the same files,
+Kinetics-like and SSv2-like videos generated once (``clips.py``).
 """
 
 from videotrain.bench.child import synthetic_batch

@@ -18,10 +18,12 @@ from typing import Any
 
 from videotrain.bench import report
 from videotrain.bench.child import step_stats
+from videotrain.bench.data import run_data_bench
 from videotrain.bench.suites import CHILD_KEYS, DATA_SUITES, SUITES, resolve, setting_for
 
 DEFAULT_HEAD = "transformer"
 MIN_ROW_S = 20.0  # a row needs this much of a suite's time budget left to start
+DATA_RESULTS = "docs/results/bench_data"  # the data suite's default --out
 
 
 class CudaRequired(RuntimeError):
@@ -85,7 +87,7 @@ def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one row in a fresh interpreter; the result (or the error) as a dict."""
     env = os.environ.copy()
     env.setdefault("WANDB_MODE", "disabled")
-    if spec["device"] == "cpu":
+    if spec["device"] == "cpu" and spec.get("kind") != "data":  # memory is metered
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     cmd = [sys.executable, "-m", "videotrain.bench", "--child", json.dumps(spec)]
     t0 = time.perf_counter()
@@ -328,56 +330,6 @@ def run_bench(
     return results, meta, table
 
 
-def run_data_bench(
-    suite: str = "data", out: str | Path | None = None, device: str = "auto",
-    extra_overrides: list[str] | None = None, rounds: int = 1, timeout: float = 1800,
-    threads: int | None = None, only: list[str] | None = None,
-    rows: list[dict[str, Any]] | None = None, log=print,
-) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
-    """Run a data suite (or the given ``data_row`` specs): decoded clips/s per loader row
-    (bench/data.py), each row in a fresh process, ``rounds`` times round-robin; a row reports
-    the median over its rounds."""
-    import fnmatch
-
-    from videotrain.build import compose_cfg
-    from videotrain.data.loaders import resolve_root
-
-    device = resolve_device(device)
-    overrides = ["data=synthetic", f"device={device}", "logger.wandb.mode=disabled",
-                 *(extra_overrides or [])]
-    specs = [r for r in (rows if rows is not None else DATA_SUITES[suite])
-             if not only or any(fnmatch.fnmatch(r["name"], p) for p in only)]
-    if not specs:
-        raise ValueError(f"no rows left after --only {only}")
-    d = compose_cfg(overrides).data
-    root = resolve_root(d.name, d.root, d.get("synthetic"), d.layout)  # generated once, here
-    per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
-    for rnd in range(rounds):
-        for i, spec in enumerate(specs):
-            if any(r.get("error") for r in per_row[i]):
-                continue
-            res = run_child({**spec, "overrides": overrides, "device": device, "threads": threads},
-                            timeout)
-            per_row[i].append(res)
-            tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
-            log(f"{tag} {spec['name']}: " + (f"FAILED ({res['error'].splitlines()[-1]})"
-                if res.get("error") else f"{res['clips_per_s']:.1f} clips/s "
-                f"({res['clips']} clips in {res['elapsed_s']:.1f} s)"), file=sys.stderr)
-    results = [report.combine_data(spec, runs) for spec, runs in zip(specs, per_row, strict=True)]
-    report.add_data_ratios(results)
-    machine = machine_info(device)
-    setting = {"suite": suite, "rounds": rounds, "extra_overrides": list(extra_overrides or []),
-               "only": only, "threads": threads, "root": str(root),
-               "num_frames": int(d.num_frames), "sampling_rate": int(d.sampling_rate),
-               "fps": float(d.fps), "short_side": int(d.short_side), "crop_size": int(d.crop_size),
-               "batch_size": int(d.batch_size), "synthetic": dict(d.synthetic or {})}
-    meta = {"device": device, "torch": machine["torch"], "setting": setting, "machine": machine,
-            "metric": "decoded training clips per second over one pass after the first batch",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    table = report.write_data(Path(out), results, meta) if out else report.data_markdown(results)
-    return results, meta, table
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m videotrain.bench",
@@ -390,10 +342,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "at 224 px, bf16; e2e, sbp, frame dropout, checkpoint, memory=auto at half "
                         "of e2e's peak, torch.compile), written to docs/results/gpu/<gpu>/ unless "
                         "--out; exits with status 2 at once where there is no CUDA GPU. "
-                        "data: decoded clips/s of the loaders (0/1/2 workers and pytorchvideo's "
-                        "pipeline) on the synthetic set; configure it with data.* overrides")
+                        "data: decoded clips/s of the train and test pipelines (this project's "
+                        "loader, pytorchvideo's, torchcodec, the segment sampler; 1, 2 and N "
+                        "workers) on generated Kinetics-like and SSv2-like videos, written to "
+                        "docs/results/bench_data/ unless --out; data.* overrides apply")
     p.add_argument("--out", help="write bench.json, bench.md and bench.png here (gpu suite: "
-                                 "default docs/results/gpu/<gpu name>/)")
+                                 "default docs/results/gpu/<gpu name>/; data suite: "
+                                 "docs/results/bench_data/)")
     p.add_argument("--steps", type=int, default=5, help="measured steps per row")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps before them")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto; gpu suite: cuda)")
@@ -408,7 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the rows round-robin this many times, pooling their steps (each "
                         "round is a fresh subprocess per row); smooths drifting machine load")
-    p.add_argument("--timeout", type=float, help="seconds per row (default 1800, gpu suite 240)")
+    p.add_argument("--timeout", type=float, help="seconds per row (default 1800, gpu suite 240, data suite 600)")
     p.add_argument("--time-budget", type=float,
                    help="seconds for the whole run; rows that would start later are recorded as "
                         "not run (default: none; gpu suite 570; 0: none)")
@@ -417,6 +372,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="free parameter gradients after each step (zero_grad(set_to_none=True)), "
                    "so the step peak also counts the gradients backward allocates; by default "
                    "they persist between steps like the weights and optimizer state")
+    p.add_argument("--clips", type=int,
+                   help="data suite: videos per generated clip set (default 200 Kinetics-like "
+                        "+ 200 SSv2-like; generated once into $VIDEOTRAIN_CACHE)")
+    p.add_argument("--timed-clips", type=int,
+                   help="data suite: clips timed per row (default 64 train, 60 test)")
+    p.add_argument("--target-clips-per-s", type=float,
+                   help="data suite: also print the workers of the fastest backend that would "
+                        "feed this many clips/s, per set and pipeline")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
@@ -435,9 +398,10 @@ def main(argv: list[str] | None = None) -> int:
             ("batch_size", args.batch_size), ("num_frames", args.frames), ("crop_size", args.size))
             if value is not None]
         rows, _, table = run_data_bench(
-            suite=args.suite, out=args.out, device=args.device or "auto", rounds=args.rounds,
-            extra_overrides=[*flags, *args.overrides], timeout=args.timeout or 1800,
-            threads=args.threads, only=only)
+            suite=args.suite, out=args.out or DATA_RESULTS, device=args.device or "auto",
+            rounds=args.rounds, extra_overrides=[*flags, *args.overrides],
+            timeout=args.timeout or 600, threads=args.threads, only=only, clips=args.clips,
+            timed_clips=args.timed_clips, target=args.target_clips_per_s)
     else:
         try:
             rows, _, table = run_bench(

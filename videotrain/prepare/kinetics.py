@@ -1,0 +1,275 @@
+"""The official Kinetics release CSVs -> the project's Kinetics layout (``data=kinetics``).
+
+Input: ``label,youtube_id,time_start,time_end,split`` rows (Kinetics-400/600/700; test CSVs
+may lack the label), and a folder of downloaded videos named as the standard downloaders name
+them, ``{youtube_id}_{time_start:06d}_{time_end:06d}.mp4`` (or ``.mkv`` / ``.webm`` /
+``.avi``; bare ``{youtube_id}.mp4`` is accepted too), flat or in any sub-folders (per label,
+per split). Output, in ``OUT``:
+
+- ``train.csv`` / ``val.csv`` / ``test.csv`` (from the CSV's split column: ``validate`` and
+  ``validation`` are ``val``): ``path label`` lines, paths relative to ``OUT`` when the videos
+  are inside it (the re-encoded copies) and absolute otherwise; a split without labels gets
+  ``<split>_videos.txt`` (paths only) instead;
+- ``classes.txt``: the class names in sorted order, so that label indices do not depend on the
+  order of the CSV rows or on which videos were found; converting more CSVs later reuses it;
+- ``missing_<split>.csv``: the rows whose video was not found (or failed to re-encode), in the
+  release's own format, ready to hand back to a downloader.
+
+``data=kinetics data.root=OUT`` then trains on it.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from videotrain.data.annotations import VIDEO_EXTENSIONS
+from videotrain.prepare.reencode import EncodeResult, EncodeSettings, encode_all
+
+SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",
+               "validate": "val", "validation": "val", "test": "test", "testing": "test"}
+REQUIRED = ("youtube_id", "time_start", "time_end")
+# preferred when one video is there in several containers
+EXTENSION_ORDER = (".mp4", ".mkv", ".webm", ".avi", ".mov")
+
+
+class KineticsCsvError(ValueError):
+    """A release CSV this converter cannot read; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One video of a release CSV."""
+
+    youtube_id: str
+    time_start: int
+    time_end: int
+    split: str  # train | val | test
+    label: str | None  # None: the split has no labels
+    raw: dict = field(compare=False, hash=False)  # the CSV row as read
+
+    @property
+    def stem(self) -> str:
+        """The file name the standard downloaders give the clip, without extension."""
+        return f"{self.youtube_id}_{self.time_start:06d}_{self.time_end:06d}"
+
+
+def _seconds(value: str, where: str) -> int:
+    try:
+        return int(float(value))
+    except ValueError:
+        raise KineticsCsvError(f"{where}: time {value!r} is not a number") from None
+
+
+def split_of(value: str | None, csv_path: Path, where: str) -> str:
+    """The split a row belongs to: its split column, else the CSV's file name
+    (``validate.csv`` -> ``val``)."""
+    name = (value or "").strip().lower() or csv_path.stem.lower()
+    if name not in SPLIT_NAMES:
+        raise KineticsCsvError(f"{where}: split {name!r} is not one of "
+                               f"{', '.join(sorted(set(SPLIT_NAMES)))}")
+    return SPLIT_NAMES[name]
+
+
+def read_release_csv(path: str | Path) -> list[Row]:
+    """Rows of an official release CSV (quoted labels with commas and spaces are fine)."""
+    path = Path(path)
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        fields = [c.strip() for c in reader.fieldnames or []]
+        missing = [c for c in REQUIRED if c not in fields]
+        if missing:
+            raise KineticsCsvError(f"{path}: header {fields} lacks {', '.join(missing)} (expected "
+                                   "label,youtube_id,time_start,time_end,split)")
+        rows = []
+        for lineno, raw in enumerate(reader, start=2):
+            raw = {(k or "").strip(): (v or "").strip() for k, v in raw.items()}
+            where = f"{path}:{lineno}"
+            if not raw.get("youtube_id"):
+                raise KineticsCsvError(f"{where}: empty youtube_id")
+            rows.append(Row(raw["youtube_id"], _seconds(raw["time_start"], where),
+                            _seconds(raw["time_end"], where), split_of(raw.get("split"), path, where),
+                            raw.get("label") or None, raw))
+    if not rows:
+        raise KineticsCsvError(f"{path}: no rows")
+    return rows
+
+
+def index_videos(video_dir: str | Path) -> dict[str, Path]:
+    """Every video file under ``video_dir`` (any depth) by its name without extension; when a
+    name is there more than once, the first container of ``EXTENSION_ORDER`` (then path order)."""
+    found: dict[str, Path] = {}
+    rank = {ext: i for i, ext in enumerate(EXTENSION_ORDER)}
+    for dirpath, dirnames, filenames in os.walk(video_dir):
+        dirnames.sort()
+        for name in sorted(filenames):
+            stem, ext = os.path.splitext(name)
+            ext = ext.lower()
+            if ext not in VIDEO_EXTENSIONS or name.startswith("."):  # .x.part-*: partial files
+                continue
+            have = found.get(stem)
+            if have is None or rank.get(ext, 99) < rank.get(have.suffix.lower(), 99):
+                found[stem] = Path(dirpath) / name
+    return found
+
+
+def find_video(row: Row, videos: dict[str, Path]) -> Path | None:
+    """The downloaded file of ``row``: ``{id}_{start:06d}_{end:06d}.*``, else ``{id}.*``."""
+    return videos.get(row.stem) or videos.get(row.youtube_id)
+
+
+def class_names(rows: Iterable[Row], out: Path) -> list[str]:
+    """Sorted labels of ``rows``; an existing ``out/classes.txt`` is kept when it names them
+    all (a later CSV must not renumber the classes of lists already written)."""
+    labels = sorted({r.label for r in rows if r.label is not None})
+    existing = out / "classes.txt"
+    if existing.is_file():
+        names = [ln.strip() for ln in existing.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        unknown = sorted(set(labels) - set(names))
+        if unknown:
+            raise KineticsCsvError(
+                f"{existing} does not list {len(unknown)} label(s) of these CSVs ({unknown[:3]}"
+                f"{' ...' if len(unknown) > 3 else ''}): convert every split in one call "
+                "(--csv train.csv --csv validate.csv ...) or remove it")
+        return names
+    return labels
+
+
+def list_path(path: Path, out: Path) -> str:
+    """How a list line names ``path``: relative to ``out`` if inside it, else absolute."""
+    path = path.absolute()
+    try:
+        return path.relative_to(out.absolute()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def list_line(rel: str, label: int) -> str:
+    """``path label``; ``path,label`` when the path has a comma (the reader splits at the
+    last comma when the line has one, else at the last space)."""
+    return f"{rel},{label}\n" if "," in rel else f"{rel} {label}\n"
+
+
+@dataclass
+class SplitSummary:
+    split: str
+    listed: int
+    found: int
+    missing: int
+    failed: int = 0
+    written: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        text = (f"{self.split}: {self.listed} listed, {self.found} in the lists "
+                f"({self.found / max(self.listed, 1):.1%}), {self.missing} missing")
+        if self.failed:
+            text += f", {self.failed} failed to re-encode"
+        return text + (f" -> {', '.join(self.written)}" if self.written else "")
+
+
+def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | Path,
+                     resize: int | None = None, workers: int = 1,
+                     settings: EncodeSettings | None = None,
+                     log: Callable[[str], None] = print) -> list[SplitSummary]:
+    """Write the lists (and with ``resize``, the re-encoded videos under
+    ``out/videos_<resize>/<split>/``) for the rows of ``csvs``; returns one summary per split."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not Path(video_dir).is_dir():
+        raise FileNotFoundError(f"--videos: folder not found: {video_dir}")
+    rows = [r for c in csvs for r in read_release_csv(c)]
+    names = class_names(rows, out)
+    index = {n: i for i, n in enumerate(names)}
+    videos = index_videos(video_dir)
+    log(f"{len(rows)} rows in {len(csvs)} CSV(s), {len(names)} classes, {len(videos)} video "
+        f"files under {video_dir}")
+    found = {r: find_video(r, videos) for r in rows}
+    failed: dict[Row, str] = {}
+    if resize:
+        settings = settings or EncodeSettings(short_side=resize)
+        todo = [r for r in rows if found[r] is not None]
+        dsts = {r: out / f"videos_{resize}" / r.split / f"{r.stem}.mp4" for r in todo}
+
+        def progress(res: EncodeResult, done: int, total: int) -> None:
+            if res.status == "failed":
+                log(f"  failed to re-encode {res.src}: {res.error}")
+            if done % 500 == 0 or done == total:
+                log(f"  re-encoded {done}/{total}")
+
+        results = encode_all([(str(found[r]), str(dsts[r])) for r in todo], settings, workers,
+                             progress)
+        skipped = sum(res.status == "skipped" for res in results)
+        log(f"re-encoding to a {resize} px short side: {len(results) - skipped} done now, "
+            f"{skipped} already there (resumed), "
+            f"{sum(res.status == 'failed' for res in results)} failed")
+        for r, res in zip(todo, results, strict=True):
+            if res.status == "failed":
+                failed[r] = res.error or "failed"
+                found[r] = None
+            else:
+                found[r] = dsts[r]
+    summaries = []
+    for split in dict.fromkeys(r.split for r in rows):
+        summaries.append(write_split(split, [r for r in rows if r.split == split], found, index,
+                                     set(failed), out))
+        log(summaries[-1].line())
+    if names and not (out / "classes.txt").is_file():
+        (out / "classes.txt").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
+    return summaries
+
+
+def write_split(split: str, rows: list[Row], found: dict[Row, Path | None], index: dict[str, int],
+                failed: set[Row], out: Path) -> SplitSummary:
+    """``<split>.csv`` (or ``<split>_videos.txt`` without labels) and ``missing_<split>.csv``."""
+    labeled = all(r.label is not None for r in rows)
+    lines, gone = [], []
+    for r in rows:
+        path = found[r]
+        if path is None:
+            gone.append(r)
+        elif labeled:
+            lines.append(list_line(list_path(path, out), index[r.label]))  # type: ignore[index]
+        else:
+            lines.append(list_path(path, out) + "\n")
+    summary = SplitSummary(split, len(rows), len(lines), len(gone) - len(failed & set(gone)),
+                           len(failed & set(gone)))
+    target = out / (f"{split}.csv" if labeled else f"{split}_videos.txt")
+    _write_atomic(target, "".join(lines))
+    summary.written.append(target.name)
+    missing = out / f"missing_{split}.csv"
+    if gone:
+        header = list(gone[0].raw)
+        with _Atomic(missing) as f:
+            w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(r.raw for r in gone)
+        summary.written.append(missing.name)
+    else:
+        missing.unlink(missing_ok=True)  # from an earlier run that had missing videos
+    return summary
+
+
+class _Atomic:
+    """A text file written under a temporary name and renamed when closed without error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.tmp = path, path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+    def __enter__(self):
+        self.f = self.tmp.open("w", newline="", encoding="utf-8")
+        return self.f
+
+    def __exit__(self, exc_type, *rest) -> None:
+        self.f.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    with _Atomic(path) as f:
+        f.write(text)
