@@ -12,8 +12,8 @@ import torch
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 from videotrain.data.annotations import VideoIndex
-from videotrain.data.dataset import SampleKey, VideoClipDataset
 from videotrain.data.clip_sampling import check_sampler, segment_indices
+from videotrain.data.dataset import SampleKey, VideoClipDataset
 from videotrain.data.synthetic import write_video
 
 LENGTH, T = 40, 8  # a 4 s video at 10 fps; segments of 5 frames

@@ -15,10 +15,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from videotrain.data import annotations
+from videotrain.data.clip_sampling import check_sampler
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
 from videotrain.data.decode import check_decoder
 from videotrain.data.layouts import default_cache_root, ensure_synthetic
-from videotrain.data.clip_sampling import check_sampler
 from videotrain.data.split_files import hmdb51_index, ucf101_index
 from videotrain.data.ssv2 import ssv2_index
 from videotrain.data.transforms import eval_transform, train_transform

@@ -41,24 +41,21 @@ class RecipeSettings:
     ema_decay: float | None = None  # EMA of the weights; null = off
 
     def __post_init__(self) -> None:
-        checks = {
-            "randaugment_ops": self.randaugment_ops >= 0,
-            "randaugment_magnitude": 0 <= self.randaugment_magnitude <= 30,
-            "random_erasing": 0.0 <= self.random_erasing <= 1.0,
-            "mixup_alpha": self.mixup_alpha >= 0.0,
-            "cutmix_alpha": self.cutmix_alpha >= 0.0,
-            "mix_prob": 0.0 <= self.mix_prob <= 1.0,
-            "switch_prob": 0.0 <= self.switch_prob <= 1.0,
-            "ema_decay": self.ema_decay is None or 0.0 < self.ema_decay < 1.0,
+        d = self.ema_decay
+        checks = {  # key: (holds, the allowed range)
+            "randaugment_ops": (self.randaugment_ops >= 0, ">= 0"),
+            "randaugment_magnitude": (0 <= self.randaugment_magnitude <= 30, "in [0, 30]"),
+            "random_erasing": (0.0 <= self.random_erasing <= 1.0, "in [0, 1]"),
+            "mixup_alpha": (self.mixup_alpha >= 0.0, ">= 0"),
+            "cutmix_alpha": (self.cutmix_alpha >= 0.0, ">= 0"),
+            "mix_prob": (0.0 <= self.mix_prob <= 1.0, "in [0, 1]"),
+            "switch_prob": (0.0 <= self.switch_prob <= 1.0, "in [0, 1]"),
+            "ema_decay": (d is None or 0.0 < d < 1.0, "in (0, 1) or null"),
         }
-        bad = [k for k, ok in checks.items() if not ok]
+        bad = [f"recipe.{k} must be {allowed}, got {getattr(self, k)!r}"
+               for k, (holds, allowed) in checks.items() if not holds]
         if bad:
-            ranges = {"randaugment_ops": ">= 0", "randaugment_magnitude": "in [0, 30]",
-                      "random_erasing": "in [0, 1]", "mixup_alpha": ">= 0", "cutmix_alpha": ">= 0",
-                      "mix_prob": "in [0, 1]", "switch_prob": "in [0, 1]",
-                      "ema_decay": "in (0, 1) or null"}
-            raise ValueError("; ".join(f"recipe.{k} must be {ranges[k]}, got {getattr(self, k)!r}"
-                                       for k in bad))
+            raise ValueError("; ".join(bad))
 
     @property
     def mixes(self) -> bool:
@@ -111,7 +108,6 @@ class WeightEMA:
     """An exponential moving average of a model's weights and buffers (module docstring)."""
 
     def __init__(self, model: nn.Module, decay: float) -> None:
-        self.decay = decay
         # AveragedModel deep-copies the model; its memory strategy state is copied too, but the
         # average only ever runs in eval mode, where every strategy encodes all frames plainly
         self.averaged = AveragedModel(model, multi_avg_fn=_ema_update(decay), use_buffers=True)

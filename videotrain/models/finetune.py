@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from videotrain.engine import checkpoint as ckpt
-from videotrain.models.weights import read_state_dict
+from videotrain.models.weights import key_mismatches, read_state_dict, tensors_of
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,7 @@ def read_init_state(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
         raise ValueError(f"model.init_from={str(p)!r} holds a {type(blob).__name__}, not a state "
                          "dict or a videotrain checkpoint")
     state, kind = trained_state(blob)
-    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    if state and all(k.startswith("module.") for k in state):  # saved from a DDP wrapper
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return state, kind
+    return tensors_of(state), kind
 
 
 def _part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -83,15 +80,8 @@ def init_from(model: nn.Module, path: str | Path) -> dict[str, Any]:
         raise InitFromMismatch(f"model.init_from={str(path)!r} has no backbone.* weights: it must be a "
                                "videotrain checkpoint or a VideoClassifier state dict (for image-model "
                                "weights use model.pretrained_path)")
-    own = model.backbone.state_dict()
-    missing = sorted(k for k in own if k not in backbone and not k.endswith("num_batches_tracked"))
-    unexpected = sorted(k for k in backbone if k not in own)
-    shapes = sorted(f"{k} {tuple(backbone[k].shape)} vs {tuple(own[k].shape)}"
-                    for k in backbone if k in own and backbone[k].shape != own[k].shape)
-    if missing or unexpected or shapes:
-        parts = [f"{len(keys)} {what}: {_listing(keys)}" for what, keys in (
-            ("missing keys", missing), ("unexpected keys", unexpected),
-            ("shape mismatches (file vs model)", shapes)) if keys]
+    parts = key_mismatches(model.backbone.state_dict(), backbone)
+    if parts:
         raise InitFromMismatch(f"model.init_from={str(path)!r}: its backbone does not fit the configured "
                                f"model/backbone: " + "; ".join(parts))
     model.backbone.load_state_dict(backbone, strict=False)  # only BN counters may be absent

@@ -59,8 +59,13 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         obj = obj[key]
     if not isinstance(obj, dict) or not obj:
         raise ValueError(f"model.pretrained_path={str(p)!r}: no state dict (tensor mapping) in the file")
-    state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
-    if all(k.startswith("module.") for k in state):
+    return tensors_of(obj)
+
+
+def tensors_of(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of a state dict, without the ``module.`` prefix a DDP wrapper adds."""
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if state and all(k.startswith("module.") for k in state):
         state = {k[len("module."):]: v for k, v in state.items()}
     return state
 
@@ -68,6 +73,19 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 def _listing(kind: str, keys: list[str]) -> str:
     shown = ", ".join(keys[:_SHOW]) + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")
     return f"{len(keys)} {kind}: {shown}"
+
+
+def key_mismatches(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[str]:
+    """What keeps ``state`` from loading into a module whose state dict is ``own``: its missing
+    keys (BatchNorm's ``num_batches_tracked`` counters may be absent), unexpected keys and shape
+    mismatches, each described with the first keys; empty when it fits."""
+    missing = sorted(k for k in own if k not in state and not k.endswith("num_batches_tracked"))
+    unexpected = sorted(k for k in state if k not in own)
+    shapes = sorted(f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in state
+                    if k in own and state[k].shape != own[k].shape)
+    return [_listing(kind, keys) for kind, keys in (
+        ("missing keys", missing), ("unexpected keys", unexpected),
+        ("shape mismatches (file vs model)", shapes)) if keys]
 
 
 def load_backbone_weights(backbone: nn.Module, path: str | Path) -> dict[str, list[str]]:
@@ -89,14 +107,8 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> dict[str, li
     state = {k: v for k, v in state.items() if k not in dropped}
     if hasattr(backbone, "adapt_image_state_dict"):
         state = backbone.adapt_image_state_dict(state)
-    missing = sorted(k for k in own if k not in state and not k.endswith("num_batches_tracked"))
-    unexpected = sorted(k for k in state if k not in own)
-    shapes = sorted(f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in state
-                    if k in own and state[k].shape != own[k].shape)
-    if missing or unexpected or shapes:
-        parts = [_listing(kind, keys) for kind, keys in (
-            ("missing keys", missing), ("unexpected keys", unexpected),
-            ("shape mismatches (file vs model)", shapes)) if keys]
+    parts = key_mismatches(own, state)
+    if parts:
         raise PretrainedWeightsMismatch(
             f"model.pretrained_path={str(path)!r} does not fit {type(backbone).__name__} "
             f"({type(net).__name__}): " + "; ".join(parts)
