@@ -63,8 +63,10 @@ kept frames' backbone pass is checkpointed with ``memory=checkpoint``'s policy (
 feasible). Gradients, logits and BN statistics equal plain SBP's: the recompute in backward
 re-enters the BN policy's forward state (``recompute.replay_on_recompute``).
 
-Everything is a no-op in eval mode and under ``no_grad``; bf16 autocast works (recompute
-replays the autocast state). ``grad_scale=inverse_keep`` multiplies the kept frames' (block: kept
+Everything is a no-op in eval mode and under ``no_grad``; bf16 and fp16 autocast work: the
+training forward runs with autocast's weight-cast cache off (``autocast_without_cache``), since a
+cast cached under ``no_grad`` would cut the kept frames' weights out of the graph on torch
+releases without PyTorch's fix, and recompute replays the autocast state. ``grad_scale=inverse_keep`` multiplies the kept frames' (block: kept
 branches') gradient by ``T/n_keep`` without changing the forward value; off by default, as in
 the paper's code.
 """
@@ -79,7 +81,12 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.base import FrameFeatures, all_positions, encode_all_frames
+from videotrain.memory.base import (
+    FrameFeatures,
+    all_positions,
+    autocast_without_cache,
+    encode_all_frames,
+)
 from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
@@ -184,7 +191,7 @@ class StochasticBackprop(SamplerStateMixin):
         if self.bn_policy == "frozen":
             freeze = frozen_batchnorm(backbone)
             replay = replay_on_recompute(lambda: lambda: frozen_batchnorm(backbone))
-        with freeze, replay:
+        with freeze, replay, autocast_without_cache(video.device.type):
             b, t = video.shape[:2]
             keep = n_keep(self.keep_ratio, t)
             if keep == t:  # r=1: exactly e2e (checkpointed, when composed)
