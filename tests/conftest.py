@@ -172,9 +172,10 @@ def run_overrides(tiny_root: Path) -> Callable[..., list[str]]:
 def run_cli() -> Callable[..., subprocess.CompletedProcess]:
     """Run ``python -m videotrain ARGS`` as a subprocess in ``cwd``."""
 
-    def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    def _run(args: list[str], cwd: Path, timeout: float = 300,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "videotrain", *args], cwd=cwd, env=os.environ.copy(),
+            [sys.executable, "-m", "videotrain", *args], cwd=cwd, env={**os.environ, **(env or {})},
             capture_output=True, text=True, timeout=timeout,
         )
 

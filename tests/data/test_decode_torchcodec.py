@@ -4,6 +4,7 @@ a message naming the extra where torchcodec cannot be imported."""
 
 from __future__ import annotations
 
+import os
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -252,3 +253,25 @@ def test_decoder_unavailable_is_not_a_bad_video(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
     with pytest.raises(DecoderUnavailable):
         ds[SampleKey(0, 0)]
+
+
+@pytest.mark.parametrize("broken", {
+    "torchcodec missing": "raise ModuleNotFoundError(\"No module named 'torchcodec'\")",
+    "FFmpeg missing": "raise OSError('libavutil.so.59: cannot open shared object file')",
+}.items(), ids=["torchcodec missing", "FFmpeg missing"])
+def test_cli_unavailable_decoder_is_one_error_line(broken: tuple[str, str], run_cli, run_overrides,
+                                                   tmp_path: Path) -> None:
+    """What a user sees: one ``error:`` line naming the extra and the way out, exit status 2,
+    no traceback, no run."""
+    fake = tmp_path / "fake"  # a torchcodec package whose import fails as the real one would
+    (fake / "torchcodec").mkdir(parents=True)
+    (fake / "torchcodec" / "__init__.py").write_text(broken[1] + "\n")
+    env_path = os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])
+    done = run_cli([*run_overrides(), "data.decoder=torchcodec", f"hydra.run.dir={tmp_path / 'run'}"],
+                   cwd=tmp_path, env={"PYTHONPATH": env_path})
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert 'pip install -e ".[torchcodec]"' in errors[0] and "data.decoder=pyav" in errors[0]
+    assert broken[0].split()[0].lower() in errors[0].lower() or "libavutil" in errors[0]
+    assert not (tmp_path / "run" / "results.json").exists()

@@ -59,8 +59,9 @@ LATTICES = (0.0, 1e-3)
 _CPP_PREFIX = re.compile(r"^[\w:]+, \S+\.(?:cpp|h):\d+, ")  # "Fn, /src/File.cpp:41, message"
 
 
-class DecoderUnavailable(RuntimeError):
-    """``data.decoder=torchcodec`` but torchcodec (or the FFmpeg it loads) cannot be imported."""
+class DecoderUnavailable(ValueError):
+    """``data.decoder=torchcodec`` but torchcodec (or the FFmpeg it loads) cannot be imported: a
+    config value this machine cannot run, so the apps report it as one ``error:`` line, rc 2."""
 
 
 def require_torchcodec() -> Any:
