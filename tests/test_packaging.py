@@ -7,8 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,3 +47,51 @@ def test_wheel_carries_configs_and_runs_without_the_source_tree(tmp_path: Path) 
                          cwd=tmp_path, capture_output=True, text=True)
     assert job.returncode == 0, job.stderr
     assert "name: synthetic" in job.stdout and "_target_: videotrain.memory" in job.stdout
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """``name==version`` lines of a constraints file -> {normalised name: version}."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[canonicalize_name(req.name)] = Version(spec.version)
+    return pins
+
+
+def _declared() -> list[Requirement]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    reqs = [*project["project"]["dependencies"], *project["build-system"]["requires"]]
+    for extra in project["project"]["optional-dependencies"].values():
+        reqs += [r for r in extra if not r.startswith("videotrain")]
+    return [Requirement(r) for r in reqs]
+
+
+def test_every_declared_floor_is_the_floor_jobs_pin() -> None:
+    """What users install is what was tested: each lower bound in pyproject.toml is the version
+    that constraints/floor.txt (the floor job of .ci/run) installs, and the floor file pins
+    nothing pyproject does not declare."""
+    floor = _pins(REPO / "constraints" / "floor.txt")
+    declared = {}
+    for req in _declared():
+        lows = [s.version for s in req.specifier if s.operator in (">=", "==")]
+        assert lows, f"{req}: a range without a floor cannot be tested at its floor"
+        declared[canonicalize_name(req.name)] = Version(lows[0])
+    assert floor == declared, {k: (str(floor.get(k)), str(declared.get(k)))
+                               for k in floor.keys() | declared.keys() if floor.get(k) != declared.get(k)}
+
+
+def test_the_tested_pins_are_inside_the_declared_ranges() -> None:
+    tested = _pins(REPO / "constraints" / "tested.txt")
+    assert set(tested) == {"torch", "torchvision"}
+    for req in _declared():
+        name = canonicalize_name(req.name)
+        if name in tested:
+            assert req.specifier.contains(tested[name]), (str(req), tested[name])
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "-c constraints/floor.txt" in ci and "-c constraints/tested.txt" in ci
+    readme = (REPO / "README.md").read_text()
+    assert 'pip install -e ".[dev]" -c constraints/tested.txt' in readme
