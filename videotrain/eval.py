@@ -9,10 +9,14 @@ same evaluation runs at the end of training with ``trainer.test_after_fit=true``
 Which model: when the checkpoint sits in a training run's folder (``RUN/checkpoints/``), the
 run's ``config.yaml`` is the base and only the overrides given to this command replace parts
 of it, so ``checkpoint=PATH`` alone evaluates what was trained (on its own val split).
-Otherwise the config is composed as usual and must describe the trained model.
+Otherwise, or with ``run_config=false``, the config is composed as usual and must describe the
+trained model; the checkpoint then supplies only the weights.
 
 The file is read with ``torch.load(weights_only=True)`` (``videotrain.engine.checkpoint.load``)
 before anything else: a file that needs arbitrary unpickling is refused, and nothing in it runs.
+The run's ``config.yaml`` goes through ``videotrain.config_files.read_config_file`` before
+anything of it is used: a ``_target_`` the shipped config groups do not build, or a key the
+schema does not have, is refused naming the key (``RefusedConfig``, exit status 2).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from videotrain.build import (
     resolve_device,
     validate,
 )
+from videotrain.config_files import read_config_file
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.evaluate import multi_view_test
 from videotrain.models.finetune import trained_state
@@ -50,6 +55,23 @@ def find_run_config(checkpoint: Path) -> Path | None:
         if (folder / "config.yaml").is_file():
             return folder / "config.yaml"
     return None
+
+
+def run_config_file(cfg: DictConfig) -> tuple[Path, DictConfig] | None:
+    """The run folder's ``config.yaml`` of ``cfg.checkpoint`` and its content, checked
+    (``read_config_file``: refused before anything of it is used if it names a callable the
+    shipped configs do not, or does not fit the schema); None without one, or with
+    ``run_config=false`` (the command line's config groups describe the model)."""
+    if not cfg.get("checkpoint"):
+        return None
+    saved = find_run_config(Path(str(cfg.checkpoint)).expanduser())
+    if saved is None:
+        return None
+    if not cfg.get("run_config", True):
+        log.info("run_config=false: %s is not read; the model and data are this command line's "
+                 "config groups, the checkpoint supplies the weights", saved)
+        return None
+    return saved, read_config_file(saved)
 
 
 def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str],
@@ -132,11 +154,10 @@ def main(cfg: DictConfig) -> float:
 
 def _main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
-    if cfg.get("checkpoint"):
-        saved = find_run_config(Path(str(cfg.checkpoint)).expanduser())
-        if saved is not None:
-            log.info("model and data settings from %s (overridden by the command line)", saved)
-            cfg = apply_overrides(OmegaConf.load(saved), cfg, list(hc.overrides.task))
+    found = run_config_file(cfg)
+    if found is not None:
+        log.info("model and data settings from %s (overridden by the command line)", found[0])
+        cfg = apply_overrides(found[1], cfg, list(hc.overrides.task))
     log.info("evaluation settings: %s", asdict(eval_settings(cfg)))
     summary = evaluate_checkpoint(cfg, hc.runtime.output_dir)
     return summary["video_top1"]

@@ -10,7 +10,9 @@ is reported (and listed in the JSON's ``errors``) and the others go on.
 
 Which model: as for ``videotrain.eval``, the training run's ``config.yaml`` next to the
 checkpoint (else the config stored in the checkpoint, else the composed config) describes the
-model and data; overrides on this command line replace parts of it. The checkpoint supplies the
+model and data; overrides on this command line replace parts of it. Either config is checked
+before anything of it is built (``videotrain.config_files``); ``run_config=false`` reads
+neither and builds the model from this command line's config groups. The checkpoint supplies the
 weights (``model.pretrained`` / ``model.pretrained_path`` are not loaded again), and the model
 runs its evaluation forward, whatever memory strategy trained it. Class names come from the
 run's ``results.json``, else from the dataset's annotations, else ``class_<i>``.
@@ -37,6 +39,7 @@ from videotrain.build import (
     resolve_device,
     validate,
 )
+from videotrain.config_files import checked_config
 from videotrain.data.dataset import BadVideo
 from videotrain.data.loaders import READER_OPTIONS, read_index, resolve_root
 from videotrain.engine.inference import (
@@ -53,6 +56,7 @@ from videotrain.eval import (
     load_trained_weights,
     model_state,
     read_checkpoint,
+    run_config_file,
 )
 from videotrain.models.video import VideoClassifier
 
@@ -73,19 +77,25 @@ def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...],
                state: dict[str, Any] | None = None) -> tuple[DictConfig, Path | None]:
     """The config of the run that wrote ``cfg.checkpoint``: its ``config.yaml`` (or the config
     stored in the checkpoint) with the command line's ``overrides`` and the app's own nodes
-    (``keep``) taken from ``cfg`` (``videotrain.eval``'s discovery). Returns it and the run
-    folder (None when the checkpoint is not in one)."""
+    (``keep``) taken from ``cfg`` (``videotrain.eval``'s discovery). Either is checked first
+    (``videotrain.config_files``: refused, naming the key, before anything of it is built).
+    With ``run_config=false`` neither is read: ``cfg`` (the command line's config groups)
+    describes the model. Returns the config and the run folder (None when the checkpoint is
+    not in one), whose ``results.json`` names the classes."""
     path = Path(str(cfg.checkpoint)).expanduser()
     saved = find_run_config(path)
-    base = OmegaConf.load(saved) if saved is not None else None
-    if base is None and state is not None and isinstance(state.get("config"), dict):
-        base = OmegaConf.create(state["config"])
-    if base is None:
-        return cfg, None
-    log.info("model and data settings from %s (overridden by the command line)",
-             saved or f"the config stored in {path}")
-    out = apply_overrides(base, cfg, overrides, keep)
-    return out, (saved.parent if saved is not None else None)
+    run_dir = saved.parent if saved is not None else None
+    found = run_config_file(cfg)
+    if found is not None:
+        source, base = str(found[0]), found[1]
+    elif saved is None and cfg.get("run_config", True) and state is not None \
+            and state.get("config") is not None:
+        source = f"the config stored in {path}"
+        base = checked_config(state["config"], source)
+    else:
+        return cfg, run_dir
+    log.info("model and data settings from %s (overridden by the command line)", source)
+    return apply_overrides(base, cfg, overrides, keep), run_dir
 
 
 def _num_classes(state: dict[str, Any], path: Path) -> int:
