@@ -235,8 +235,8 @@ def _check_schema(cfg: DictConfig, source: str, config_dir: str) -> None:
         if not schemas:
             raise _refuse(cfg, source, f"{key} has no _target_ a shipped {group} option has",
                           config_dir)
-        fitting = [s for s in schemas if _fits(_typed(s), node, f"{key}.")]
-        OmegaConf.update(template, key, _typed((fitting or schemas)[0]), merge=False)
+        chosen = next((s for s in schemas if _fits(_typed(s), node, f"{key}.")), schemas[0])
+        OmegaConf.update(template, key, _typed(chosen), merge=False)  # its error is reported below
     try:
         schema.check_keys(OmegaConf.merge(template, cfg))
     except OmegaConfBaseException as err:

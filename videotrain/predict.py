@@ -39,7 +39,6 @@ from videotrain.build import (
     resolve_device,
     validate,
 )
-from videotrain.config_files import checked_config
 from videotrain.data.dataset import BadVideo
 from videotrain.data.loaders import READER_OPTIONS, read_index, resolve_root
 from videotrain.engine.inference import (
@@ -51,12 +50,10 @@ from videotrain.engine.inference import (
     top_classes,
 )
 from videotrain.eval import (
-    apply_overrides,
-    find_run_config,
     load_trained_weights,
     model_state,
     read_checkpoint,
-    run_config_file,
+    run_config,
 )
 from videotrain.models.video import VideoClassifier
 
@@ -71,31 +68,6 @@ class Trained:
     def __init__(self, cfg: DictConfig, model: VideoClassifier, class_names: list[str],
                  state: dict[str, Any], path: Path) -> None:
         self.cfg, self.model, self.class_names, self.state, self.path = cfg, model, class_names, state, path
-
-
-def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...],
-               state: dict[str, Any] | None = None) -> tuple[DictConfig, Path | None]:
-    """The config of the run that wrote ``cfg.checkpoint``: its ``config.yaml`` (or the config
-    stored in the checkpoint) with the command line's ``overrides`` and the app's own nodes
-    (``keep``) taken from ``cfg`` (``videotrain.eval``'s discovery). Either is checked first
-    (``videotrain.config_files``: refused, naming the key, before anything of it is built).
-    With ``run_config=false`` neither is read: ``cfg`` (the command line's config groups)
-    describes the model. Returns the config and the run folder (None when the checkpoint is
-    not in one), whose ``results.json`` names the classes."""
-    path = Path(str(cfg.checkpoint)).expanduser()
-    saved = find_run_config(path)
-    run_dir = saved.parent if saved is not None else None
-    found = run_config_file(cfg)
-    if found is not None:
-        source, base = str(found[0]), found[1]
-    elif saved is None and cfg.get("run_config", True) and state is not None \
-            and state.get("config") is not None:
-        source = f"the config stored in {path}"
-        base = checked_config(state["config"], source)
-    else:
-        return cfg, run_dir
-    log.info("model and data settings from %s (overridden by the command line)", source)
-    return apply_overrides(base, cfg, overrides, keep), run_dir
 
 
 def _num_classes(state: dict[str, Any], path: Path) -> int:
