@@ -287,7 +287,20 @@ def test_run_config_false_exports_the_crafted_run(attack: dict[str, Path], run_o
     assert (tmp_path / "model.pt2").is_file() and not attack["marker"].exists()
 
 
-def test_without_run_config_false_a_foreign_model_does_not_load(attack: dict[str, Path],
+def test_a_lone_checkpoint_evaluates_from_its_stored_config(attack: dict[str, Path], compose_cfg,
+                                                            tiny_root: Path, tmp_path: Path) -> None:
+    """Outside its run folder, an untouched checkpoint's stored config passes the check and
+    describes the model, as for predict (the default groups, resnet10, would not load it)."""
+    lone = tmp_path / "lone.ckpt"
+    shutil.copyfile(attack["run"], lone)
+    overrides = ["eval.clips=1", "eval.crops=1", "trainer.progress=false", "device=cpu"]
+    untouched = [f"checkpoint={attack['run']}", *overrides]
+    assert evaluate(validate(compose_cfg([f"checkpoint={lone}", *overrides])),
+                    [f"checkpoint={lone}", *overrides], tmp_path / "a") == \
+        evaluate(validate(compose_cfg(untouched)), untouched, tmp_path / "b")
+
+
+def test_run_config_false_drops_the_runs_config(attack: dict[str, Path],
                                                                 compose_cfg, tiny_root: Path,
                                                                 tmp_path: Path) -> None:
     """``run_config=false`` really drops the run's config: the default groups (resnet10) do not
