@@ -161,7 +161,7 @@ def _edit(config: dict, key: str, value: object) -> dict:
     ("trainer.max_epochs", "many", "trainer.max_epochs: Value 'many' of type 'str' could not be "
                                    "converted to Integer"),
     ("sneaky", 1, "unknown config key sneaky"),
-    ("memory", "e2e", "memory must be a mapping"),
+    ("memory", "e2e", "memory must be a mapping (the memory config group), got a str"),
 ])
 def test_refused_naming_the_key(plain_config: dict, key: str, value: object, message: str) -> None:
     with pytest.raises(RefusedConfig) as err:
@@ -170,6 +170,16 @@ def test_refused_naming_the_key(plain_config: dict, key: str, value: object, mes
     assert text.startswith("RUN/config.yaml: ") and message in text, text
     assert "run_config=false" in text and "\n" not in text  # one line, with the way to go on
     assert isinstance(err.value, ValueError)  # clean_errors: exit status 2
+
+
+@pytest.mark.parametrize("key", ["model.backbone._target_", "model.backbone", "data.name", "model"])
+def test_no_resolver_runs_while_checking(plain_config: dict, key: str, tmp_path: Path) -> None:
+    """An interpolation is refused unresolved: ``${unique_dir:...}`` (a resolver videotrain
+    registers, which creates a folder) never runs, wherever it sits."""
+    made = tmp_path / "made-by-a-resolver"
+    with pytest.raises(RefusedConfig, match=f"{key} is an interpolation"):
+        checked_config(_edit(plain_config, key, f"${{unique_dir:{made}}}"), "f")
+    assert not made.exists()
 
 
 def test_the_hint_names_the_runs_groups(plain_config: dict) -> None:

@@ -148,17 +148,38 @@ def _walk(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
             yield from _walk(node._get_node(i), f"{path}[{i}]")
 
 
+def _node_at(cfg: DictConfig, dotted: str) -> Any:
+    """The node at ``dotted`` without resolving anything on the way (None where there is no
+    plain mapping to step into). ``key in cfg`` and ``cfg.get`` resolve interpolations, which
+    may run a resolver: nothing here uses them before every interpolation is refused."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, DictConfig) or node._is_interpolation() or node._is_none() \
+                or node._is_missing() or part not in node.keys():
+            return None
+        node = node._get_node(part)
+    return node
+
+
+def _raw(node: DictConfig, key: str) -> str | None:
+    """``node[key]`` as written (None when absent, null or an interpolation), unresolved."""
+    child = _node_at(node, key)
+    if child is None or child._is_interpolation() or child._value() is None:
+        return None
+    return str(child._value())
+
+
 def _suggestion(cfg: DictConfig, config_dir: str) -> str:
     """``model/backbone=A|B model/head=C data=D `` for the groups whose node names a shipped
     option (by its allowed target or its name), so that the hint says what to pass."""
     parts = []
     for group in ("model/backbone", "model/head", "data"):
-        node = OmegaConf.select(cfg, group.replace("/", "."), default=None)
+        node = _node_at(cfg, group.replace("/", "."))
         if not isinstance(node, DictConfig) or node._is_interpolation():
             continue
-        target, name = node.get("_target_"), node.get("name")
+        target, name = _raw(node, "_target_"), _raw(node, "name")
         matches = [o.option for o in shipped_options(config_dir) if o.group == group
-                   and (str(target) in o.targets if target is not None else o.name == str(name))]
+                   and (target in o.targets if target is not None else name is not None and o.name == name)]
         if matches:
             parts.append(f"{group}={'|'.join(matches)} ")
     return "".join(parts) or "model/backbone=... model/head=... data=... "
@@ -171,12 +192,13 @@ def _refuse(cfg: DictConfig, source: str, what: str, config_dir: str) -> Refused
 
 def _check_targets(cfg: DictConfig, source: str, config_dir: str) -> None:
     allowed = shipped_targets(config_dir)
-    for path, node in _walk(cfg):
+    for path, node in _walk(cfg):  # first: nothing below may resolve one
         if path and node._is_interpolation():
             raise _refuse(cfg, source, f"{path} is an interpolation ({node._value()}); videotrain "
                           "writes its configs resolved, and resolving one may run code", config_dir)
+    for path, node in _walk(cfg):
         if not isinstance(node, DictConfig) or node._is_interpolation() or node._is_none() \
-                or node._is_missing() or "_target_" not in node:
+                or node._is_missing() or "_target_" not in node.keys():
             continue
         target = node._get_node("_target_")._value()
         key = f"{path}._target_" if path else "_target_"
@@ -194,9 +216,9 @@ def _candidates(group: str, node: DictConfig, config_dir: str) -> list[type]:
     the rest of the group's."""
     options = [o for o in shipped_options(config_dir) if o.group == group and o.schema is not None]
     if any(o.targets for o in options):
-        options = [o for o in options if str(node.get("_target_")) in o.targets]
+        options = [o for o in options if _raw(node, "_target_") in o.targets]
     else:
-        options.sort(key=lambda o: o.name is None or o.name != str(node.get("name")))
+        options.sort(key=lambda o: o.name is None or o.name != _raw(node, "name"))
     schemas: list[type] = []
     for o in options:
         if o.schema not in schemas:
@@ -225,12 +247,12 @@ def _check_schema(cfg: DictConfig, source: str, config_dir: str) -> None:
     OmegaConf.set_struct(template.model, False)
     for group in schema.SCHEMAS:
         key = group.replace("/", ".")
-        node = OmegaConf.select(cfg, key, default=None)
-        if node is None:
+        node = _node_at(cfg, key)
+        if node is None or node._is_none():
             continue  # a group an older run did not have: the command line supplies it
         if not isinstance(node, DictConfig):
             raise _refuse(cfg, source, f"{key} must be a mapping (the {group} config group), got "
-                          f"{type(node).__name__}", config_dir)
+                          f"a {type(node._value()).__name__}", config_dir)
         schemas = _candidates(group, node, config_dir)
         if not schemas:
             raise _refuse(cfg, source, f"{key} has no _target_ a shipped {group} option has",
