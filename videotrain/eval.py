@@ -8,11 +8,17 @@ same evaluation runs at the end of training with ``trainer.test_after_fit=true``
 
 Which model: when the checkpoint sits in a training run's folder (``RUN/checkpoints/``), the
 run's ``config.yaml`` is the base and only the overrides given to this command replace parts
-of it, so ``checkpoint=PATH`` alone evaluates what was trained (on its own val split).
-Otherwise the config is composed as usual and must describe the trained model.
+of it, so ``checkpoint=PATH`` alone evaluates what was trained (on its own val split). A
+checkpoint outside its run folder brings its run's config itself (every videotrain checkpoint
+stores it), which is used the same way. Without either, or with ``run_config=false``, the
+config is composed as usual and must describe the trained model; the checkpoint then supplies
+only the weights.
 
 The file is read with ``torch.load(weights_only=True)`` (``videotrain.engine.checkpoint.load``)
 before anything else: a file that needs arbitrary unpickling is refused, and nothing in it runs.
+Either config goes through ``videotrain.config_files`` (``run_config``) before anything of
+it is used: a ``_target_`` the shipped config groups do not build, or a key the
+schema does not have, is refused naming the key (``RefusedConfig``, exit status 2).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from videotrain.build import (
     resolve_device,
     validate,
 )
+from videotrain.config_files import checked_config, read_config_file
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.evaluate import multi_view_test
 from videotrain.models.finetune import trained_state
@@ -50,6 +57,38 @@ def find_run_config(checkpoint: Path) -> Path | None:
         if (folder / "config.yaml").is_file():
             return folder / "config.yaml"
     return None
+
+
+def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = (),
+               state: dict[str, Any] | None = None) -> tuple[DictConfig, Path | None]:
+    """The config of the run that wrote ``cfg.checkpoint``, the one reader of a trained run's
+    config (eval, predict, export): its run folder's ``config.yaml``, else the config stored in
+    the checkpoint ``state``, with the command line's ``overrides`` and the app's own nodes
+    (``keep``) taken from ``cfg``. Either file's config is checked first
+    (``videotrain.config_files``: refused, naming the key, before anything of it is built or
+    resolved). With ``run_config=false`` neither is read: ``cfg`` (the command line's config
+    groups) describes the model and the checkpoint supplies only the weights. Returns the config
+    and the run folder (None when the checkpoint is not in one), whose ``results.json`` names
+    the classes."""
+    path = Path(str(cfg.checkpoint)).expanduser()
+    saved = find_run_config(path)
+    run_dir = saved.parent if saved is not None else None
+    stored = state.get("config") if state is not None else None
+    if not cfg.get("run_config", True):
+        if saved is not None or stored is not None:
+            log.info("run_config=false: the model and data are this command line's config groups "
+                     "(%s is not read); the checkpoint supplies the weights",
+                     saved or f"the config stored in {path}")
+        return cfg, run_dir
+    if saved is not None:
+        source, base = str(saved), read_config_file(saved)
+    elif stored is not None:
+        source = f"the config stored in {path}"
+        base = checked_config(stored, source)
+    else:
+        return cfg, run_dir
+    log.info("model and data settings from %s (overridden by the command line)", source)
+    return apply_overrides(base, cfg, overrides, keep), run_dir
 
 
 def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str],
@@ -108,9 +147,11 @@ def load_trained_weights(model: nn.Module, blob: dict[str, Any], path: Path) -> 
                          f"model/head and the number of classes must match training): {err}") from err
 
 
-def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
-    """Load ``cfg.checkpoint`` into the configured model and run the multi-view evaluation."""
-    path, blob = read_checkpoint(cfg)  # first, before any data is read
+def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path,
+                        checkpoint: tuple[Path, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Load ``cfg.checkpoint`` (or the ``(path, contents)`` already read by ``read_checkpoint``)
+    into the configured model and run the multi-view evaluation."""
+    path, blob = checkpoint or read_checkpoint(cfg)  # first, before any data is read
     device = resolve_device(cfg.device)
     precision = build_precision(cfg, device)
     settings = eval_settings(cfg)  # bad eval.* values fail before any data is read
@@ -126,19 +167,19 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
-    with clean_errors():
-        return _main(validate(cfg))
-
-
-def _main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
-    if cfg.get("checkpoint"):
-        saved = find_run_config(Path(str(cfg.checkpoint)).expanduser())
-        if saved is not None:
-            log.info("model and data settings from %s (overridden by the command line)", saved)
-            cfg = apply_overrides(OmegaConf.load(saved), cfg, list(hc.overrides.task))
+    with clean_errors():
+        return evaluate(validate(cfg), list(hc.overrides.task), hc.runtime.output_dir)
+
+
+def evaluate(cfg: DictConfig, overrides: list[str], out_dir: str | Path) -> float:
+    """What the command runs: the checkpoint (``weights_only``), then its run's checked config
+    (``run_config``) with the command line's ``overrides`` over it, then
+    ``evaluate_checkpoint``; returns the video top-1."""
+    checkpoint = read_checkpoint(cfg)
+    cfg, _ = run_config(cfg, overrides, state=checkpoint[1])
     log.info("evaluation settings: %s", asdict(eval_settings(cfg)))
-    summary = evaluate_checkpoint(cfg, hc.runtime.output_dir)
+    summary = evaluate_checkpoint(cfg, out_dir, checkpoint)
     return summary["video_top1"]
 
 

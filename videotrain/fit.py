@@ -32,6 +32,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from videotrain.build import compose_cfg, eval_settings, group_choices, optimizer_from_cfg
+from videotrain.config_files import checked_config
 from videotrain.engine.precision import PRECISIONS
 from videotrain.memory.auto.predict import (
     CUDA_CONTEXT_GIB,
@@ -105,7 +106,9 @@ def _child(job: Job) -> dict[str, Any]:
     gc.disable()
     t0 = time.perf_counter()
     try:
-        cfg = OmegaConf.create(config) if isinstance(config, dict) else compose_cfg(config)
+        # a resolved config from the parent is checked as one read from a file would be
+        cfg = (checked_config(config, "the memory simulator's job") if isinstance(config, dict)
+               else compose_cfg(config))
         return {"memory": simulate_cfg(cfg, target),
                 "seconds": time.perf_counter() - t0}
     except Exception as err:  # reported per row, the other rows still run

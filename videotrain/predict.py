@@ -10,7 +10,9 @@ is reported (and listed in the JSON's ``errors``) and the others go on.
 
 Which model: as for ``videotrain.eval``, the training run's ``config.yaml`` next to the
 checkpoint (else the config stored in the checkpoint, else the composed config) describes the
-model and data; overrides on this command line replace parts of it. The checkpoint supplies the
+model and data; overrides on this command line replace parts of it. Either config is checked
+before anything of it is built (``videotrain.config_files``); ``run_config=false`` reads
+neither and builds the model from this command line's config groups. The checkpoint supplies the
 weights (``model.pretrained`` / ``model.pretrained_path`` are not loaded again), and the model
 runs its evaluation forward, whatever memory strategy trained it. Class names come from the
 run's ``results.json``, else from the dataset's annotations, else ``class_<i>``.
@@ -48,11 +50,10 @@ from videotrain.engine.inference import (
     top_classes,
 )
 from videotrain.eval import (
-    apply_overrides,
-    find_run_config,
     load_trained_weights,
     model_state,
     read_checkpoint,
+    run_config,
 )
 from videotrain.models.video import VideoClassifier
 
@@ -67,25 +68,6 @@ class Trained:
     def __init__(self, cfg: DictConfig, model: VideoClassifier, class_names: list[str],
                  state: dict[str, Any], path: Path) -> None:
         self.cfg, self.model, self.class_names, self.state, self.path = cfg, model, class_names, state, path
-
-
-def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...],
-               state: dict[str, Any] | None = None) -> tuple[DictConfig, Path | None]:
-    """The config of the run that wrote ``cfg.checkpoint``: its ``config.yaml`` (or the config
-    stored in the checkpoint) with the command line's ``overrides`` and the app's own nodes
-    (``keep``) taken from ``cfg`` (``videotrain.eval``'s discovery). Returns it and the run
-    folder (None when the checkpoint is not in one)."""
-    path = Path(str(cfg.checkpoint)).expanduser()
-    saved = find_run_config(path)
-    base = OmegaConf.load(saved) if saved is not None else None
-    if base is None and state is not None and isinstance(state.get("config"), dict):
-        base = OmegaConf.create(state["config"])
-    if base is None:
-        return cfg, None
-    log.info("model and data settings from %s (overridden by the command line)",
-             saved or f"the config stored in {path}")
-    out = apply_overrides(base, cfg, overrides, keep)
-    return out, (saved.parent if saved is not None else None)
 
 
 def _num_classes(state: dict[str, Any], path: Path) -> int:

@@ -186,6 +186,7 @@ class RootSchema:
     deterministic: bool = False
     device: str = "auto"
     checkpoint: Optional[str] = None  # noqa: UP045
+    run_config: bool = True  # eval/predict/export: the run's config.yaml (or the checkpoint's) is the base
     video: Optional[str] = None  # noqa: UP045 (python -m videotrain.predict video=FILE|FOLDER)
 
 

@@ -32,7 +32,7 @@ MATH_NEUTRAL = (
     "trainer.checkpoint_every_n_steps", "trainer.keep_last_k", "trainer.resume",
     "trainer.val_every_n_epochs", "trainer.test_after_fit", "trainer.cpu_metered_steps",
     "data.num_workers", "data.worker_timeout", "data.val_batch_size", "data.max_bad_fraction",
-    "logger.", "eval.", "checkpoint", "device",
+    "logger.", "eval.", "checkpoint", "run_config", "device",
 )
 
 ABSENT = object()

@@ -1,0 +1,302 @@
+"""Configs read from files: one check before anything of them is instantiated.
+
+A run folder's ``config.yaml`` and the config stored in a checkpoint are data written by
+whoever made the run, and a run can come from a stranger. Hydra's ``instantiate`` calls every
+``_target_`` it meets, nested nodes first, so a config that names ``torch.load`` (with
+``weights_only: false``) or any other callable runs code before videotrain could object.
+
+:func:`checked_config` is the one door every config read from a file goes through (``eval``,
+``predict``, ``export``, and the memory simulator's child processes, which get theirs from
+their parent). It refuses, with the file and the key at fault:
+
+* a ``_target_`` anywhere the shipped config groups have none (``configs/<group>/*.yaml`` put
+  ``_target_`` only under ``model.backbone``, ``model.head`` and ``memory``), and at those keys
+  any target that none of the shipped options names. The allowlist is derived by scanning the
+  YAML under ``configs/`` (:func:`shipped_targets`), never kept by hand;
+* interpolations (``${...}``): videotrain writes its configs resolved, and a resolver runs code;
+* anything the strict schema of a composed config refuses (``videotrain.schema``): unknown
+  keys, wrong types. Each group's node is checked against the schema of the shipped option it
+  corresponds to (by ``_target_``, else by ``name``).
+
+The refusal (:class:`RefusedConfig`, a ``ValueError``) ends a command through
+``videotrain.build.clean_errors`` as one ``error:`` line with exit status 2, and says how to go
+on with a run one trusts: ``run_config=false`` and the model's config groups on the command
+line, so the model is rebuilt from the shipped configs and only the checkpoint's weights
+(read with ``torch.load(weights_only=True)``) are loaded. See docs/cluster.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from videotrain import schema
+from videotrain.build import CONFIG_DIR
+
+TRUSTED_RUN_HINT = (
+    "If you trust this run, rebuild the model from this command line's config groups and load "
+    "only the checkpoint's weights: add run_config=false and the run's groups and model keys "
+    "({groups}data.root=...; the run's .hydra/overrides.yaml lists them), see "
+    "docs/cluster.md#configs-read-from-files")
+
+
+class RefusedConfig(ValueError):
+    """A config read from a file that may not be instantiated: a ``_target_`` the shipped
+    config groups do not configure there, an interpolation, or a key or value its schema
+    refuses."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShippedOption:
+    """One option of a schema-backed config group (``configs/model/head/tconv.yaml``)."""
+
+    group: str                  # "model/head"
+    option: str                 # "tconv"
+    schema: type | None         # the dataclass its defaults list names (videotrain.schema)
+    targets: frozenset[str]     # its _target_ as written, and the object's own dotted name
+    name: str | None            # its `name:` value (data, optim, sched options have one)
+
+
+def _aliases(target: str) -> frozenset[str]:
+    """``target`` and ``module.qualname`` of the object it names: a shipped target is imported
+    (it is videotrain's own code) so that a node written with either spelling is recognised,
+    e.g. ``videotrain.memory.sbp.StochasticBackprop`` and ``...sbp.strategy.StochasticBackprop``
+    (what ``memory=auto``'s candidates write)."""
+    try:
+        obj = get_object(target)
+    except Exception:  # noqa: BLE001 - a shipped option that does not import is still listed
+        return frozenset({target})
+    return frozenset({target, f"{obj.__module__}.{obj.__qualname__}"})
+
+
+def _package(text: str, group: str) -> str:
+    """The dotted key a YAML file's content lands at (``# @package`` header, else its group)."""
+    match = re.search(r"^#\s*@package\s+(\S+)", text, re.MULTILINE)
+    package = match.group(1) if match else "_group_"
+    if package == "_global_":
+        return ""
+    return group.replace("/", ".") if package == "_group_" else package
+
+
+def _target_nodes(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    """``(dotted key, target)`` of every mapping with a ``_target_`` in a plain YAML tree."""
+    if isinstance(node, dict):
+        if "_target_" in node:
+            yield path, str(node["_target_"])
+        for key, value in node.items():
+            if key != "defaults":
+                yield from _target_nodes(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _target_nodes(value, f"{path}[{i}]")
+
+
+@functools.lru_cache(maxsize=4)
+def shipped_targets(config_dir: str = CONFIG_DIR) -> dict[str, frozenset[str]]:
+    """Dotted key -> the ``_target_`` values the YAML under ``config_dir`` sets there, over
+    every group option and experiment (``hydra/``, Hydra's own launcher settings, aside)."""
+    root = Path(config_dir)
+    found: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.yaml")):
+        group = path.parent.relative_to(root).as_posix()
+        if group.split("/")[0] == "hydra":
+            continue
+        text = path.read_text()
+        prefix = _package(text, "" if group == "." else group)
+        for key, target in _target_nodes(yaml.safe_load(text) or {}, prefix):
+            found.setdefault(key, set()).update(_aliases(target))
+    return {key: frozenset(targets) for key, targets in found.items()}
+
+
+@functools.lru_cache(maxsize=4)
+def shipped_options(config_dir: str = CONFIG_DIR) -> tuple[ShippedOption, ...]:
+    """The options of every schema-backed group (``videotrain.schema.SCHEMAS``) under
+    ``config_dir``, with the schema each one's defaults list names."""
+    options = []
+    for group, schemas in schema.SCHEMAS.items():
+        for path in sorted((Path(config_dir) / group).glob("*.yaml")):
+            data = yaml.safe_load(path.read_text()) or {}
+            named = [d for d in data.get("defaults", []) if isinstance(d, str) and d in schemas]
+            target = data.get("_target_")
+            options.append(ShippedOption(
+                group, path.stem, schemas[named[0]] if named else None,
+                _aliases(str(target)) if target else frozenset(),
+                str(data["name"]) if "name" in data else None))
+    return tuple(options)
+
+
+# ---------------------------------------------------------------------- the check
+def _walk(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted key, node)`` for ``node`` and every node below it, interpolations unresolved."""
+    yield path, node
+    if isinstance(node, DictConfig) and not node._is_interpolation() and not node._is_none() \
+            and not node._is_missing():
+        for key in node.keys():
+            yield from _walk(node._get_node(key), f"{path}.{key}" if path else str(key))
+    elif isinstance(node, ListConfig) and not node._is_interpolation() and not node._is_none() \
+            and not node._is_missing():
+        for i in range(len(node)):
+            yield from _walk(node._get_node(i), f"{path}[{i}]")
+
+
+def _node_at(cfg: DictConfig, dotted: str) -> Any:
+    """The node at ``dotted`` without resolving anything on the way (None where there is no
+    plain mapping to step into). ``key in cfg`` and ``cfg.get`` resolve interpolations, which
+    may run a resolver: nothing here uses them before every interpolation is refused."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, DictConfig) or node._is_interpolation() or node._is_none() \
+                or node._is_missing() or part not in node.keys():
+            return None
+        node = node._get_node(part)
+    return node
+
+
+def _raw(node: DictConfig, key: str) -> str | None:
+    """``node[key]`` as written (None when absent, null or an interpolation), unresolved."""
+    child = _node_at(node, key)
+    if child is None or child._is_interpolation() or child._value() is None:
+        return None
+    return str(child._value())
+
+
+def _suggestion(cfg: DictConfig, config_dir: str) -> str:
+    """``model/backbone=A|B model/head=C data=D `` for the groups whose node names a shipped
+    option (by its allowed target or its name), so that the hint says what to pass."""
+    parts = []
+    for group in ("model/backbone", "model/head", "data"):
+        node = _node_at(cfg, group.replace("/", "."))
+        if not isinstance(node, DictConfig) or node._is_interpolation():
+            continue
+        target, name = _raw(node, "_target_"), _raw(node, "name")
+        matches = [o.option for o in shipped_options(config_dir) if o.group == group
+                   and (target in o.targets if target is not None else name is not None and o.name == name)]
+        if matches:
+            parts.append(f"{group}={'|'.join(matches)} ")
+    return "".join(parts) or "model/backbone=... model/head=... data=... "
+
+
+def _refuse(cfg: DictConfig, source: str, what: str, config_dir: str) -> RefusedConfig:
+    hint = TRUSTED_RUN_HINT.format(groups=_suggestion(cfg, config_dir))
+    return RefusedConfig(f"{source}: {what}; nothing of this config was instantiated. {hint}")
+
+
+def _check_targets(cfg: DictConfig, source: str, config_dir: str) -> None:
+    allowed = shipped_targets(config_dir)
+    for path, node in _walk(cfg):  # first: nothing below may resolve one
+        if path and node._is_interpolation():
+            raise _refuse(cfg, source, f"{path} is an interpolation ({node._value()}); videotrain "
+                          "writes its configs resolved, and resolving one may run code", config_dir)
+    for path, node in _walk(cfg):
+        if not isinstance(node, DictConfig) or node._is_interpolation() or node._is_none() \
+                or node._is_missing() or "_target_" not in node.keys():
+            continue
+        target = node._get_node("_target_")._value()
+        key = f"{path}._target_" if path else "_target_"
+        if path not in allowed:
+            raise _refuse(cfg, source, f"{key}={target} is refused: a _target_ where the schema has "
+                          f"none (only {', '.join(sorted(allowed))} take one)", config_dir)
+        if str(target) not in allowed[path]:
+            raise _refuse(cfg, source, f"{key}={target} is refused: no shipped config of {path} "
+                          f"builds it (they build {', '.join(sorted(allowed[path]))})", config_dir)
+
+
+def _candidates(group: str, node: DictConfig, config_dir: str) -> list[type]:
+    """The schemas ``node`` may be checked against, best match first: the options whose
+    ``_target_`` it has (groups with targets: only those), else whose ``name`` it has, then
+    the rest of the group's."""
+    options = [o for o in shipped_options(config_dir) if o.group == group and o.schema is not None]
+    if any(o.targets for o in options):
+        options = [o for o in options if _raw(node, "_target_") in o.targets]
+    else:
+        options.sort(key=lambda o: o.name is None or o.name != _raw(node, "name"))
+    schemas: list[type] = []
+    for o in options:
+        if o.schema not in schemas:
+            schemas.append(o.schema)
+    return schemas
+
+
+def _typed(schema_cls: type) -> DictConfig:
+    """An instance of a schema that accepts extra keys while merging, so that ``check_keys``
+    can name them (as it does for ``+key=value`` on a composed config)."""
+    node = OmegaConf.structured(schema_cls)
+    OmegaConf.set_struct(node, False)
+    return node
+
+
+def _fits(typed: DictConfig, node: DictConfig, prefix: str) -> bool:
+    try:
+        schema.check_keys(OmegaConf.merge(typed, node), prefix)
+    except (OmegaConfBaseException, ValueError):
+        return False
+    return True
+
+
+def _check_schema(cfg: DictConfig, source: str, config_dir: str) -> None:
+    template = _typed(schema.RootSchema)
+    OmegaConf.set_struct(template.model, False)
+    for group in schema.SCHEMAS:
+        key = group.replace("/", ".")
+        node = _node_at(cfg, key)
+        if node is None or node._is_none():
+            continue  # a group an older run did not have: the command line supplies it
+        if not isinstance(node, DictConfig):
+            raise _refuse(cfg, source, f"{key} must be a mapping (the {group} config group), got "
+                          f"a {type(node._value()).__name__}", config_dir)
+        schemas = _candidates(group, node, config_dir)
+        if not schemas:
+            raise _refuse(cfg, source, f"{key} has no _target_ a shipped {group} option has",
+                          config_dir)
+        chosen = next((s for s in schemas if _fits(_typed(s), node, f"{key}.")), schemas[0])
+        OmegaConf.update(template, key, _typed(chosen), merge=False)  # its error is reported below
+    try:
+        schema.check_keys(OmegaConf.merge(template, cfg))
+    except OmegaConfBaseException as err:
+        where = f"{err.full_key}: " if getattr(err, "full_key", None) else ""
+        raise _refuse(cfg, source, f"does not fit videotrain's config schema: {where}"
+                      f"{str(err).splitlines()[0]}", config_dir) from None
+    except schema.UnknownConfigKey as err:
+        raise _refuse(cfg, source, f"does not fit videotrain's config schema: {err}",
+                      config_dir) from None
+
+
+def checked_config(data: Mapping[str, Any] | DictConfig, source: str,
+                   config_dir: str = CONFIG_DIR) -> DictConfig:
+    """``data`` (a config read from ``source``: a file, a checkpoint) as a ``DictConfig``,
+    after the checks of the module docstring; raises :class:`RefusedConfig` naming the key.
+    Nothing in ``data`` is resolved or instantiated here."""
+    if isinstance(data, DictConfig):
+        cfg = data
+    elif isinstance(data, Mapping):
+        try:
+            cfg = OmegaConf.create(dict(data))
+        except OmegaConfBaseException as err:
+            raise RefusedConfig(f"{source}: not a config of plain values: "
+                                f"{str(err).splitlines()[0]}") from None
+    else:
+        raise RefusedConfig(f"{source}: not a config (a {type(data).__name__}, not a mapping)")
+    _check_targets(cfg, source, config_dir)
+    _check_schema(cfg, source, config_dir)
+    return cfg
+
+
+def read_config_file(path: str | Path, config_dir: str = CONFIG_DIR) -> DictConfig:
+    """A YAML config file (a run folder's ``config.yaml``), read as plain data (OmegaConf's
+    loader, YAML's safe one) and passed through :func:`checked_config`."""
+    p = Path(path)
+    try:
+        data = OmegaConf.load(p)  # a subclass of yaml.SafeLoader: no Python tags
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as err:
+        raise RefusedConfig(f"{p}: cannot be read as a YAML config: "
+                            f"{str(err).splitlines()[0]}") from None
+    return checked_config(data, str(p), config_dir)
