@@ -53,7 +53,7 @@ def saved_class_names(blob: dict[str, Any], current: list[str],
 
 
 def _moves(saved: list[str], current: list[str]) -> str:
-    moved = [f"{name!r} is {saved.index(name)} there, {k} here"
+    moved = [f"{name!r} is label {saved.index(name)} in the checkpoint, {k} here"
              for k, name in enumerate(current) if name in saved and saved.index(name) != k]
     more = f"; {len(moved) - _SHOW} more" if len(moved) > _SHOW else ""
     return "; ".join(moved[:_SHOW]) + more
