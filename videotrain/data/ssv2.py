@@ -7,6 +7,9 @@ videos are ``20bn-something-something-v2/<id>.webm``. The label rule (strip ``[`
 from the template, look it up) is pytorchvideo's (``pytorchvideo.data.ssv2``), whose reader
 itself expects frames extracted to JPEG plus a frame-list CSV, so it cannot read the videos.
 
+Older releases name the files ``something-something-v2-{labels,train,validation}.json``; a
+missing file's error names them (and the ``data.*_file`` settings, when they are there).
+
 Why the JSON is walked entry by entry: a bad entry is reported with its file *and line*
 (the official files hold one entry per line), which ``json.load`` cannot give.
 """
