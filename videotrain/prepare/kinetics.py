@@ -127,8 +127,8 @@ def read_release_csv(path: str | Path) -> list[Row]:
 class VideoFiles:
     """The video files under a folder, by name without extension (``index_videos``)."""
 
-    by_stem: dict[str, Path]
-    empty: list[Path]  # 0-byte files (an interrupted download): never used
+    by_stem: dict[str, str]
+    empty: list[str]  # 0-byte files (an interrupted download): never used
 
     def __len__(self) -> int:
         return len(self.by_stem)
@@ -143,9 +143,9 @@ def index_videos(video_dir: str | Path) -> VideoFiles:
     """Every non-empty video file under ``video_dir`` (any depth) by its name without
     extension. When a name is there more than once: a file under a ``replacement*`` folder (the
     CVDF release's re-downloads of corrupted originals) first, then the first container of
-    ``EXTENSION_ORDER``, then path order."""
-    found: dict[str, tuple[tuple[int, int], Path]] = {}
-    empty: list[Path] = []
+    ``EXTENSION_ORDER``, then path order. Paths stay strings (650k of them for K700)."""
+    found: dict[str, tuple[tuple[int, int], str]] = {}
+    empty: list[str] = []
     rank = {ext: i for i, ext in enumerate(EXTENSION_ORDER)}
     for dirpath, dirnames, filenames in os.walk(video_dir):
         dirnames.sort()
@@ -155,13 +155,15 @@ def index_videos(video_dir: str | Path) -> VideoFiles:
             ext = ext.lower()
             if ext not in VIDEO_EXTENSIONS or name.startswith("."):  # .x.part-*: partial files
                 continue
-            path = Path(dirpath) / name
-            if path.stat().st_size == 0:
+            key = (replaced, rank.get(ext, 99))
+            have = found.get(stem)
+            if have is not None and have[0] <= key:
+                continue  # a preferred file of this name is there already
+            path = os.path.join(dirpath, name)
+            if os.stat(path).st_size == 0:
                 empty.append(path)
                 continue
-            key = (replaced, rank.get(ext, 99))
-            if stem not in found or key < found[stem][0]:
-                found[stem] = (key, path)
+            found[stem] = (key, path)
     return VideoFiles({stem: path for stem, (_, path) in found.items()}, empty)
 
 
@@ -180,8 +182,8 @@ def find_video(row: Row, videos: VideoFiles, single: set[str]) -> tuple[Path | N
     path = videos.by_stem.get(row.stem)
     if path is None and row.youtube_id in single:
         bare = videos.by_stem.get(row.youtube_id)
-        return bare, bare is not None
-    return path, False
+        return (Path(bare), True) if bare is not None else (None, False)
+    return (Path(path) if path is not None else None), False
 
 
 def class_names(rows: Iterable[Row], out: Path) -> list[str]:
@@ -276,7 +278,7 @@ def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | P
         f"files under {video_dir}")
     if videos.empty:
         log(f"{len(videos.empty)} empty (0-byte) video file(s) ignored, their rows count as "
-            f"missing: {', '.join(str(p) for p in videos.empty[:3])}"
+            f"missing: {', '.join(videos.empty[:3])}"
             f"{' ...' if len(videos.empty) > 3 else ''}")
     single = single_row_ids(rows)
     matched = {r: find_video(r, videos, single) for r in rows}
