@@ -181,7 +181,7 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
 
 
 def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
-                init: bool = True) -> VideoClassifier:
+                init: bool = True, class_names: list[str] | None = None) -> VideoClassifier:
     """Backbone (``model/backbone``, with ``model.pretrained`` or ``model.pretrained_path``
     weights), head (``model/head``) and strategy (``memory``); then ``model.init_from`` (a
     trained video model's weights) and ``model.freeze_backbone`` (``videotrain.models.finetune``).
@@ -190,6 +190,9 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
     ``model.pretrained_path``, ``model.init_from``): for commands that load a trained checkpoint
     next (eval, predict, export) or read only the model's structure (plan), and which should
     neither download nor need the files training started from.
+
+    ``class_names`` (the dataset's) let ``model.init_from`` refuse a checkpoint whose head
+    numbers the same classes in another order.
 
     ``sync_bn`` converts BatchNorm layers to SyncBatchNorm *before* the strategy prepares the
     backbone, so that wrappers the strategy installs (checkpointed blocks) see the final layers.
@@ -211,7 +214,7 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
     model = VideoClassifier(backbone, head, instantiate(cfg.memory))
     model.eval_frame_chunk = eval_settings(cfg).frame_chunk
     if init and cfg.model.get("init_from"):  # fine-tuning from a trained video model
-        init_from(model, str(cfg.model.init_from))
+        init_from(model, str(cfg.model.init_from), class_names, cfg.data.get("layout"))
     if cfg.model.get("freeze_backbone"):
         frozen = freeze_backbone(model)
         log.info("model.freeze_backbone=true: %d backbone parameters frozen (BatchNorm statistics "

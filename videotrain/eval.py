@@ -45,6 +45,7 @@ from videotrain.build import (
 )
 from videotrain.config_files import checked_config, read_config_file
 from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.class_order import check_class_order
 from videotrain.engine.evaluate import multi_view_test
 from videotrain.models.finetune import trained_state
 
@@ -156,6 +157,8 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path,
     precision = build_precision(cfg, device)
     settings = eval_settings(cfg)  # bad eval.* values fail before any data is read
     data, bad = build_eval_data(cfg, device)
+    # a head trained on another numbering of the classes would score every video wrongly
+    check_class_order(blob, path, data.class_names, cfg.data.get("layout"), "evaluate")
     model = build_model(cfg, data.num_classes, init=False)
     load_trained_weights(model, blob, path)
     model.to(device)

@@ -41,6 +41,7 @@ from videotrain.build import (
 )
 from videotrain.data.dataset import BadVideo
 from videotrain.data.loaders import READER_OPTIONS, read_index, resolve_root
+from videotrain.engine.class_order import saved_class_names
 from videotrain.engine.inference import (
     PredictSettings,
     ViewReader,
@@ -77,8 +78,14 @@ def _num_classes(state: dict[str, Any], path: Path) -> int:
     return int(weight.shape[0])
 
 
-def class_names_of(cfg: DictConfig, run_dir: Path | None, num_classes: int) -> list[str]:
-    """The class names of the run: ``results.json``, else the dataset's, else placeholders."""
+def class_names_of(cfg: DictConfig, run_dir: Path | None, num_classes: int,
+                   blob: dict[str, Any] | None = None) -> list[str]:
+    """The class names of the run: the checkpoint's, else ``results.json``'s, else the
+    dataset's (for an HMDB51 checkpoint from before checkpoints recorded them, in the order it
+    was trained with), else placeholders."""
+    saved = (blob or {}).get("class_names")
+    if isinstance(saved, list) and len(saved) == num_classes:
+        return [str(n) for n in saved]
     if run_dir is not None and (run_dir / "results.json").is_file():
         names = json.loads((run_dir / "results.json").read_text()).get("class_names")
         if isinstance(names, list) and len(names) == num_classes:
@@ -90,7 +97,8 @@ def class_names_of(cfg: DictConfig, run_dir: Path | None, num_classes: int) -> l
         options = {k: d.get(k) for k in READER_OPTIONS.get(d.layout, ())}
         names = read_index(d.layout, root, "train", d.get("num_classes"), options).class_names
         if len(names) == num_classes:
-            return list(names)
+            known, _ = saved_class_names(blob or {}, list(names), d.layout)
+            return known or list(names)
         log.warning("the dataset has %d classes, the checkpoint %d", len(names), num_classes)
     except Exception as err:  # noqa: BLE001 - the dataset may not be on this machine
         log.warning("class names unknown (no results.json next to the checkpoint, and the "
@@ -112,7 +120,7 @@ def load_trained(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = 
     model = build_model(cfg, num_classes, init=False)
     load_trained_weights(model, blob, path)
     model.to(resolve_device(device or cfg.device)).eval()
-    return Trained(cfg, model, class_names_of(cfg, run_dir, num_classes), blob, path)
+    return Trained(cfg, model, class_names_of(cfg, run_dir, num_classes, blob), blob, path)
 
 
 def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, Any]:

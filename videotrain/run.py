@@ -90,7 +90,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     global_batch, lr = global_batch_size(cfg, ctx.world_size), effective_lr(cfg, ctx.world_size)
     seed_everything(cfg.seed, cfg.deterministic)  # the same initial weights on every rank
     data, bad = build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size)
-    model = build_model(cfg, data.num_classes, sync_bn=sync_bn).to(device)
+    model = build_model(cfg, data.num_classes, sync_bn=sync_bn, class_names=data.class_names).to(device)
     plan_memory(cfg, model, precision, device, data.num_classes)  # memory=auto: fails here, before training
     optimizer = optimizer_from_cfg(cfg, model, ctx.world_size)
     model = wrap_ddp(model, device, ctx)  # broadcasts rank 0's parameters and buffers

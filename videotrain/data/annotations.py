@@ -9,6 +9,7 @@ the shared pieces and the Kinetics-style CSV and folder-per-class readers;
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -37,6 +38,41 @@ class VideoIndex:
     @property
     def labels(self) -> list[int]:
         return [int(label) for _, label in self.paths._paths_and_labels]
+
+
+# byte-order marks of the encodings a re-saved annotation file may come in besides UTF-8
+# (UTF-32 LE before UTF-16 LE: its mark starts with UTF-16 LE's)
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+              (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+BOM = "\ufeff"
+
+
+def read_text(path: str | Path) -> str:
+    """The text of an annotation file, as every reader gets it: UTF-8, with or without the
+    byte-order mark (BOM) that Excel puts in front of a CSV it re-saves, so that the first
+    column's name or the first path is never read as ``\\ufefflabel``. A UTF-16/32 file (a BOM
+    of those, as Excel's "Unicode Text" writes), bytes that are not UTF-8, and a BOM inside the
+    file (files with BOMs concatenated) are errors naming the file and line, and the BOM as a
+    BOM."""
+    data = Path(path).read_bytes()
+    for mark, encoding in _WIDE_BOMS:
+        if data.startswith(mark):
+            raise AnnotationError(
+                f"{path}: starts with a {encoding} byte-order mark (BOM): the file is {encoding} "
+                "text (as Excel's 'Unicode Text' saves it); save it as UTF-8 (Excel: 'CSV UTF-8')")
+    try:
+        text = data.decode("utf-8-sig")  # drops one leading UTF-8 BOM
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise AnnotationError(
+            f"{path}:{line}: byte 0x{data[err.start]:02x} is not UTF-8 (saved as Latin-1 or "
+            "Windows-1252?); save the file as UTF-8") from None
+    if BOM in text:
+        line = text.count("\n", 0, text.index(BOM)) + 1
+        raise AnnotationError(
+            f"{path}:{line}: a byte-order mark (BOM, U+FEFF) inside the file, not at its start "
+            "(were files re-saved by Excel concatenated?); delete it")
+    return text
 
 
 def check_split(split: str) -> None:
@@ -70,9 +106,9 @@ def read_class_names(path: Path) -> list[str]:
     """One name per line (blank lines skip), or a JSON object ``{name: index}``."""
     if path.suffix == ".json":
         try:
-            mapping = json.loads(path.read_text())
+            mapping = json.loads(text := read_text(path))
         except json.JSONDecodeError as err:
-            raise AnnotationError(f"{path}:{err.lineno}:{err.colno}: {err.msg}") from None
+            raise json_error(path, err, text) from None
         if not isinstance(mapping, dict):
             raise AnnotationError(f"{path}: expected a JSON object {{class name: index}}")
         by_index = {}
@@ -85,7 +121,7 @@ def read_class_names(path: Path) -> list[str]:
             raise AnnotationError(f"{path}: indices must be 0..{len(mapping) - 1}, each once")
         names = [by_index[i] for i in range(len(mapping))]
     else:
-        names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        names = [line.strip() for line in read_text(path).splitlines() if line.strip()]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise AnnotationError(f"{path}: duplicate class names ({dup!r})")
@@ -94,15 +130,42 @@ def read_class_names(path: Path) -> list[str]:
     return names
 
 
+def json_error(path: Path, err: json.JSONDecodeError, text: str) -> AnnotationError:
+    """``file:line:col: invalid JSON (...)``; a file that ends inside a value is called
+    truncated (an interrupted download), since that is what to fix."""
+    if err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string"):
+        return AnnotationError(f"{path}:{err.lineno}:{err.colno}: the JSON ends early: the file "
+                               f"is truncated ({len(text.encode())} bytes; an interrupted download "
+                               "or copy?); fetch it again")
+    return AnnotationError(f"{path}:{err.lineno}:{err.colno}: invalid JSON ({err.msg})")
+
+
+RELEASE_COLUMNS = ("youtube_id", "time_start", "time_end")
+
+
+def release_csv_hint(path: Path, lineno: int, line: str) -> None:
+    """An official Kinetics release CSV (``label,youtube_id,time_start,...``) given where a
+    ``path label`` list is read: say how to convert it, not that ``is_cc`` is no integer."""
+    fields = [f.strip().strip('"').lower() for f in line.split(",")]
+    if all(c in fields for c in RELEASE_COLUMNS):
+        raise AnnotationError(
+            f"{path}:{lineno}: this is an official Kinetics release CSV ({line.strip()}); "
+            "data=kinetics reads 'path label' lists: convert it first with python -m "
+            f"videotrain.prepare kinetics --csv {path} --videos VIDEO_DIR --out DIR, then "
+            "data.root=DIR")
+
+
 def parse_label_csv(path: Path) -> list[tuple[str, int]]:
     """Parse ``relative/path.mp4 label`` (or ``path,label``) lines; blank and ``#`` lines skip."""
     if not path.exists():
         raise FileNotFoundError(f"annotation file not found: {path}")
     items = []
-    for lineno, raw in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, raw in enumerate(read_text(path).splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
+        if not items:
+            release_csv_hint(path, lineno, line)
         parts = line.rsplit(",", 1) if "," in line else line.rsplit(None, 1)
         if len(parts) != 2:
             raise AnnotationError(f"{path}:{lineno}: expected 'path label', got {raw!r}")

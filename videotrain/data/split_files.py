@@ -28,6 +28,7 @@ from videotrain.data.annotations import (
     VideoIndex,
     check_class_count,
     check_split,
+    read_text,
     require_file,
     under,
 )
@@ -44,7 +45,7 @@ def check_fold(fold: int) -> int:
 
 def _lines(path: Path):
     """(line number, stripped text) of the non-blank lines (the official files use CRLF)."""
-    for lineno, raw in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, raw in enumerate(read_text(path).splitlines(), start=1):
         if raw.strip():
             yield lineno, raw.strip()
 
@@ -118,6 +119,14 @@ def ucf101_index(
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(path))
 
 
+def hmdb51_legacy_order(names: list[str]) -> list[str]:
+    """The order videotrain gave HMDB51's classes before it sorted them by name: by split-file
+    name, where ``_`` sorts before letters, so ``climb_stairs`` came before ``climb`` (and
+    ``kick_ball``, ``sword_exercise`` before ``kick``, ``sword``). Checkpoints of that time
+    carry no class names; this is how their labels are known (``engine.class_order``)."""
+    return sorted(names, key=lambda name: f"{name}_test_split")
+
+
 _HMDB_FILE = re.compile(r"^(?P<name>.+)_test_split(?P<fold>\d+)\.txt$")
 
 
@@ -130,26 +139,33 @@ def hmdb51_index(
     split_dir: str = "testTrainMulti_7030_splits",
     video_dir: str = "hmdb51_org",
 ) -> VideoIndex:
-    """The ``*_test_split{fold}.txt`` files; classes are the sorted names in the file names."""
+    """The ``*_test_split{fold}.txt`` files; classes are the class names in the file names,
+    sorted (as torchvision and MMAction2 number them). An empty file is an error."""
     check_split(split)
     fold, root = check_fold(fold), Path(root)
     lists = under(root, split_dir)
     if not lists.is_dir():
         raise FileNotFoundError(f"data.split_dir: split folder not found: {lists}")
-    files = sorted(p for p in lists.iterdir()
-                   if (m := _HMDB_FILE.match(p.name)) and int(m["fold"]) == fold)
-    if not files:
+    by_name = {m["name"]: p for p in lists.iterdir()
+               if (m := _HMDB_FILE.match(p.name)) and int(m["fold"]) == fold}
+    if not by_name:
         raise AnnotationError(f"{lists}: no *_test_split{fold}.txt files")
-    names = [_HMDB_FILE.match(p.name)["name"] for p in files]  # sorted with the files
+    names = sorted(by_name)  # by class name, not file name (see hmdb51_legacy_order)
     wanted = HMDB_IDS[split]
     items: list[tuple[str, int]] = []
-    for label, (path, name) in enumerate(zip(files, names, strict=True)):
+    for label, name in enumerate(names):
+        path, lines = by_name[name], 0
         for lineno, line in _lines(path):
+            lines += 1
             parts = line.rsplit(None, 1)
             if len(parts) != 2 or parts[1] not in ("0", "1", "2"):
                 raise AnnotationError(f"{path}:{lineno}: expected 'video.avi 0|1|2', got {line!r}")
             if int(parts[1]) == wanted:
                 items.append((f"{name}/{parts[0]}", label))
+        if not lines:
+            raise AnnotationError(f"{path}: empty split file: class {name!r} would have no "
+                                  "videos (an interrupted extraction? extract "
+                                  "test_train_splits.rar again)")
     if not items:
         raise AnnotationError(f"{lists}: no videos marked {wanted} ({split}) in the "
                               f"*_test_split{fold}.txt files")

@@ -7,6 +7,9 @@ videos are ``20bn-something-something-v2/<id>.webm``. The label rule (strip ``[`
 from the template, look it up) is pytorchvideo's (``pytorchvideo.data.ssv2``), whose reader
 itself expects frames extracted to JPEG plus a frame-list CSV, so it cannot read the videos.
 
+Older releases name the files ``something-something-v2-{labels,train,validation}.json``; a
+missing file's error names them (and the ``data.*_file`` settings, when they are there).
+
 Why the JSON is walked entry by entry: a bad entry is reported with its file *and line*
 (the official files hold one entry per line), which ``json.load`` cannot give.
 """
@@ -24,20 +27,25 @@ from videotrain.data.annotations import (
     VideoIndex,
     check_class_count,
     check_split,
+    json_error,
+    read_text,
     require_file,
     under,
 )
 
 VIDEO_EXTS = ("webm", "mp4")
+# the data keys of the three files, and their names in older releases
+FILE_KEYS = {"labels": "data.labels_file", "train": "data.train_file", "validation": "data.val_file"}
+OLD_NAMES = {part: f"something-something-v2-{part}.json" for part in FILE_KEYS}
 
 
 def _decode_error(path: Path, err: json.JSONDecodeError) -> AnnotationError:
-    return AnnotationError(f"{path}:{err.lineno}:{err.colno}: invalid JSON ({err.msg})")
+    return json_error(path, err, err.doc)
 
 
 def json_array_lines(path: Path) -> list[tuple[int, Any]]:
     """The entries of a top-level JSON array, each with the line it starts on."""
-    text = path.read_text()
+    text = read_text(path)
     decoder = json.JSONDecoder()
 
     def skip(i: int) -> int:
@@ -67,13 +75,17 @@ def json_array_lines(path: Path) -> list[tuple[int, Any]]:
                 raise AnnotationError(f"{path}:{text.count(chr(10), 0, i) + 1}: data after the array")
             return out
         line = text.count("\n", 0, i) + 1
+        if i >= len(text):  # cut right after an entry: the ']' never came
+            raise AnnotationError(f"{path}:{line}: the JSON ends early, after the entry on line "
+                                  f"{out[-1][0]}: the file is truncated (an interrupted download "
+                                  "or copy?); fetch it again")
         raise AnnotationError(f"{path}:{line}: expected ',' or ']' after the entry on line {out[-1][0]}")
 
 
 def read_labels(path: Path) -> list[str]:
     """``labels.json``: template (brackets removed) -> index; returns names by index."""
     try:
-        mapping = json.loads(require_file(path, "data.labels_file").read_text())
+        mapping = json.loads(read_text(require_file(path, "data.labels_file")))
     except json.JSONDecodeError as err:
         raise _decode_error(path, err) from None
     if not isinstance(mapping, dict) or not mapping:
@@ -90,6 +102,35 @@ def read_labels(path: Path) -> list[str]:
     if sorted(names) != list(range(len(names))):
         raise AnnotationError(f"{path}: indices must be 0..{len(names) - 1}")
     return [names[i] for i in range(len(names))]
+
+
+def require_json(root: Path, rel: str, key: str) -> Path:
+    """``root/rel``, or a ``FileNotFoundError`` naming ``key`` and the older release's file
+    names (``something-something-v2-labels.json``, ...), with the settings that read them
+    when they are there."""
+    path = under(root, rel)
+    if path.is_file():
+        return path
+    found: dict[str, Path] = {}
+    for part, name in OLD_NAMES.items():
+        for candidate in (path.parent / name, root / name, root / "labels" / name):
+            if candidate.is_file():
+                found.setdefault(part, candidate)
+    old = "something-something-v2-{labels,train,validation}.json"
+    if found:
+        settings = " ".join(f"{FILE_KEYS[part]}={_rel(p, root)}" for part, p in found.items())
+        raise FileNotFoundError(f"{key}: annotation file not found: {path}; the older SSv2 release "
+                                f"names its files {old}, and they are there: set {settings}")
+    raise FileNotFoundError(f"{key}: annotation file not found: {path} (older SSv2 releases name "
+                            f"the files {old}: point data.labels_file, data.train_file and "
+                            "data.val_file at them)")
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def template_key(template: str) -> str:
@@ -114,10 +155,10 @@ def ssv2_index(
     if video_ext not in (*VIDEO_EXTS, "auto"):
         raise ValueError(f"data.video_ext must be one of webm, mp4, auto; got {video_ext!r}")
     root = Path(root)
-    names = read_labels(under(root, labels_file))
+    names = read_labels(require_json(root, labels_file, "data.labels_file"))
     index = {n: i for i, n in enumerate(names)}
     key = "data.train_file" if split == "train" else "data.val_file"
-    path = require_file(under(root, train_file if split == "train" else val_file), key)
+    path = require_json(root, train_file if split == "train" else val_file, key)
     videos = under(root, video_dir)
     if not videos.is_dir():
         raise FileNotFoundError(f"data.video_dir: video folder not found: {videos}")

@@ -8,6 +8,10 @@ and a different number of DDP processes, refuses the resume with the keys and th
 values, unless ``trainer.resume=force`` (then it is a warning). Keys set on one side only (added
 or removed by a videotrain update) are listed in a warning but do not block.
 
+A checkpoint whose classes are numbered differently from the dataset's (``class_order``: its
+recorded ``class_names``, or an HMDB51 checkpoint from before they were recorded) is refused
+even under ``force``: training on would teach its head rows other classes.
+
 ``trainer.resume`` (``RESUME_MODES``): ``auto`` resumes from the newest checkpoint when there
 is one (guarded), ``force`` resumes whatever differs (but never mid-epoch under another world
 size, see ``world_size_problem``), ``false`` starts over (the previous checkpoints are set aside,
@@ -19,6 +23,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
+
+from videotrain.engine.class_order import class_order_problem
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +126,17 @@ def world_size_problem(saved: int, current: int, consumed: int, path: str) -> st
 
 
 def refusal(blob: dict[str, Any], path: str | Path, config: dict | None, world_size: int,
-            mode: str) -> str | None:
+            mode: str, class_names: list[str] | None = None) -> str | None:
     """Why the checkpoint ``blob`` (read from ``path``) may not be resumed by a run with
-    ``config`` on ``world_size`` processes under ``trainer.resume=mode``; None if it may.
-    Under ``force`` the differences are logged as a warning instead."""
+    ``config`` on ``world_size`` processes and the dataset's ``class_names`` under
+    ``trainer.resume=mode``; None if it may. Under ``force`` the config differences are logged
+    as a warning instead; a class-order mismatch is refused always."""
+    if class_names is not None:
+        layout = ((config or {}).get("data") or {}).get("layout")
+        why = class_order_problem(blob, path, class_names, layout, "resume from")
+        if why:
+            return (f"{why}; or start over in this folder with trainer.resume=false "
+                    "(trainer.resume=force does not apply to this)")
     saved_world = blob.get("world_size", 1)
     hard = world_size_problem(saved_world, world_size, blob["consumed"], str(path))
     if hard:

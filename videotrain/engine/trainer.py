@@ -228,6 +228,7 @@ class Trainer:
             "best_top1": st.best_top1,
             "best_step": st.best_step,
             "config": self.config,
+            "class_names": list(self.data.class_names),  # head row k scores class_names[k]
         }
         if self.ema is not None:  # what eval, predict, export and model.init_from load
             blob["ema_model"] = self.ema.state_dict()
@@ -257,7 +258,8 @@ class Trainer:
             if found is None:
                 return None
             path, blob = found
-            why = refusal(blob, path, self.config, self.comm.world_size, self.s.resume)
+            why = refusal(blob, path, self.config, self.comm.world_size, self.s.resume,
+                          class_names=list(self.data.class_names))
             if why:
                 raise ResumeRefused(why)
             loaded.append(blob)

@@ -9,7 +9,10 @@
   error that lists the keys at fault);
 * the head's weights are loaded when every shape matches, and otherwise the head keeps its fresh
   initialisation, reported in the log with the shapes that differ: the usual case of a Kinetics-400
-  model fine-tuned on UCF101's 101 classes.
+  model fine-tuned on UCF101's 101 classes. When the head would be loaded, the checkpoint's
+  classes must not be the dataset's in another order (``engine.class_order``: its recorded
+  class names, or an HMDB51 checkpoint from before they were recorded): that is refused, since
+  the head's rows would score the wrong classes.
 
 Nothing else of the checkpoint (optimizer, schedule, step) is taken: fine-tuning is a new run.
 """
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.class_order import check_class_order
 from videotrain.models.weights import key_mismatches, read_state_dict, tensors_of
 
 log = logging.getLogger(__name__)
@@ -47,11 +51,17 @@ def trained_state(blob: dict[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
 
 def read_init_state(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
     """The tensors of ``model.init_from``: a videotrain checkpoint or a plain state dict."""
+    _, state, kind = _read_init(path)
+    return state, kind
+
+
+def _read_init(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+    """``read_init_state``, with the file's whole contents first ({} for safetensors)."""
     p = Path(str(path)).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"model.init_from: file not found: {p}")
     if p.suffix == ".safetensors":
-        return read_state_dict(p), "state dict"
+        return {}, read_state_dict(p), "state dict"
     try:
         blob = ckpt.load(p, map_location="cpu")  # weights_only=True; refuses pickled code
     except ckpt.CheckpointError as err:
@@ -60,7 +70,7 @@ def read_init_state(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
         raise ValueError(f"model.init_from={str(p)!r} holds a {type(blob).__name__}, not a state "
                          "dict or a videotrain checkpoint")
     state, kind = trained_state(blob)
-    return tensors_of(state), kind
+    return blob, tensors_of(state), kind
 
 
 def _part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -71,10 +81,12 @@ def _listing(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOW]) + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")
 
 
-def init_from(model: nn.Module, path: str | Path) -> dict[str, Any]:
-    """Load ``path`` into ``model`` (a ``VideoClassifier``) as the module docstring says.
-    Returns ``{"source", "weights", "head": "loaded" | "re-initialised", "head_mismatch"}``."""
-    state, kind = read_init_state(path)
+def init_from(model: nn.Module, path: str | Path, class_names: list[str] | None = None,
+              layout: str | None = None) -> dict[str, Any]:
+    """Load ``path`` into ``model`` (a ``VideoClassifier``) as the module docstring says;
+    ``class_names`` (and ``layout``, ``data.layout``) are the dataset's, for the class-order
+    check. Returns ``{"source", "weights", "head": "loaded" | "re-initialised", "head_mismatch"}``."""
+    blob, state, kind = _read_init(path)
     backbone, head = _part(state, "backbone."), _part(state, "head.")
     if not backbone:
         raise InitFromMismatch(f"model.init_from={str(path)!r} has no backbone.* weights: it must be a "
@@ -92,6 +104,9 @@ def init_from(model: nn.Module, path: str | Path) -> dict[str, Any]:
         for k, v in own_head.items() if k not in head or head[k].shape != v.shape)
     extra = sorted(k for k in head if k not in own_head)
     if not mismatch and not extra:
+        if class_names is not None:  # the head's rows must score the classes they are read as
+            check_class_order(blob, f"model.init_from={path}", class_names, layout,
+                              "fine-tune from", other_classes_ok=True)
         model.head.load_state_dict(head)
         log.info("model.init_from: loaded backbone and head (%s, %d tensors) from %s",
                  kind, len(backbone) + len(head), path)

@@ -26,7 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "for several splits, so that they share one classes.txt")
     k.add_argument("--videos", required=True,
                    help="folder of downloaded videos, {youtube_id}_{start:06d}_{end:06d}.mp4 "
-                        "(.mkv, .webm too), flat or in sub-folders (per label or split)")
+                        "(.mkv, .webm too; a bare {youtube_id}.mp4 for an id with one row), flat "
+                        "or in sub-folders (per label or split); files under replacement*/ win, "
+                        "0-byte files count as missing")
     k.add_argument("--out", required=True, help="output folder (data.root)")
     k.add_argument("--resize", type=int, choices=(256, 320),
                    help="re-encode to this short side (H.264, keyframe every second) into "

@@ -1,10 +1,12 @@
 """The official Kinetics release CSVs -> the project's Kinetics layout (``data=kinetics``).
 
 Input: ``label,youtube_id,time_start,time_end,split`` rows (Kinetics-400/600/700; test CSVs
-may lack the label), and a folder of downloaded videos named as the standard downloaders name
-them, ``{youtube_id}_{time_start:06d}_{time_end:06d}.mp4`` (or ``.mkv`` / ``.webm`` /
-``.avi``; bare ``{youtube_id}.mp4`` is accepted too), flat or in any sub-folders (per label,
-per split). Output, in ``OUT``:
+may lack the label; UTF-8 with or without the BOM Excel writes), and a folder of downloaded
+videos named as the standard downloaders name them,
+``{youtube_id}_{time_start:06d}_{time_end:06d}.mp4`` (or ``.mkv`` / ``.webm`` / ``.avi``; a
+bare ``{youtube_id}.mp4`` too, for an id with one row only), flat or in any sub-folders (per
+label, per split; the CVDF ``replacement/`` files win over the originals they replace; 0-byte
+files count as missing). Output, in ``OUT``:
 
 - ``train.csv`` / ``val.csv`` / ``test.csv`` (from the CSV's split column: ``validate`` and
   ``validation`` are ``val``): ``path label`` lines, paths relative to ``OUT`` when the videos
@@ -21,12 +23,14 @@ per split). Output, in ``OUT``:
 from __future__ import annotations
 
 import csv
+import io
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from videotrain.data.annotations import VIDEO_EXTENSIONS
+from videotrain.data.annotations import VIDEO_EXTENSIONS, AnnotationError, read_text
 from videotrain.prepare.reencode import EncodeResult, EncodeSettings, encode_all
 
 SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",
@@ -34,6 +38,10 @@ SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "va
 REQUIRED = ("youtube_id", "time_start", "time_end")
 # preferred when one video is there in several containers
 EXTENSION_ORDER = (".mp4", ".mkv", ".webm", ".avi", ".mov")
+# a folder whose name starts so holds re-downloads of corrupted originals (the CVDF release's
+# replacement/replacement_for_corrupted_k400/): its file wins wherever it sorts
+REPLACEMENT = "replacement"
+FOUND_WARNING = 0.9  # a split with fewer of its videos found gets a warning
 
 
 class KineticsCsvError(ValueError):
@@ -75,50 +83,107 @@ def split_of(value: str | None, csv_path: Path, where: str) -> str:
 
 
 def read_release_csv(path: str | Path) -> list[Row]:
-    """Rows of an official release CSV (quoted labels with commas and spaces are fine)."""
+    """Rows of an official release CSV (quoted labels with commas and spaces are fine; a row
+    with more or fewer fields than the header, as an unquoted comma in a label makes, is an
+    error naming its line). A train or val row must have a label."""
     path = Path(path)
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        fields = [c.strip() for c in reader.fieldnames or []]
-        missing = [c for c in REQUIRED if c not in fields]
-        if missing:
-            raise KineticsCsvError(f"{path}: header {fields} lacks {', '.join(missing)} (expected "
-                                   "label,youtube_id,time_start,time_end,split)")
-        rows = []
-        for lineno, raw in enumerate(reader, start=2):
-            raw = {(k or "").strip(): (v or "").strip() for k, v in raw.items()}
-            where = f"{path}:{lineno}"
-            if not raw.get("youtube_id"):
-                raise KineticsCsvError(f"{where}: empty youtube_id")
-            rows.append(Row(raw["youtube_id"], _seconds(raw["time_start"], where),
-                            _seconds(raw["time_end"], where), split_of(raw.get("split"), path, where),
-                            raw.get("label") or None, raw))
+    try:
+        text = read_text(path)  # the BOM of a CSV re-saved by Excel is not part of 'label'
+    except AnnotationError as err:
+        raise KineticsCsvError(str(err)) from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    fields = [c.strip() for c in next(reader, [])]
+    missing = [c for c in REQUIRED if c not in fields]
+    if missing:
+        raise KineticsCsvError(f"{path}: header {fields} lacks {', '.join(missing)} (expected "
+                               "label,youtube_id,time_start,time_end,split)")
+    rows = []
+    for values in reader:
+        where = f"{path}:{reader.line_num}"
+        if not any(v.strip() for v in values):
+            continue
+        if len(values) != len(fields):
+            raise KineticsCsvError(
+                f"{where}: {len(values)} fields, expected {len(fields)} ({','.join(fields)}); a "
+                "label with a comma must be quoted (\"riding, mountain bike\")")
+        raw = dict(zip(fields, (v.strip() for v in values), strict=True))
+        if not raw["youtube_id"]:
+            raise KineticsCsvError(f"{where}: empty youtube_id")
+        split = split_of(raw.get("split"), path, where)
+        label = raw.get("label") or None
+        if label is None and split != "test":
+            raise KineticsCsvError(
+                f"{where}: a {split} row without a label" if "label" in fields else
+                f"{path}: the {split} split has no label column (header: {','.join(fields)}); "
+                "only a test split may come without labels")
+        rows.append(Row(raw["youtube_id"], _seconds(raw["time_start"], where),
+                        _seconds(raw["time_end"], where), split, label, raw))
     if not rows:
         raise KineticsCsvError(f"{path}: no rows")
     return rows
 
 
-def index_videos(video_dir: str | Path) -> dict[str, Path]:
-    """Every video file under ``video_dir`` (any depth) by its name without extension; when a
-    name is there more than once, the first container of ``EXTENSION_ORDER`` (then path order)."""
-    found: dict[str, Path] = {}
+@dataclass
+class VideoFiles:
+    """The video files under a folder, by name without extension (``index_videos``)."""
+
+    by_stem: dict[str, str]
+    empty: list[str]  # 0-byte files (an interrupted download): never used
+
+    def __len__(self) -> int:
+        return len(self.by_stem)
+
+
+def _is_replacement(dirpath: str, top: str) -> bool:
+    rel = os.path.relpath(dirpath, top)
+    return any(part.lower().startswith(REPLACEMENT) for part in Path(rel).parts)
+
+
+def index_videos(video_dir: str | Path) -> VideoFiles:
+    """Every non-empty video file under ``video_dir`` (any depth) by its name without
+    extension. When a name is there more than once: a file under a ``replacement*`` folder (the
+    CVDF release's re-downloads of corrupted originals) first, then the first container of
+    ``EXTENSION_ORDER``, then path order. Paths stay strings (650k of them for K700)."""
+    found: dict[str, tuple[tuple[int, int], str]] = {}
+    empty: list[str] = []
     rank = {ext: i for i, ext in enumerate(EXTENSION_ORDER)}
     for dirpath, dirnames, filenames in os.walk(video_dir):
         dirnames.sort()
+        replaced = 0 if _is_replacement(dirpath, str(video_dir)) else 1
         for name in sorted(filenames):
             stem, ext = os.path.splitext(name)
             ext = ext.lower()
             if ext not in VIDEO_EXTENSIONS or name.startswith("."):  # .x.part-*: partial files
                 continue
+            key = (replaced, rank.get(ext, 99))
             have = found.get(stem)
-            if have is None or rank.get(ext, 99) < rank.get(have.suffix.lower(), 99):
-                found[stem] = Path(dirpath) / name
-    return found
+            if have is not None and have[0] <= key:
+                continue  # a preferred file of this name is there already
+            path = os.path.join(dirpath, name)
+            if os.stat(path).st_size == 0:
+                empty.append(path)
+                continue
+            found[stem] = (key, path)
+    return VideoFiles({stem: path for stem, (_, path) in found.items()}, empty)
 
 
-def find_video(row: Row, videos: dict[str, Path]) -> Path | None:
-    """The downloaded file of ``row``: ``{id}_{start:06d}_{end:06d}.*``, else ``{id}.*``."""
-    return videos.get(row.stem) or videos.get(row.youtube_id)
+def single_row_ids(rows: Iterable[Row]) -> set[str]:
+    """The YouTube ids with one row only: for them alone a bare ``{id}.mp4`` is unambiguous
+    (53 ids of K700's validate.csv have two segments with different labels)."""
+    count: dict[str, int] = {}
+    for r in rows:
+        count[r.youtube_id] = count.get(r.youtube_id, 0) + 1
+    return {vid for vid, n in count.items() if n == 1}
+
+
+def find_video(row: Row, videos: VideoFiles, single: set[str]) -> tuple[Path | None, bool]:
+    """The downloaded file of ``row``: ``{id}_{start:06d}_{end:06d}.*``, else ``{id}.*`` when
+    the id has one row (``single``); and whether it was the bare id."""
+    path = videos.by_stem.get(row.stem)
+    if path is None and row.youtube_id in single:
+        bare = videos.by_stem.get(row.youtube_id)
+        return (Path(bare), True) if bare is not None else (None, False)
+    return (Path(path) if path is not None else None), False
 
 
 def class_names(rows: Iterable[Row], out: Path) -> list[str]:
@@ -127,7 +192,11 @@ def class_names(rows: Iterable[Row], out: Path) -> list[str]:
     labels = sorted({r.label for r in rows if r.label is not None})
     existing = out / "classes.txt"
     if existing.is_file():
-        names = [ln.strip() for ln in existing.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        try:
+            text = read_text(existing)
+        except AnnotationError as err:
+            raise KineticsCsvError(str(err)) from None
+        names = [ln.strip() for ln in text.splitlines() if ln.strip()]
         unknown = sorted(set(labels) - set(names))
         if unknown:
             raise KineticsCsvError(
@@ -162,6 +231,20 @@ class SplitSummary:
     failed: int = 0
     written: list[str] = field(default_factory=list)
 
+    @property
+    def low(self) -> bool:
+        """Fewer than ``FOUND_WARNING`` of the split's videos are in its list."""
+        return self.found < FOUND_WARNING * self.listed
+
+    def warning(self, video_dir: str | Path, out: Path) -> str:
+        """What a user who found only part of a split must not miss."""
+        text = (f"{self.split}: only {self.found} of the {self.listed} listed videos "
+                f"({self.found / max(self.listed, 1):.1%}) were found")
+        if self.missing + self.failed:
+            text += (f"; the other {self.missing + self.failed} are in "
+                     f"{out / f'missing_{self.split}.csv'}")
+        return text + f" (is --videos {video_dir} the folder the downloader wrote to, and is it complete?)"
+
     def line(self) -> str:
         text = (f"{self.split}: {self.listed} listed, {self.found} in the lists "
                 f"({self.found / max(self.listed, 1):.1%}), {self.missing} missing")
@@ -170,12 +253,19 @@ class SplitSummary:
         return text + (f" -> {', '.join(self.written)}" if self.written else "")
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | Path,
                      resize: int | None = None, workers: int = 1,
                      settings: EncodeSettings | None = None,
-                     log: Callable[[str], None] = print) -> list[SplitSummary]:
+                     log: Callable[[str], None] = print,
+                     warn: Callable[[str], None] = _warn) -> list[SplitSummary]:
     """Write the lists (and with ``resize``, the re-encoded videos under
-    ``out/videos_<resize>/<split>/``) for the rows of ``csvs``; returns one summary per split."""
+    ``out/videos_<resize>/<split>/``) for the rows of ``csvs``; returns one summary per split.
+    ``warn`` (default: a ``warning:`` line on stderr) gets each split with fewer than
+    ``FOUND_WARNING`` of its videos found."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if not Path(video_dir).is_dir():
@@ -186,7 +276,17 @@ def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | P
     videos = index_videos(video_dir)
     log(f"{len(rows)} rows in {len(csvs)} CSV(s), {len(names)} classes, {len(videos)} video "
         f"files under {video_dir}")
-    found = {r: find_video(r, videos) for r in rows}
+    if videos.empty:
+        log(f"{len(videos.empty)} empty (0-byte) video file(s) ignored, their rows count as "
+            f"missing: {', '.join(videos.empty[:3])}"
+            f"{' ...' if len(videos.empty) > 3 else ''}")
+    single = single_row_ids(rows)
+    matched = {r: find_video(r, videos, single) for r in rows}
+    found = {r: path for r, (path, _) in matched.items()}
+    bare = sum(by_id for _, by_id in matched.values())
+    if bare:
+        log(f"{bare} row(s) matched a file named by the bare YouTube id ({{youtube_id}}.mp4, "
+            "no segment in the name; used only for ids with one row)")
     failed: dict[Row, str] = {}
     if resize:
         settings = settings or EncodeSettings(short_side=resize)
@@ -216,6 +316,9 @@ def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | P
         summaries.append(write_split(split, [r for r in rows if r.split == split], found, index,
                                      set(failed), out))
         log(summaries[-1].line())
+    for summary in summaries:
+        if summary.low:
+            warn(summary.warning(video_dir, out))
     if names and not (out / "classes.txt").is_file():
         (out / "classes.txt").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
     return summaries
