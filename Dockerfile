@@ -11,8 +11,9 @@
 # that must match the wheel's), and pip keeps a base's torch when it satisfies `torch>=...`. PyPI's
 # Linux torch wheels are CUDA builds that bring their CUDA libraries (cuDNN, cuBLAS, NCCL, ...) as
 # nvidia-* wheels, so a plain python 3.11 Debian bookworm base is enough; the host's NVIDIA driver
-# comes in through the NVIDIA container toolkit (`--gpus all`). The project lives in a venv at
-# /opt/venv, so the layout does not depend on the base's pip or site-packages.
+# comes in through the NVIDIA container toolkit (`--gpus all`) and must support the wheel's CUDA
+# (torch 2.14.1 from PyPI: CUDA 13.0, driver >= 580). The project lives in a venv at /opt/venv
+# (--upgrade-deps: pip and setuptools from PyPI), so nothing depends on the base's pip.
 #
 # One stage: every dependency is a wheel or a pure-Python sdist, so no compiler is needed, and one
 # stage does not copy torch's ~5 GB from a builder stage. FFmpeg (Debian's, no recommends) is
@@ -37,7 +38,7 @@ COPY scripts ./scripts
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ffmpeg \
     && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv \
+    && python3 -m venv --upgrade-deps /opt/venv \
     && pip install --no-cache-dir -c constraints/tested.txt -e ".[slurm,torchcodec]" \
     && useradd --create-home --uid 1000 --user-group videotrain \
     && mkdir -p /outputs /data \

@@ -3,6 +3,7 @@
 # host folder mounted at /outputs. See docs/cluster.md ("Docker").
 #
 #   scripts/build_image.sh                 # build, check, print one line per check + image size
+#   scripts/build_image.sh --print-mirror  # the Debian mirror a stand-in base would use
 #
 # Builder: Docker when a daemon answers, otherwise buildah (`--isolation chroot`, no daemon;
 # installed with apt-get when missing and we are root). If BASE_IMAGE (the Dockerfile's default,
@@ -16,8 +17,10 @@
 #   MIRROR=URL                Debian mirror for the stand-in; default: the first bookworm mirror
 #                             in /etc/apt/sources.list or /etc/apt/sources.list.d/*.{list,sources}
 #   OUT_DIR=DIR               host folder mounted at /outputs (default: a new temporary folder)
-#   STORAGE_DRIVER=vfs        buildah's storage driver (vfs works in containers without overlay)
+#   STORAGE_DRIVER=vfs        buildah's storage driver (default: buildah's own, overlay where the
+#                             kernel allows it; vfs works everywhere but copies every layer)
 #   BUILDER=docker|buildah    force one
+#   APT_ETC=/etc/apt          where the host's apt sources are read for MIRROR
 #   SKIP_BUILD=1              run the checks on the image already built as IMAGE
 # Exit status: 0 when the build and every check pass, 1 when a check fails, 2 on a build error.
 # shellcheck disable=SC2317  # the check functions are called through check()
@@ -29,7 +32,7 @@ SUITE=bookworm
 STANDIN=localhost/videotrain-base:python3.11-${SUITE}
 DEFAULT_BASE=$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
 BASE_IMAGE=${BASE_IMAGE:-$DEFAULT_BASE}
-export STORAGE_DRIVER=${STORAGE_DRIVER:-vfs}
+STORAGE_DRIVER=${STORAGE_DRIVER:-}
 
 log() { echo "build_image: $*" >&2; }
 die() { echo "error: build_image: $*" >&2; exit 2; }
@@ -37,8 +40,8 @@ die() { echo "error: build_image: $*" >&2; exit 2; }
 # The first mirror URL for $SUITE (not -security, -updates) in the host's apt sources: deb822
 # stanzas (URIs:/Suites:) in *.sources, one-line `deb [opts] URI SUITE ...` in *.list.
 host_mirror() {
-    local f
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+    local f etc=${APT_ETC:-/etc/apt}
+    for f in "$etc/sources.list" "$etc"/sources.list.d/*.list "$etc"/sources.list.d/*.sources; do
         [ -f "$f" ] || continue
         case "$f" in
         *.sources)
@@ -63,6 +66,12 @@ host_mirror() {
     done | head -n 1
 }
 
+if [ "${1:-}" = --print-mirror ]; then
+    echo "${MIRROR:-$(host_mirror)}"
+    exit 0
+fi
+
+bh() { buildah ${STORAGE_DRIVER:+--storage-driver "$STORAGE_DRIVER"} "$@"; }
 have_docker() { command -v docker >/dev/null && timeout 20 docker info >/dev/null 2>&1; }
 
 # ---------------------------------------------------------------- builder
@@ -77,15 +86,23 @@ if [ "$BUILDER" = buildah ] && ! command -v buildah >/dev/null; then
     log "installing buildah (apt-get)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah >/dev/null
 fi
-log "builder: $BUILDER${STORAGE_DRIVER:+ (storage driver $STORAGE_DRIVER)}"
+if [ "$BUILDER" = buildah ]; then
+    log "builder: buildah $(bh --version | awk '{ print $3 }'), storage driver $(bh info --format '{{.store.GraphDriverName}}')"
+else
+    log "builder: docker"
+fi
 
+image_id() {
+    if [ "$BUILDER" = docker ]; then docker image inspect -f '{{.Id}}' "$1" 2>/dev/null
+    else bh inspect --type image -f '{{.FromImageID}}' "$1" 2>/dev/null; fi
+}
 image_exists() {
     if [ "$BUILDER" = docker ]; then docker image inspect "$1" >/dev/null 2>&1
-    else buildah inspect --type image "$1" >/dev/null 2>&1; fi
+    else bh inspect --type image "$1" >/dev/null 2>&1; fi
 }
 pull() {
     if [ "$BUILDER" = docker ]; then timeout 300 docker pull -q "$1" >/dev/null 2>&1
-    else timeout 300 buildah pull -q "$1" >/dev/null 2>&1; fi
+    else timeout 300 bh pull -q "$1" >/dev/null 2>&1; fi
 }
 
 # ---------------------------------------------------------------- base (or a stand-in), build
@@ -113,13 +130,13 @@ build_standin() {
     if [ "$BUILDER" = docker ]; then
         tar -C "$rootfs" -c . | docker import --change 'CMD ["python3"]' - "$STANDIN" >/dev/null
     else
-        ctr=$(buildah from scratch)
-        mnt=$(buildah mount "$ctr")
+        ctr=$(bh from scratch)
+        mnt=$(bh mount "$ctr")
         cp -a "$rootfs"/. "$mnt"/
-        buildah umount "$ctr" >/dev/null
-        buildah config --cmd python3 --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        bh umount "$ctr" >/dev/null
+        bh config --cmd python3 --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
             --env LANG=C.UTF-8 "$ctr"
-        buildah commit -q --rm "$ctr" "$STANDIN" >/dev/null
+        bh commit -q --rm "$ctr" "$STANDIN" >/dev/null
     fi
     rm -rf "$rootfs"
 }
@@ -133,14 +150,20 @@ else
         BASE_IMAGE=$STANDIN
     fi
     log "building $IMAGE on $BASE_IMAGE"
+    old=$(image_id "$IMAGE" || true)
     t0=$(date +%s)
     if [ "$BUILDER" = docker ]; then
         docker build --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" . || die "docker build failed"
     else
-        buildah bud --isolation chroot --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+        bh bud --isolation chroot --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" \
             -t "$IMAGE" . || die "buildah bud failed"
     fi
-    echo "build: $(($(date +%s) - t0)) s on $BASE_IMAGE ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+    echo "build: $(($(date +%s) - t0)) s on $BASE_IMAGE, commit $(git describe --always --dirty 2>/dev/null || echo '?')"
+    # the image this build replaced (now untagged) would hold its GBs until pruned: remove it
+    if [ -n "$old" ] && [ "$old" != "$(image_id "$IMAGE")" ]; then
+        if [ "$BUILDER" = docker ]; then docker rmi "$old" >/dev/null 2>&1 || true
+        else bh rmi "$old" >/dev/null 2>&1 || true; fi
+    fi
 fi
 
 # ---------------------------------------------------------------- checks, inside the image
@@ -148,23 +171,28 @@ OUT_DIR=${OUT_DIR:-$(mktemp -d /var/tmp/videotrain-outputs.XXXXXX)}
 mkdir -p "$OUT_DIR"
 chown 1000:1000 "$OUT_DIR" 2>/dev/null || chmod 777 "$OUT_DIR"
 CTR=
-cleanup() { if [ -n "$CTR" ]; then buildah rm "$CTR" >/dev/null 2>&1 || true; fi; }
+cleanup() { if [ -n "$CTR" ]; then bh rm "$CTR" >/dev/null 2>&1 || true; fi; }
 trap cleanup EXIT
-if [ "$BUILDER" = buildah ]; then CTR=$(buildah from -q "$IMAGE"); fi
+if [ "$BUILDER" = buildah ]; then
+    CTR=$(bh from -q "$IMAGE")
+    # buildah run mounts a fresh volume at the image's VOLUME /outputs over a -v at the same
+    # path (docker run's -v replaces it): drop the VOLUME from this working container only
+    bh config --volume /outputs- "$CTR"
+fi
 
 # in_image PROGRAM ARGS...: PROGRAM in the image as uid 1000, cwd /outputs = $OUT_DIR
 in_image() {
     if [ "$BUILDER" = docker ]; then
         docker run --rm --user 1000:1000 --shm-size=2g -v "$OUT_DIR:/outputs" --entrypoint "$1" "$IMAGE" "${@:2}"
     else
-        buildah run --isolation chroot --network host --user 1000:1000 -v "$OUT_DIR:/outputs" "$CTR" -- "$@"
+        bh run --isolation chroot --network host --user 1000:1000 -v "$OUT_DIR:/outputs" "$CTR" -- "$@"
     fi
 }
 # the image's own ENTRYPOINT (python -m videotrain), so check (a) runs what `docker run` runs
 if [ "$BUILDER" = docker ]; then
     mapfile -t ENTRY < <(docker image inspect -f '{{range .Config.Entrypoint}}{{println .}}{{end}}' "$IMAGE" | sed '/^$/d')
 else
-    mapfile -t ENTRY < <(buildah inspect --type image -f '{{range .OCIv1.Config.Entrypoint}}{{println .}}{{end}}' "$IMAGE" | sed '/^$/d')
+    mapfile -t ENTRY < <(bh inspect --type image -f '{{range .OCIv1.Config.Entrypoint}}{{println .}}{{end}}' "$IMAGE" | sed '/^$/d')
 fi
 
 FAILED=0
@@ -209,7 +237,7 @@ in_image python -c "import torch, torchvision, torchcodec; print('in the image: 
 if [ "$BUILDER" = docker ]; then
     size=$(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{ printf "%.2f GB", $1 / 1e9 }')
 else
-    size=$(buildah images --format '{{.Size}}' "$IMAGE" | head -n 1)
+    size=$(bh images --format '{{.Size}}' "$IMAGE" | head -n 1)
 fi
 echo "image $IMAGE: $size"
 [ $FAILED = 0 ] && echo "all checks ok" || echo "some check FAILED (logs in $OUT_DIR)"
