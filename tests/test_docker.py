@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shlex
 import shutil
@@ -168,3 +169,30 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
             rel = f.relative_to(ROOT).as_posix()
             if "__pycache__" not in rel:
                 assert not ignored(rel), f"{rel} is copied but .dockerignore drops it"
+
+
+def print_mirror(apt_etc: Path, **env: str) -> str:
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "build_image.sh"), "--print-mirror"],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": os.environ["PATH"], "APT_ETC": str(apt_etc), **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_build_image_takes_the_mirror_from_the_hosts_apt_sources(tmp_path: Path) -> None:
+    d = tmp_path / "sources.list.d"
+    d.mkdir()
+    # deb822: the security suite and a disabled stanza are skipped; bookworm's URI is taken
+    (d / "debian.sources").write_text(
+        "Types: deb\nURIs: http://security.example/debian-security\nSuites: bookworm-security\n"
+        "Components: main\n\nTypes: deb\nURIs: http://off.example/debian\nSuites: bookworm\n"
+        "Enabled: no\n\nTypes: deb\n# a comment\nURIs: http://mirror.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main\n")
+    (d / "other.sources.disabled").write_text("Types: deb\nURIs: http://x.example/\nSuites: bookworm\n")
+    assert print_mirror(tmp_path) == "http://mirror.example/debian"
+    # one-line form, with options, in sources.list (read first); another suite is skipped
+    (tmp_path / "sources.list").write_text(
+        "deb http://old.example/debian bullseye main\n"
+        "deb [arch=amd64 signed-by=/usr/share/keyrings/k.gpg] http://line.example/debian bookworm main\n")
+    assert print_mirror(tmp_path) == "http://line.example/debian"
+    assert print_mirror(tmp_path, MIRROR="http://given.example/d") == "http://given.example/d"
