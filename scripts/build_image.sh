@@ -33,6 +33,7 @@ STANDIN=localhost/videotrain-base:python3.11-${SUITE}
 DEFAULT_BASE=$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
 BASE_IMAGE=${BASE_IMAGE:-$DEFAULT_BASE}
 STORAGE_DRIVER=${STORAGE_DRIVER:-}
+COMMIT=$(git describe --always --dirty 2>/dev/null || echo '?')  # what the image is built from
 
 log() { echo "build_image: $*" >&2; }
 die() { echo "error: build_image: $*" >&2; exit 2; }
@@ -73,6 +74,8 @@ fi
 
 bh() { buildah ${STORAGE_DRIVER:+--storage-driver "$STORAGE_DRIVER"} "$@"; }
 have_docker() { command -v docker >/dev/null && timeout 20 docker info >/dev/null 2>&1; }
+
+echo "build_image.sh: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $COMMIT, on $(uname -m) with $(nproc) CPUs"
 
 # ---------------------------------------------------------------- builder
 BUILDER=${BUILDER:-}
@@ -158,7 +161,7 @@ else
         bh bud --isolation chroot --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" \
             -t "$IMAGE" . || die "buildah bud failed"
     fi
-    echo "build: $(($(date +%s) - t0)) s on $BASE_IMAGE, commit $(git describe --always --dirty 2>/dev/null || echo '?')"
+    echo "build: $(($(date +%s) - t0)) s on $BASE_IMAGE, commit $COMMIT"
     # the image this build replaced (now untagged) would hold its GBs until pruned: remove it
     if [ -n "$old" ] && [ "$old" != "$(image_id "$IMAGE")" ]; then
         if [ "$BUILDER" = docker ]; then docker rmi "$old" >/dev/null 2>&1 || true
@@ -174,7 +177,8 @@ CTR=
 cleanup() { if [ -n "$CTR" ]; then bh rm "$CTR" >/dev/null 2>&1 || true; fi; }
 trap cleanup EXIT
 if [ "$BUILDER" = buildah ]; then
-    CTR=$(bh from -q "$IMAGE")
+    # a hostname that resolves, as in `docker run` (torchrun --standalone rendezvous on it)
+    CTR=$(bh from -q --add-host videotrain:127.0.0.1 "$IMAGE")
     # buildah run mounts a fresh volume at the image's VOLUME /outputs over a -v at the same
     # path (docker run's -v replaces it): drop the VOLUME from this working container only
     bh config --volume /outputs- "$CTR"
@@ -185,7 +189,7 @@ in_image() {
     if [ "$BUILDER" = docker ]; then
         docker run --rm --user 1000:1000 --shm-size=2g -v "$OUT_DIR:/outputs" --entrypoint "$1" "$IMAGE" "${@:2}"
     else
-        bh run --isolation chroot --network host --user 1000:1000 -v "$OUT_DIR:/outputs" "$CTR" -- "$@"
+        bh run --isolation chroot --network host --hostname videotrain --user 1000:1000 -v "$OUT_DIR:/outputs" "$CTR" -- "$@"
     fi
 }
 # the image's own ENTRYPOINT (python -m videotrain), so check (a) runs what `docker run` runs
