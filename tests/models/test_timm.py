@@ -159,3 +159,14 @@ def test_config_builds_at_the_default_64_px(compose_cfg, name: str) -> None:
     model = build_model(cfg, num_classes=4).eval()
     with torch.no_grad():
         assert model(torch.randn(1, 2, 3, 64, 64)).shape == (1, 4)
+
+
+def test_list_kwargs_from_the_config_reach_timm_as_plain_values(compose_cfg) -> None:
+    """``+model.backbone.kwargs={dims: [...], depths: [...]}``: lists from the config arrive as
+    OmegaConf ListConfigs, which ConvNeXt's ``split_with_sizes`` refused."""
+    cfg = compose_cfg(["model/backbone=timm", "model.backbone.name=convnext_atto",
+                       "+model.backbone.kwargs={dims: [8, 16, 32, 64], depths: [1, 1, 1, 1]}"])
+    model = build_model(cfg, num_classes=4).eval()
+    assert model.backbone.feature_dim == 64
+    with torch.no_grad():
+        assert model(torch.randn(1, 2, 3, 64, 64)).shape == (1, 4)

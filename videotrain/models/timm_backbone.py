@@ -24,7 +24,7 @@ loads local weights (``videotrain.models.weights``), offline.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -149,6 +149,17 @@ def _create(timm: Any, name: str, pretrained: bool, kwargs: dict[str, Any], dyna
     return timm.create_model(name, pretrained=pretrained, num_classes=0, **kwargs)
 
 
+def _plain(value: Any) -> Any:
+    """Config containers as plain dicts and tuples: a list from the config (``dims: [8, 16]``)
+    reaches timm as an OmegaConf ``ListConfig``, which some models' ops refuse
+    (``split_with_sizes`` in ConvNeXt)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
 def timm_backbone(
     name: str,
     pretrained: bool | str | None = None,
@@ -169,7 +180,7 @@ def timm_backbone(
     if not name:
         raise ValueError("model.backbone.name: a timm model name is required (e.g. resnet18, "
                          "convnext_atto, vit_tiny_patch16_224; timm.list_models() lists them)")
-    kwargs = dict(kwargs or {})
+    kwargs = _plain(dict(kwargs or {}))
     for reserved, key in (("num_classes", "videotrain"), ("pretrained", "model.pretrained"),
                           ("drop_path_rate", "model.backbone.drop_path_rate")):
         if reserved in kwargs:
