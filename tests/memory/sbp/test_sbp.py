@@ -361,6 +361,20 @@ def test_memory_configs_instantiate(name: str) -> None:
         assert strategy.keep_ratio == 0.5
 
 
+def test_direct_construction_defaults_to_the_configs_sampler() -> None:
+    """``StochasticBackprop()`` built in code draws the frames ``memory=sbp`` draws (and the
+    docs name as the default): ``uniform``, not ``random``."""
+    from omegaconf import OmegaConf
+
+    configured = OmegaConf.load(CONFIGS / "memory" / "sbp.yaml").sampler
+    assert configured == "uniform"
+    assert StochasticBackprop().describe()["sampler"] == configured
+    # the same masks as the config's strategy, draw for draw
+    direct, from_cfg = StochasticBackprop(seed=5, rank=0), StochasticBackprop(sampler=configured, seed=5, rank=0)
+    for _ in range(3):
+        assert torch.equal(direct.sampler.sample(4, 8, 4), from_cfg.sampler.sample(4, 8, 4))
+
+
 @pytest.mark.parametrize("exp", ["synthetic_sbp", "kinetics_sbp"])
 def test_exp_configs_select_sbp(exp: str) -> None:
     from hydra import compose, initialize_config_dir

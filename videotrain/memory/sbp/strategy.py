@@ -113,7 +113,7 @@ class StochasticBackprop(SamplerStateMixin):
     def __init__(
         self,
         keep_ratio: float = 0.5,
-        sampler: str = "random",
+        sampler: str = "uniform",
         granularity: str = "frame",
         nograd_chunk: int = 8,
         grad_scale: str = "none",
