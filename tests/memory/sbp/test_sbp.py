@@ -106,6 +106,36 @@ def test_frame_granularity_gradient_spec(kit, backbone: str, policy: str) -> Non
     assert bool((per_frame[mask] > 0).all())
 
 
+def test_full_batch_bn_on_a_float64_model_matches_the_float64_reference(kit) -> None:
+    """``bn_policy=full_batch`` on a float64 model: the backward used to crash (fp32 statistics
+    handed to the fp64 BN backward kernel). Now the statistics and the backward arithmetic are
+    fp64, so the gradients meet the hand reference at fp64 precision (fp32 arithmetic anywhere
+    in the BN backward would miss 1e-9 by orders of magnitude)."""
+    torch.manual_seed(0)
+    strategy = sbp(keep_ratio=0.375, nograd_chunk=3)
+    plain, model = kit.model_pair("resnet", strategy)
+    plain.double(), model.double()
+    x = kit.video().double()
+    logits = model(x)
+    nn.functional.cross_entropy(logits, kit.labels()).backward()
+    assert logits.dtype == torch.float64
+    keep = strategy.last_keep  # (B, n)
+    mask = keep_mask(keep, kit.T)  # (B, T)
+    # the hand reference of test_frame_granularity_gradient_spec, in float64
+    hooks = kit.detach_bn_inputs(plain.backbone, mask.flatten())
+    b, t = x.shape[:2]
+    feats = plain.backbone(x.flatten(0, 1)).view(b, t, -1)  # (B, T, D)
+    feats = torch.where(mask[..., None], feats, feats.detach())
+    ref_logits = plain.head(feats, torch.arange(t).expand(b, t))
+    nn.functional.cross_entropy(ref_logits, kit.labels()).backward()
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(logits.detach(), ref_logits.detach(), rtol=1e-10, atol=1e-12)
+    ours, theirs = kit.grads(model.backbone), kit.grads(plain.backbone)
+    assert all(g.dtype == torch.float64 for g in ours.values())
+    kit.assert_close_dicts(ours, theirs, rtol=1e-9, atol=1e-12)
+
+
 def test_grad_scale_inverse_keep_scales_backbone_grads_only(kit) -> None:
     _, plain = kit.model_pair("vit", sbp(keep_ratio=0.25))
     _, scaled = kit.model_pair("vit", sbp(keep_ratio=0.25, grad_scale="inverse_keep"))

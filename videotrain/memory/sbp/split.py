@@ -70,8 +70,9 @@ class _FullBatchStatsBN(torch.autograd.Function):
 
     The two per-channel sums come from ATen's fused BN backward in eval mode (its weight and
     bias gradients are exactly ``sum(g * xhat)`` and ``sum(g)``), and ``dx`` from four in-place
-    passes over one fp32 buffer: ``w * invstd * g + (x - mean) * b + c`` with per-channel ``b``
-    and ``c``. ``(x - mean)`` is formed first, so a large mean does not cancel. This is the same
+    passes over one fp32 buffer (fp64 for a float64 model: ``stats_dtype``):
+    ``w * invstd * g + (x - mean) * b + c`` with per-channel ``b`` and ``c``. ``(x - mean)`` is
+    formed first, so a large mean does not cancel. This is the same
     formula as computing ``xhat`` and ``centered`` in full-size temporaries, with the same
     rounding against a float64 reference, in about half the time and one allocation instead of
     seven (the step's BN backward was the largest Python-level cost of an SBP step).
@@ -101,12 +102,13 @@ class _FullBatchStatsBN(torch.autograd.Function):
         w = weight if weight is not None else torch.ones_like(mean)
         _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
             grad, x, w, mean, var, None, None, False, ctx.eps, [False, True, True])  # (C,), (C,)
-        sum_gx, sum_g = sum_gx.float(), sum_g.float()
+        acc = mean.dtype  # the statistics' dtype: fp32, or fp64 for a float64 model
+        sum_gx, sum_g = sum_gx.to(acc), sum_g.to(acc)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             invstd = torch.rsqrt(var + ctx.eps)
-            scale = invstd if weight is None else invstd * weight.float()  # (C,)
-            gx = (x - mean.view(shape)).float()  # (n, C, *) fp32, one buffer
+            scale = invstd if weight is None else invstd * weight.to(acc)  # (C,)
+            gx = (x - mean.view(shape)).to(acc)  # (n, C, *) fp32 (fp64), one buffer
             gx.mul_((-scale * invstd * sum_gx / ctx.count).view(shape))
             gx.add_((-scale * sum_g / ctx.count).view(shape)).addcmul_(grad, scale.view(shape))
             gx = gx.to(x.dtype)
@@ -215,7 +217,7 @@ def _train_bn_with_stats(
     bn: _BatchNorm, orig: Callable[..., torch.Tensor], x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """BN's training forward over all rows, and the batch ``(mean, biased var)`` it normalized
-    with, fp32 ``(C,)``.
+    with, fp32 ``(C,)`` (fp64 for a float64 model: :func:`stats_dtype`).
 
     For the stock classes (whose forward is ``_BatchNorm.forward``) this is
     ``aten._native_batch_norm_legit``, the kernel ``F.batch_norm`` runs in training, called with
@@ -225,7 +227,7 @@ def _train_bn_with_stats(
     of its own runs that forward, and the statistics are computed beside it."""
     if getattr(orig, "__func__", None) is not _BatchNorm.forward:
         dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x.detach().float(), dim=dims, correction=0)  # (C,), (C,)
+        var, mean = torch.var_mean(x.detach().to(stats_dtype(x)), dim=dims, correction=0)  # (C,), (C,)
         return orig(x), mean, var
     bn._check_input_dim(x)
     factor = 0.0 if bn.momentum is None else bn.momentum
@@ -239,8 +241,16 @@ def _train_bn_with_stats(
     else:  # track_running_stats=False: batch statistics only
         out, mean, rstd = torch.ops.aten._native_batch_norm_legit.no_stats(
             x, bn.weight, bn.bias, True, factor, bn.eps)
-    var = rstd.float().pow(-2).sub_(bn.eps).clamp_(min=0.0)  # rstd = 1 / sqrt(var + eps)
-    return out, mean.float(), var
+    acc = stats_dtype(x)
+    var = rstd.to(acc).pow(-2).sub_(bn.eps).clamp_(min=0.0)  # rstd = 1 / sqrt(var + eps)
+    return out, mean.to(acc), var
+
+
+def stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of recorded BN statistics and of the BN backward's arithmetic: fp32 for
+    fp16/bf16/fp32 inputs (autocast), fp64 for a float64 model, whose BN weights are fp64 and
+    whose backward kernel refuses fp32 statistics."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 class PatchedBN:
