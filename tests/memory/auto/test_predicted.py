@@ -145,9 +145,14 @@ def step_memory(node: dict) -> StepMemory:
 
 
 def test_memory_nodes_instantiate_the_candidates_strategies() -> None:
-    for c in cands(allow_frame_dropout=True):
+    checked: set[str] = set()
+    all_cands = cands(allow_frame_dropout=True)
+    for c in all_cands:
         if c.kind == "e2e" or c.keep_ratio in (1.0, 0.5):
             assert isinstance(instantiate(memory_node(c)), STRATEGIES[c.kind])
+            checked.add(c.kind)
+    # the loop must have matched something of every kind, or it passes on nothing
+    assert checked == {c.kind for c in all_cands} == set(STRATEGIES), checked
 
 
 def test_plan_predicted_budget_is_on_the_trainers_scale() -> None:
