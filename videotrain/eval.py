@@ -32,6 +32,7 @@ from videotrain.build import (
     build_eval_data,
     build_model,
     build_precision,
+    check_values,
     clean_errors,
     eval_settings,
     resolve_device,
@@ -111,10 +112,11 @@ def load_trained_weights(model: nn.Module, blob: dict[str, Any], path: Path) -> 
 def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """Load ``cfg.checkpoint`` into the configured model and run the multi-view evaluation."""
     path, blob = read_checkpoint(cfg)  # first, before any data is read
+    check_values(cfg)
     device = resolve_device(cfg.device)
     precision = build_precision(cfg, device)
     settings = eval_settings(cfg)  # bad eval.* values fail before any data is read
-    data, bad = build_eval_data(cfg, device)
+    data, bad = build_eval_data(cfg, device, report_dir=out_dir)
     model = build_model(cfg, data.num_classes, init=False)
     load_trained_weights(model, blob, path)
     model.to(device)
