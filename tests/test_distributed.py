@@ -252,3 +252,23 @@ def test_ddp_sharded_test_after_fit_and_a_hung_rank(run_overrides, compose_cfg, 
         assert got["error"] and "rank 1" in got["error"], (r, got)
         assert got["seconds"] < timeout + 10 + 30, (r, got)  # timeout + margin + start-up
     assert "data.worker_timeout" in hung[1]["error"]
+
+
+@pytest.mark.slow  # one torchrun with two ranks (~30 s)
+def test_torchrun_data_error_is_one_error_line(run_overrides, tiny_copy: Path, tmp_path: Path) -> None:
+    """Issue 28 item 10 under torchrun: rank 0's preflight finds too many missing videos; every
+    rank raises it, rank 0 alone prints it as one `error:` line and the first rank to exit does
+    so with status 2, no traceback of ours (torchrun itself then stops the other ranks, prints
+    its report of their exit codes and exits 1)."""
+    for video in sorted((tiny_copy / "train").rglob("*.mp4"))[:6]:
+        video.unlink()
+    args = [*run_overrides(root=tiny_copy), "data.batch_size=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = torchrun(["-m", "videotrain", *args], cwd=tmp_path)
+    assert done.returncode != 0
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-4000:]
+    assert errors[0].startswith(f"error: BadDataError: {tiny_copy / 'train.csv'}: 6 of 16 videos")
+    # the first rank to exit does so with status 2 (torchrun then stops the other, SIGTERM)
+    root_cause = done.stderr.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root_cause, done.stderr[-4000:]
+    assert f'File "{ROOT / "videotrain"}' not in done.stderr
