@@ -19,7 +19,7 @@ so train and test share the label numbering even when a class is missing from on
 from __future__ import annotations
 
 import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
@@ -47,6 +47,13 @@ def _lines(path: Path):
     for lineno, raw in enumerate(path.read_text().splitlines(), start=1):
         if raw.strip():
             yield lineno, raw.strip()
+
+
+def _parent_name(rel: str) -> str:
+    """``PurePosixPath(rel).parent.name`` by string operations (a path object per line made the
+    9,537-line trainlist take 10x as long as reading it)."""
+    parts = [p for p in rel.split("/") if p and p != "."]
+    return parts[-2] if len(parts) > 1 else ""
 
 
 def _video_dir(root: Path, video_dir: str | None) -> Path:
@@ -97,7 +104,7 @@ def ucf101_index(
         if len(parts) not in (1, 2):
             raise AnnotationError(f"{path}:{lineno}: expected 'Class/video.avi [label]', got {line!r}")
         rel = parts[0]
-        folder = PurePosixPath(rel).parent.name
+        folder = _parent_name(rel)
         if folder not in by_name:
             raise AnnotationError(f"{path}:{lineno}: class folder {folder!r} of {rel!r} is not "
                                   f"in {lists / 'classInd.txt'}")
