@@ -272,3 +272,23 @@ def test_torchrun_data_error_is_one_error_line(run_overrides, tiny_copy: Path, t
     root_cause = done.stderr.split("Root Cause (first observed failure):")[1]
     assert "exitcode  : 2" in root_cause, done.stderr[-4000:]
     assert f'File "{ROOT / "videotrain"}' not in done.stderr
+
+
+def test_a_peers_data_error_stays_one_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 stopped in a collective because rank 1 failed on its share of the data: rank 0's
+    error names rank 1's and is still a user error (one `error:` line, exit status 2); a peer's
+    crash stays a RuntimeError (a traceback)."""
+    from videotrain.build import user_error
+    from videotrain.engine import distributed
+
+    peers = {1: "rank 1: BadDataError: train split: 3 of 8 videos are unreadable"}
+    monkeypatch.setattr(distributed, "report_failure", lambda *a, **k: None)
+    monkeypatch.setattr(distributed, "failed_peers", lambda ws, me, user=False: dict(peers))
+    ctx = DistContext(rank=0, world_size=2)
+    err = run.name_the_rank(RuntimeError("Connection closed by peer"), ctx, 600.0)
+    assert isinstance(err, run.PeerDataError) and user_error(err) is err
+    assert str(err).startswith(f"rank 0 stopped because rank 1 failed ({peers[1]})")
+    monkeypatch.setattr(distributed, "failed_peers",
+                        lambda ws, me, user=False: {} if user else dict(peers))
+    err = run.name_the_rank(RuntimeError("Connection closed by peer"), ctx, 600.0)
+    assert type(err) is RuntimeError and user_error(err) is None

@@ -127,7 +127,7 @@ def test_missing_videos_are_one_warning_and_a_list_in_the_run_folder(
     root = tmp_path / "k"
     _kinetics_split(root, 10_000, 1_000)
     index = read_index("kinetics", root, "train", None, {"path_prefix": "videos"})
-    with caplog.at_level(logging.WARNING, logger="videotrain.data.loaders"):
+    with caplog.at_level(logging.WARNING, logger="videotrain.data.preflight"):
         bad = preflight(index, 0.95, cache_dir=tmp_path / "cache", split="train",
                         report_dir=tmp_path / "run")
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -37,7 +37,7 @@ def test_second_start_reuses_the_check_of_100k_files(tmp_path: Path, caplog) -> 
     assert len(first) == 10_000 and len(list((cache / "preflight").glob("*.json"))) == 1
 
     t0 = time.perf_counter()
-    with caplog.at_level(logging.INFO, logger="videotrain.data.loaders"):
+    with caplog.at_level(logging.INFO, logger="videotrain.data.preflight"):
         again = preflight(read_index("kinetics", root, "train", None, options), 0.2, cache_dir=cache)
     seconds = time.perf_counter() - t0
     assert again == first and "reused from" in caplog.text
@@ -76,7 +76,7 @@ def test_restored_and_vanished_videos_are_noticed(tmp_path: Path, caplog) -> Non
     for path in first:  # the missing videos are downloaded
         Path(path).write_bytes(b"restored")
     os.utime(videos, ns=(10**18, 10**18))  # even where the folder's time did not move
-    with caplog.at_level(logging.INFO, logger="videotrain.data.loaders"):
+    with caplog.at_level(logging.INFO, logger="videotrain.data.preflight"):
         assert preflight(read_index("kinetics", root, "train", None, options), 0.2, cache_dir=cache) == []
     assert "reused from" in caplog.text and "delete that file to check every video" in caplog.text
 

@@ -265,7 +265,7 @@ def run_annotation_bench(out: str | Path | None = None, scale: float = 1.0, repe
 
         index = read_index("kinetics", k400, "train", None, {})
         cache, run_dir = tmp / "cache", tmp / "run"
-        quiet = logging.getLogger("videotrain.data.loaders")
+        quiet = logging.getLogger("videotrain.data.preflight")
         level, quiet.level = quiet.level, logging.ERROR  # one warning per split; not printed here
         try:
             first_s, bad = best_of(lambda: (shutil.rmtree(cache, ignore_errors=True),
