@@ -223,7 +223,7 @@ def test_four_broken_files_end_to_end(acceptance_root: Path, run_overrides, run_
     assert results["skipped_videos"] == 4
     assert results["skipped_paths"] == sorted(str(acceptance_root / r) for r in FOUR_BROKEN.values())
     assert results["steps"] == 12 and results["epochs"] == 1  # 48 videos / batch 4: no step lost
-    log_text = (run_dir / "__main__.log").read_text()
+    log_text = (run_dir / "videotrain.log").read_text()
     for rel in FOUR_BROKEN.values():
         assert str(acceptance_root / rel) in log_text, rel
     assert "data.max_bad_fraction" not in log_text
