@@ -537,3 +537,28 @@ def test_time_budget_caps_and_skips_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     rows, _, _ = run_bench(only=["sbp-frame-0.5"], time_budget=5, **quiet)
     assert timeouts == [] and all("time budget was spent" in r["error"] for r in rows)
     assert 0 < cli.setting_for("gpu").time_budget < 600  # children end by then; the report after
+
+
+# ---------------------------------------------------------------------- the annotation suite
+def test_annotation_suite_tiny(tmp_path: Path) -> None:
+    """The annotation suite at 1/500 of the official sizes: every row is timed against its
+    plain parse, the preflight rows count the missing 90%, and bench.json / bench.md are
+    written (the full-size figures are in docs/data.md)."""
+    from videotrain.bench.annotations import run_annotation_bench
+
+    rows, meta, table = run_annotation_bench(out=tmp_path, scale=0.002, repeat=1,
+                                             log=lambda *a, **k: None)
+    names = [r["name"] for r in rows]
+    assert names[:2] == ["SSv2 train.json index", "SSv2 validation.json index"]
+    assert any(n.startswith("K700 release train.csv: prepare kinetics") for n in names)
+    assert meta["sizes"]["ssv2_train"] == 337 and meta["sizes"]["k400_train"] == 480
+    for r in rows:
+        assert r["build_s"] > 0 and r["entries"] > 0, r
+        if r["plain_s"] is not None:
+            assert r["ratio"] == pytest.approx(r["build_s"] / r["plain_s"])
+    pre = [r for r in rows if r["name"].startswith("preflight")]
+    assert len(pre) == 2 and all(r["missing"] == 432 and r["entries"] == 480 for r in pre)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["name"] for r in saved["rows"]] == names
+    assert table in (tmp_path / "bench.md").read_text()
+    assert not list(Path(os.environ["VIDEOTRAIN_CACHE"]).glob("bench-annotations-*"))  # cleaned up

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import videotrain.run as run
+from videotrain.build import clean_errors
 
 
 def test_end_to_end_cli_from_any_directory(run_cli, tiny_root: Path, tiny_synthetic_overrides,
@@ -103,3 +104,57 @@ def test_cli_too_many_bad_videos_exits_nonzero(run_cli, run_overrides, tiny_copy
     output = done.stdout + done.stderr  # Hydra logs to stdout, errors go to stderr
     assert "BadDataError" in output and "data.max_bad_fraction=0.1" in output
     assert "right_then_up_0000.mp4" in output  # the warning names the file
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data.num_frames=0"], "data.num_frames must be an integer >= 1, got 0"),
+        (["data.batch_size=0"], "data.batch_size must be an integer >= 1, got 0"),
+        (["data.fps=0"], "data.fps must be a number of frames per second > 0, got 0"),
+        (["data.train_scale=[0.5,0.2]"], "data.train_scale must be [min, max] area fractions"),
+        (["data.max_bad_fraction=1.5"], "data.max_bad_fraction must be a fraction in [0, 1], got 1.5"),
+        (["memory=sbp", "memory.keep_ratio=1.5"], "memory.keep_ratio must be in (0, 1], got 1.5"),
+        (["memory=frame_dropout", "memory.keep_ratio=0"], "memory.keep_ratio must be in (0, 1], got 0.0"),
+        (["memory=auto", "memory.budget_gb=-1"], "memory.budget_gb must be > 0"),
+        (["trainer.max_epochs=-3"], "trainer.max_epochs must be >= 1, got -3"),
+        (["sched.min_lr_ratio=2"], "sched.min_lr_ratio must be a fraction in [0, 1], got 2.0"),
+        (["eval.clips=0"], "eval.clips must be >= 1, got 0"),
+    ],
+)
+def test_every_bad_value_is_one_line_before_any_data_is_read(
+        overrides: list[str], message: str, run_overrides, compose_cfg, tmp_path: Path,
+        capsys: pytest.CaptureFixture) -> None:
+    """Issue 28 item 13: each invalid value is one `error:` line naming its key, exit status 2,
+    checked before the data (here a data.root that does not exist) is looked at."""
+    cfg = compose_cfg([*run_overrides(root=tmp_path / "no_such_dataset"), *overrides])
+    with pytest.raises(SystemExit) as done, clean_errors():
+        run.train(cfg, tmp_path / "run")
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert "Error in call to target" not in err[0]
+
+
+def test_cli_missing_data_root_is_one_line(run_cli, tmp_path: Path) -> None:
+    """Issue 28 item 10: a missing data.root (a FileNotFoundError) is one `error:` line and
+    exit status 2, not a traceback."""
+    done = run_cli(["data=kinetics", f"data.root={tmp_path / 'nowhere'}", "logger.wandb.mode=disabled",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"error: data.root: directory not found: {tmp_path / 'nowhere'}"]
+
+
+@pytest.mark.slow  # a fresh interpreter each; the same errors are checked in-process above
+def test_cli_strategy_value_and_missing_annotation_file(run_cli, tmp_path: Path) -> None:
+    done = run_cli(["memory=sbp", "memory.keep_ratio=1.5", "logger.wandb.mode=disabled",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == ["error: memory.keep_ratio must be in (0, 1], got 1.5"]
+    (tmp_path / "k").mkdir()
+    done = run_cli(["data=kinetics", f"data.root={tmp_path / 'k'}", "logger.wandb.mode=disabled",
+                    f"hydra.run.dir={tmp_path / 'run2'}"], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"error: data.train_file: annotation file not found: {tmp_path / 'k' / 'train.csv'}"]

@@ -252,3 +252,43 @@ def test_ddp_sharded_test_after_fit_and_a_hung_rank(run_overrides, compose_cfg, 
         assert got["error"] and "rank 1" in got["error"], (r, got)
         assert got["seconds"] < timeout + 10 + 30, (r, got)  # timeout + margin + start-up
     assert "data.worker_timeout" in hung[1]["error"]
+
+
+@pytest.mark.slow  # one torchrun with two ranks (~30 s)
+def test_torchrun_data_error_is_one_error_line(run_overrides, tiny_copy: Path, tmp_path: Path) -> None:
+    """Issue 28 item 10 under torchrun: rank 0's preflight finds too many missing videos; every
+    rank raises it, rank 0 alone prints it as one `error:` line and the first rank to exit does
+    so with status 2, no traceback of ours (torchrun itself then stops the other ranks, prints
+    its report of their exit codes and exits 1)."""
+    for video in sorted((tiny_copy / "train").rglob("*.mp4"))[:6]:
+        video.unlink()
+    args = [*run_overrides(root=tiny_copy), "data.batch_size=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = torchrun(["-m", "videotrain", *args], cwd=tmp_path)
+    assert done.returncode != 0
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-4000:]
+    assert errors[0].startswith(f"error: BadDataError: {tiny_copy / 'train.csv'}: 6 of 16 videos")
+    # the first rank to exit does so with status 2 (torchrun then stops the other, SIGTERM)
+    root_cause = done.stderr.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root_cause, done.stderr[-4000:]
+    assert f'File "{ROOT / "videotrain"}' not in done.stderr
+
+
+def test_a_peers_data_error_stays_one_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 stopped in a collective because rank 1 failed on its share of the data: rank 0's
+    error names rank 1's and is still a user error (one `error:` line, exit status 2); a peer's
+    crash stays a RuntimeError (a traceback)."""
+    from videotrain.build import user_error
+    from videotrain.engine import distributed
+
+    peers = {1: "rank 1: BadDataError: train split: 3 of 8 videos are unreadable"}
+    monkeypatch.setattr(distributed, "report_failure", lambda *a, **k: None)
+    monkeypatch.setattr(distributed, "failed_peers", lambda ws, me, user=False: dict(peers))
+    ctx = DistContext(rank=0, world_size=2)
+    err = run.name_the_rank(RuntimeError("Connection closed by peer"), ctx, 600.0)
+    assert isinstance(err, run.PeerDataError) and user_error(err) is err
+    assert str(err).startswith(f"rank 0 stopped because rank 1 failed ({peers[1]})")
+    monkeypatch.setattr(distributed, "failed_peers",
+                        lambda ws, me, user=False: {} if user else dict(peers))
+    err = run.name_the_rank(RuntimeError("Connection closed by peer"), ctx, 600.0)
+    assert type(err) is RuntimeError and user_error(err) is None

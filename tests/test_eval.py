@@ -272,3 +272,31 @@ def test_eval_cli_refuses_an_unsafe_checkpoint(tmp_path: Path) -> None:
             "(Unsupported global: GLOBAL io.open") in done.stderr
     assert "refusing to load it" in done.stderr
     assert not marker.exists()
+
+
+def test_eval_scores_only_the_videos_that_are_there(run_overrides, compose_cfg, tiny_copy: Path,
+                                                     tmp_path: Path, capsys) -> None:
+    """Issue 28 item 3 for ``videotrain.eval``: a missing val video is not replaced by another
+    one; eval.json counts 7 evaluated of 8 listed and the eval folder lists the missing one.
+    Item 10: its data errors are one `error:` line with exit status 2."""
+    from videotrain.build import clean_errors
+    from videotrain.eval import evaluate_checkpoint
+
+    run_dir = tmp_path / "run"
+    run.train(compose_cfg(run_overrides(root=tiny_copy, trainer__max_steps=1)), run_dir)
+    gone = tiny_copy / "val/right_then_up/right_then_up_0000.mp4"
+    gone.unlink()
+    overrides = [f"checkpoint={run_dir / 'checkpoints' / 'last.ckpt'}", "eval.clips=1", "eval.crops=1",
+                 "data.max_bad_fraction=0.2"]
+    cfg = apply_overrides(OmegaConf.load(run_dir / "config.yaml"), compose_cfg(overrides), overrides)
+    report = evaluate_checkpoint(cfg, tmp_path / "eval")
+    assert report["videos"] == 7 and report["videos_listed"] == 8
+    assert report["skipped_paths"] == [str(gone)]
+    assert (tmp_path / "eval" / "missing_videos_val.txt").read_text() == f"{gone}\n"
+
+    cfg.checkpoint = str(tmp_path / "nothing.ckpt")
+    with pytest.raises(SystemExit) as done, clean_errors():
+        evaluate_checkpoint(cfg, tmp_path / "eval2")
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: checkpoint: file not found: {tmp_path / 'nothing.ckpt'}"]

@@ -166,3 +166,15 @@ def test_failed_encode_leaves_nothing(release, tmp_path: Path, monkeypatch) -> N
     (res,) = reencode.encode_all([(str(src), str(dst))], reencode.EncodeSettings(256))
     assert res.status == "failed" and "disk on fire" in res.error and calls["n"] == 6
     assert not dst.exists() and list(dst.parent.iterdir()) == []
+
+
+def test_prepare_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 28 item 10 for ``videotrain.prepare``: a CSV that is a folder (or unreadable) is
+    one `error:` line naming it, exit status 2, not a traceback."""
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "train.csv").mkdir()  # e.g. an archive extracted into a folder of that name
+    code = cli.main(["kinetics", "--csv", str(tmp_path / "train.csv"), "--videos",
+                     str(tmp_path / "videos"), "--out", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and str(tmp_path / "train.csv") in err[0]

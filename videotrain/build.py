@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from videotrain import schema
-from videotrain.data.loaders import DataBundle, build_data
+from videotrain.data.loaders import BadDataError, DataBundle, build_data, check_data_values
 from videotrain.engine import distributed
 from videotrain.engine.distributed import SINGLE_PROCESS, DistContext
 from videotrain.engine.evaluate import EvalSettings
@@ -132,20 +133,87 @@ def validate(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+# What the user can fix (a config value or key, an annotation file, missing or unreadable
+# videos, a missing data.root or list): one `error:` line and exit status 2, not a traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (ValueError, BadDataError, FileNotFoundError)
+
+
+def user_error(err: BaseException) -> Exception | None:
+    """The user error ``err`` is or wraps (Hydra's ``instantiate`` wraps what a constructor
+    raises in "Error in call to target"), else None."""
+    while err is not None:
+        if isinstance(err, USER_ERRORS):
+            return err
+        if not isinstance(err, InstantiationException):
+            return None
+        err = err.__cause__
+    return None
+
+
 @contextlib.contextmanager
 def clean_errors() -> Iterator[None]:
-    """A wrong value (a ``ValueError``: bad config values and keys, a budget no plan fits, too
-    many bad videos) ends the app with its message as the first line of stderr and exit status
-    2, not a traceback; ``HYDRA_FULL_ERROR=1`` shows the traceback."""
+    """A user error (``USER_ERRORS``: bad config values and keys, a budget no plan fits,
+    malformed annotations, too many bad videos, a missing file or folder) ends the app with its
+    message as one ``error:`` line on stderr and exit status 2, not a traceback;
+    ``HYDRA_FULL_ERROR=1`` shows the traceback. Under torchrun only rank 0 prints it (every
+    rank raises the errors rank 0 broadcasts, and rank 0 names a failed peer: ``run.train``);
+    every rank exits with status 2."""
     try:
         yield
-    except ValueError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except Exception as raised:
+        err = user_error(raised)
+        if err is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        kind = "" if type(err) is ValueError else f"{type(err).__name__}: "
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+            raise SystemExit(2) from None
+        kind = "" if type(err) in (ValueError, FileNotFoundError) else f"{type(err).__name__}: "
         logging.getLogger("videotrain").error("%s%s", kind, err)
         print(f"error: {kind}{err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+# optim/sched key -> (check, what it must be); None (not set) passes. The other groups check
+# their values in their own constructors (TrainerSettings, EvalSettings, RecipeSettings, the
+# memory strategies), which check_values runs.
+RUN_VALUE_CHECKS: dict[str, tuple[Any, str]] = {
+    "optim.lr": (lambda v: v > 0, "a learning rate > 0"),
+    "optim.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "optim.head_lr": (lambda v: v > 0, "null or a learning rate > 0"),
+    "sched.name": (lambda v: v == "cosine", "cosine"),
+    "sched.warmup_steps": (lambda v: v >= 0, "a number of steps >= 0"),
+    "sched.min_lr_ratio": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+}
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Check every config value that can be checked without reading data, before any is read:
+    the ``data`` values (``loaders.DATA_VALUE_CHECKS``), ``RUN_VALUE_CHECKS``, and the values
+    the ``trainer``, ``eval``, ``recipe`` and ``memory`` groups check when they are built. Each
+    invalid value raises one ``ValueError`` naming its key, which ``clean_errors`` reports as
+    one ``error:`` line with exit status 2 (a strategy's error is taken out of Hydra's
+    "Error in call to target"). ``model/backbone`` and ``model/head`` values are checked when
+    the model is built, after the class list is read and before any video is."""
+    data = cfg.get("data")
+    if data is not None:
+        plain = OmegaConf.to_container(data, resolve=True)
+        check_data_values({k: plain[k] for k in data if not OmegaConf.is_missing(data, k)})
+    for key, (ok, must) in RUN_VALUE_CHECKS.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not ok(value):
+            raise ValueError(f"{key} must be {must}, got {value!r}")
+    if cfg.get("trainer") is not None and data is not None:
+        trainer_settings(cfg)
+    if cfg.get("eval") is not None:
+        eval_settings(cfg)
+    recipe_settings(cfg)
+    if cfg.get("memory") is not None:
+        try:
+            instantiate(cfg.memory)
+        except InstantiationException as err:
+            cause = user_error(err)
+            if cause is None:
+                raise
+            raise cause from None
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:
@@ -294,14 +362,15 @@ def eval_settings(cfg: DictConfig) -> EvalSettings:
     return EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
 
 
-def build_eval_data(cfg: DictConfig, device: torch.device,
-                    ctx: DistContext = SINGLE_PROCESS) -> tuple[DataBundle, list[str]]:
+def build_eval_data(cfg: DictConfig, device: torch.device, ctx: DistContext = SINGLE_PROCESS,
+                    report_dir: str | Path | None = None) -> tuple[DataBundle, list[str]]:
     """The configured dataset with ``eval.clips x eval.crops`` views per val video, the val
     videos sharded over ``ctx``'s ranks; training files are not stat-ed (only the class list is
-    read from the train annotations)."""
+    read from the train annotations). ``report_dir`` receives the list of missing val videos."""
     s = eval_settings(cfg)
     return build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size, val_clips=s.clips,
-                               val_crops=s.crops, val_batch_size=s.batch_size, preflight_train=False)
+                               val_crops=s.crops, val_batch_size=s.batch_size, preflight_train=False,
+                               report_dir=report_dir)
 
 
 def global_batch_size(cfg: DictConfig, world_size: int = 1) -> int:

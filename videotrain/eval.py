@@ -38,6 +38,7 @@ from videotrain.build import (
     build_eval_data,
     build_model,
     build_precision,
+    check_values,
     clean_errors,
     eval_settings,
     resolve_device,
@@ -153,10 +154,11 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path,
     """Load ``cfg.checkpoint`` (or the ``(path, contents)`` already read by ``read_checkpoint``)
     into the configured model and run the multi-view evaluation."""
     path, blob = checkpoint or read_checkpoint(cfg)  # first, before any data is read
+    check_values(cfg)
     device = resolve_device(cfg.device)
     precision = build_precision(cfg, device)
     settings = eval_settings(cfg)  # bad eval.* values fail before any data is read
-    data, bad = build_eval_data(cfg, device)
+    data, bad = build_eval_data(cfg, device, report_dir=out_dir)
     # a head trained on another numbering of the classes would score every video wrongly
     check_class_order(blob, path, data.class_names, cfg.data.get("layout"), "evaluate")
     model = build_model(cfg, data.num_classes, init=False)

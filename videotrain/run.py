@@ -20,6 +20,7 @@ from videotrain.build import (
     build_eval_data,
     build_model,
     build_precision,
+    check_values,
     effective_lr,
     eval_settings,
     global_batch_size,
@@ -30,6 +31,7 @@ from videotrain.build import (
     seed_everything,
     trainer_settings,
     use_sync_bn,
+    user_error,
 )
 from videotrain.engine import distributed
 from videotrain.engine.distributed import Comm, DistContext, wrap_ddp
@@ -54,6 +56,10 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     except Exception as err:
         if not ctx.enabled:
             raise
+        if user_error(err) is not None:  # a config or data error: the same type on every rank
+            distributed.report_failure(ctx.rank, f"rank {ctx.rank}: {type(err).__name__}: {err}",
+                                       user=True)
+            raise
         named = name_the_rank(err, ctx, float(cfg.data.worker_timeout))
         if named is err:
             raise
@@ -61,6 +67,10 @@ def train(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     finally:
         if owns_group:
             distributed.shutdown()
+
+
+class PeerDataError(ValueError):
+    """Another rank stopped on a config or data error (a ``build.USER_ERRORS``)."""
 
 
 def name_the_rank(err: Exception, ctx: DistContext, worker_timeout: float) -> Exception:
@@ -76,11 +86,16 @@ def name_the_rank(err: Exception, ctx: DistContext, worker_timeout: float) -> Ex
     peers = distributed.failed_peers(ctx.world_size, ctx.rank)
     if peers:
         failed = "; ".join(f"rank {r} failed ({m})" for r, m in sorted(peers.items()))
-        return RuntimeError(f"rank {ctx.rank} stopped because {failed}; its own error: {err}")
+        # a peer's config or data error (one rank's share of bad videos, say) stays a user error:
+        # rank 0 prints it as the run's one `error:` line
+        user = distributed.failed_peers(ctx.world_size, ctx.rank, user=True)
+        kind = PeerDataError if user else RuntimeError
+        return kind(f"rank {ctx.rank} stopped because {failed}; its own error: {err}")
     return RuntimeError(mine) if timed_out else err
 
 
 def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
+    check_values(cfg)  # every value, before any data is read
     comm = Comm(ctx)
     device = resolve_device(cfg.device, ctx)
     settings = trainer_settings(cfg)  # validate cheap settings before generating data
@@ -89,7 +104,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     sync_bn = use_sync_bn(cfg, ctx, device)
     global_batch, lr = global_batch_size(cfg, ctx.world_size), effective_lr(cfg, ctx.world_size)
     seed_everything(cfg.seed, cfg.deterministic)  # the same initial weights on every rank
-    data, bad = build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size)
+    data, bad = build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size, report_dir=out_dir)
     model = build_model(cfg, data.num_classes, sync_bn=sync_bn, class_names=data.class_names).to(device)
     plan_memory(cfg, model, precision, device, data.num_classes)  # memory=auto: fails here, before training
     optimizer = optimizer_from_cfg(cfg, model, ctx.world_size)
@@ -137,7 +152,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
             results["memory_plan"] = trainer.strategy.plan_report()
         if settings.test_after_fit:  # the paper-style evaluation: eval.clips x eval.crops views
             # under DDP each rank tests its shard of the videos; the counts are reduced
-            test_data, test_bad = build_eval_data(cfg, device, ctx)
+            test_data, test_bad = build_eval_data(cfg, device, ctx, report_dir=out_dir)
             test = multi_view_test(
                 trainer.module, test_data, test_bad, eval_settings(cfg), precision, device, out_dir,
                 max_bad_fraction=float(cfg.data.max_bad_fraction), progress=settings.progress,

@@ -113,3 +113,43 @@ def test_bad_labels_json(ssv2_copy: Path, labels: str, message: str) -> None:
 def test_num_classes_must_match_labels_json(ssv2: Path) -> None:
     with pytest.raises(AnnotationError, match="lists 4 classes, but data.num_classes=3"):
         ssv2_index(ssv2, "train", num_classes=3)
+
+
+def _official_ssv2(root: Path, entries: int) -> Path:
+    """labels.json and train.json as the release ships them: one entry a line, CRLF."""
+    (root / "labels").mkdir(parents=True)
+    (root / "20bn-something-something-v2").mkdir()
+    templates = [f"Moving [something] and [something] apart {k}" for k in range(174)]
+    (root / "labels" / "labels.json").write_text(json.dumps(
+        {t.replace("[", "").replace("]", ""): str(k) for k, t in enumerate(templates)}, indent=1))
+    lines = [json.dumps({"id": str(k + 1), "label": "moving a cup and a box apart",
+                         "template": templates[k % 174], "placeholders": ["a cup", "a box"]})
+             for k in range(entries)]
+    path = root / "labels" / "train.json"
+    path.write_bytes(("[\r\n" + ",\r\n".join(lines) + "\r\n]\r\n").encode())
+    return path
+
+
+def test_index_of_a_large_train_json_is_linear(tmp_path: Path) -> None:
+    """Issue 28 item 2: 30,000 entries (the official train.json has 168,913) read in a small
+    multiple of json.loads of the same file; the line of a bad entry is still named."""
+    import time
+
+    path = _official_ssv2(tmp_path, 30_000)
+    plain, build = [], []
+    for _ in range(2):  # the best of two, against a busy machine
+        t0 = time.perf_counter()
+        json.loads(path.read_text())
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        index = ssv2_index(tmp_path, "train")
+        build.append(time.perf_counter() - t0)
+    assert len(index) == 30_000 and index.paths[29_999][1]["label"] == 29_999 % 174
+    assert min(build) < 5 * min(plain) + 0.2, (build, plain)
+
+    data = path.read_bytes()
+    last = data.rfind(b"Moving [something] and [something] apart 71")  # the last entry's template
+    path.write_bytes(data[:last] + b"Not a template" + data[last + len(b"Moving [something] and [something] apart 71"):])
+    # the last entry is on line 30,001 (line 1 holds the "[")
+    with pytest.raises(AnnotationError, match=r"train\.json:30001: template 'Not a template'"):
+        ssv2_index(tmp_path, "train")

@@ -24,6 +24,7 @@ from videotrain.bench.suites import CHILD_KEYS, DATA_SUITES, SUITES, resolve, se
 DEFAULT_HEAD = "transformer"
 MIN_ROW_S = 20.0  # a row needs this much of a suite's time budget left to start
 DATA_RESULTS = "docs/results/bench_data"  # the data suite's default --out
+ANNOTATION_RESULTS = "docs/results/bench_annotations"  # the annotation suite's
 
 
 class CudaRequired(RuntimeError):
@@ -337,7 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "row runs in a fresh subprocess on the same model and synthetic batch.",
         epilog="Extra arguments are Hydra overrides applied to every row after its own, e.g. "
                "model/backbone=resnet10 model/head=tconv trainer.precision=bf16.")
-    p.add_argument("--suite", default="default", choices=sorted([*SUITES, *DATA_SUITES]),
+    p.add_argument("--suite", default="default",
+                   choices=sorted([*SUITES, *DATA_SUITES, "annotations"]),
                    help="gpu: the CUDA acceptance suite (resnet50 + transformer head, B=8 x T=16 "
                         "at 224 px, bf16; e2e, sbp, frame dropout, checkpoint, memory=auto at half "
                         "of e2e's peak, torch.compile), written to docs/results/gpu/<gpu>/ unless "
@@ -345,7 +347,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "data: decoded clips/s of the train and test pipelines (this project's "
                         "loader, pytorchvideo's, torchcodec, the segment sampler; 1, 2 and N "
                         "workers) on generated Kinetics-like and SSv2-like videos, written to "
-                        "docs/results/bench_data/ unless --out; data.* overrides apply")
+                        "docs/results/bench_data/ unless --out; data.* overrides apply. "
+                        "annotations: the index builds, prepare kinetics and the preflight on "
+                        "annotation files of the official sizes (SSv2, K400, K700, UCF101, HMDB51) "
+                        "against a plain parse of the same files, written to "
+                        "docs/results/bench_annotations/ unless --out")
     p.add_argument("--out", help="write bench.json, bench.md and bench.png here (gpu suite: "
                                  "default docs/results/gpu/<gpu name>/; data suite: "
                                  "docs/results/bench_data/)")
@@ -380,6 +386,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-clips-per-s", type=float,
                    help="data suite: also print the workers of the fastest backend that would "
                         "feed this many clips/s, per set and pipeline")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="annotations suite: the files' sizes as a fraction of the official ones "
+                        "(default 1)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
@@ -393,7 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         return child_main(args.child)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
-    if args.suite in DATA_SUITES:
+    if args.suite == "annotations":
+        from videotrain.bench.annotations import run_annotation_bench
+
+        rows, _, table = run_annotation_bench(out=args.out or ANNOTATION_RESULTS,
+                                              scale=args.scale, repeat=args.rounds if args.rounds > 1 else 3)
+    elif args.suite in DATA_SUITES:
         flags = [f"data.{key}={value}" for key, value in (
             ("batch_size", args.batch_size), ("num_frames", args.frames), ("crop_size", args.size))
             if value is not None]

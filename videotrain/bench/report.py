@@ -356,3 +356,34 @@ def write_data(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
                                       f"{table}")
     plot_data(rows, out_dir / "bench.png", title)
     return table
+
+
+# ---------------------------------------------------------------------- the annotation suite
+def annotations_markdown(rows: list[dict[str, Any]]) -> str:
+    """The annotation suite's table: each file's plain parse against what videotrain pays."""
+    def s(v: Any) -> str:
+        return "" if v is None else f"{v:.3f}"
+
+    lines = ["| what a start reads | entries | plain parse s | videotrain s | × plain | target | "
+             "met | paid under torchrun with N ranks |",
+             "|---|---:|---:|---:|---:|---|---|---|"]
+    for r in rows:
+        met = {True: "yes", False: "**no**", None: ""}[r["meets_target"]]
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(f"| {r['name']} | {r['entries']:,} | {s(r['plain_s'])} | {s(r['build_s'])} | "
+                     f"{ratio} | {r['target']} | {met} | {r['paid']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_annotations(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """``bench.json`` and ``bench.md`` of the annotation suite; returns the table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = annotations_markdown(rows)
+    (out_dir / "bench.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2) + "\n")
+    m = meta["machine"]
+    title = (f"{m.get('cpus')} CPUs ({m.get('processor')}), python {m.get('python')}, torch "
+             f"{meta['torch']}; x{meta['scale']:g} the official sizes, best of {meta['repeat']} "
+             f"runs each; load average {meta['load_avg_start']} at the start (a shared machine)")
+    (out_dir / "bench.md").write_text(f"# videotrain bench: annotation files at official sizes\n\n"
+                                      f"{title}\n\n{table}")
+    return table

@@ -11,9 +11,11 @@ randomness (clip start or segment frames, crop, flip) comes from a seed derived 
 ``(seed, epoch, index)``. The same step therefore sees the same pixels whatever the worker
 count and after a resume.
 
-Why a ``skipped`` field: a broken video is replaced by another one (so batch size and epoch
-length stay fixed), and the item reports the broken path. Workers are separate processes, so
-the main process learns about bad files from the batches, not from shared state.
+Why a ``skipped`` field: in training a broken video is replaced by another one (so batch size
+and epoch length stay fixed), and the item reports the broken path; in evaluation it is not
+scored at all (never another video in its place), and the item carries only the path.
+Workers are separate processes, so the main process learns about bad files from the batches,
+not from shared state.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
         max_retries: int = 20,
         decoder: str = "pyav",
         sampler: str = "random",
+        known_bad: frozenset[str] = frozenset(),
     ) -> None:
         check_decoder(decoder)
         check_sampler(sampler)
@@ -77,6 +80,11 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.num_clips = num_clips
         self.seed = seed
         self.max_retries = max_retries
+        # missing or empty files the preflight found (already counted and reported): training
+        # replaces them by a video known to be there, without trying to open them each epoch
+        self.known_bad = known_bad
+        self._good = ([i for i, (p, _) in enumerate(index.paths) if p not in known_bad]
+                      if known_bad else None)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -128,10 +136,22 @@ class VideoClipDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key: SampleKey | int) -> dict:
         idx, epoch = (key, 0) if isinstance(key, int) else key
+        if not self.train:  # evaluation scores this video or none: never another in its place
+            try:
+                video, label = self._load(idx, hash((self.seed, epoch, idx, 0)) & 0x7FFF_FFFF)
+            except BadVideo as err:
+                log.warning("not evaluating bad video %s", err)
+                path = str(self.index.paths[idx][0])
+                return {"video": None, "label": -1, "index": idx, "skipped": [path]}
+            return {"video": video, "label": label, "index": idx, "skipped": []}
         skipped: list[str] = []
         candidate = idx
         for attempt in range(self.max_retries + 1):
             seed = hash((self.seed, epoch, idx, attempt)) & 0x7FFF_FFFF
+            if self._good and self.index.paths[candidate][0] in self.known_bad:
+                skipped.append(str(self.index.paths[candidate][0]))
+                candidate = self._good[random.Random(seed).randrange(len(self._good))]
+                continue
             try:
                 video, label = self._load(candidate, seed)
                 return {"video": video, "label": label, "index": candidate, "skipped": skipped}
@@ -146,10 +166,13 @@ class VideoClipDataset(torch.utils.data.Dataset):
 
 
 def collate(items: list[dict]) -> dict:
-    """Stack videos and labels; concatenate the lists of skipped paths."""
+    """Stack videos and labels; concatenate the lists of skipped paths. Evaluation items of bad
+    videos (``video`` None) are left out: a batch may hold fewer videos, or none (``video``
+    None)."""
+    good = [it for it in items if it["video"] is not None]
     return {
-        "video": torch.stack([it["video"] for it in items]),
-        "label": torch.tensor([it["label"] for it in items]),
-        "index": torch.tensor([it["index"] for it in items]),
+        "video": torch.stack([it["video"] for it in good]) if good else None,
+        "label": torch.tensor([it["label"] for it in good], dtype=torch.long),
+        "index": torch.tensor([it["index"] for it in good], dtype=torch.long),
         "skipped": [p for it in items for p in it["skipped"]],
     }

@@ -1,13 +1,12 @@
-"""Datasets and loaders for one run: readers by name, resumable sharded sampling, preflight."""
+"""Datasets and loaders for one run: readers by name, resumable sharded sampling, the class
+checks (coverage.py) and the preflight (preflight.py) wired together in ``build_data``."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,18 +15,20 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from videotrain.data import annotations
 from videotrain.data.clip_sampling import check_sampler
+from videotrain.data.coverage import check_classes, drop_override, dropped_labels, without
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
 from videotrain.data.decode import check_decoder
 from videotrain.data.layouts import default_cache_root, ensure_synthetic
+from videotrain.data.preflight import (  # noqa: F401 (callers import these from here)
+    BadDataError,
+    check_bad_fraction,
+    preflight,
+)
 from videotrain.data.split_files import hmdb51_index, ucf101_index
 from videotrain.data.ssv2 import ssv2_index
 from videotrain.data.transforms import eval_transform, train_transform
 
 log = logging.getLogger(__name__)
-
-
-class BadDataError(RuntimeError):
-    """Too many unreadable videos in a split (more than ``data.max_bad_fraction``)."""
 
 
 class ResumableSampler(Sampler[SampleKey]):
@@ -72,6 +73,8 @@ class DataBundle:
     class_names: list[str]
     num_classes: int
     root: Path
+    val_listed: int = 0  # val videos listed (data.drop_classes' left out); val holds those there
+    dropped_classes: list[str] = field(default_factory=list)  # data.drop_classes
 
 
 def resolve_root(name: str, root: str | None, synthetic: dict | None,
@@ -105,6 +108,50 @@ READER_OPTIONS = {
 }
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# data key -> (check, what it must be). Every value is checked before any file is read, so a
+# bad value is reported as itself (data.num_frames=0 would otherwise make every video "fail to
+# decode", blaming the dataset). None (the key's "not set") always passes.
+DATA_VALUE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "num_frames": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "sampling_rate": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "fps": (lambda v: _is_number(v) and v > 0, "a number of frames per second > 0"),
+    "short_side": (lambda v: _is_int(v) and v >= 1, "a number of pixels >= 1"),
+    "crop_size": (lambda v: _is_int(v) and v >= 1, "a number of pixels >= 1"),
+    "train_scale": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2
+                    and all(_is_number(x) for x in v) and 0 < v[0] <= v[1] <= 1,
+                    "[min, max] area fractions with 0 < min <= max <= 1"),
+    "batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "val_batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "num_workers": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "val_clips": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "val_crops": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "max_bad_fraction": (lambda v: _is_number(v) and 0 <= v <= 1, "a fraction in [0, 1]"),
+    "worker_timeout": (lambda v: _is_number(v) and v >= 0, ">= 0 seconds (0: none)"),
+    "num_classes": (lambda v: _is_int(v) and v >= 1, "null or an integer >= 1"),
+    "fold": (lambda v: v in (1, 2, 3), "1, 2 or 3"),
+    "video_ext": (lambda v: v in ("webm", "mp4", "auto"), "webm, mp4 or auto"),
+    "drop_classes": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+                     "a list of class names"),
+}
+
+
+def check_data_values(values: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` naming the first ``data.*`` value outside its range
+    (``DATA_VALUE_CHECKS``); keys without a check and None values pass."""
+    for key, (ok, must) in DATA_VALUE_CHECKS.items():
+        value = values.get(key)
+        if value is not None and not ok(value):
+            raise ValueError(f"data.{key} must be {must}, got {value!r}")
+
+
 def read_index(layout: str, root: Path, split: str, num_classes: int | None,
                options: dict[str, Any] | None = None) -> annotations.VideoIndex:
     """The split's videos and labels, read by the layout's reader. ``options`` holds the
@@ -120,69 +167,22 @@ def read_index(layout: str, root: Path, split: str, num_classes: int | None,
     return READERS[layout](root, split, num_classes, **options)
 
 
-def check_val_classes(train: annotations.VideoIndex, val: annotations.VideoIndex) -> None:
+def check_val_classes(train: annotations.VideoIndex, val: annotations.VideoIndex,
+                      drop: set[int] | None = None) -> None:
     """Every class in val must have training videos: a model cannot learn a class it never
-    sees, and its val accuracy would silently count as errors."""
-    have = set(train.labels)
+    sees, and its val accuracy would silently count as errors. (Read from the lists alone,
+    before any file is stat-ed; ``coverage.check_classes`` then counts the readable videos.)"""
+    have = set(train.labels) | set(drop or ())
     missing = sorted(set(val.labels) - have)
     if missing:
         names = ", ".join(f"{k} ({train.class_names[k]!r})" if k < len(train.class_names) else str(k)
                           for k in missing[:5])
+        known = [train.class_names[k] for k in missing if k < len(train.class_names)]
+        hint = (f"; or leave them out of training and the metrics with {drop_override(known)}"
+                if len(known) == len(missing) else "")
         raise annotations.AnnotationError(
             f"{val.source}: {len(missing)} class(es) have val videos but no training videos in "
-            f"{train.source}: {names}{' ...' if len(missing) > 5 else ''}"
-        )
-
-
-def preflight(index: annotations.VideoIndex, max_bad_fraction: float,
-              cache_dir: Path | None = None) -> list[str]:
-    """Stat every file: missing and zero-byte videos are reported now, not mid-epoch.
-
-    The result is cached per annotation file (``cache_dir/preflight/``, keyed by the file's
-    path, mtime and size and the paths it lists), so a run that starts again on an unchanged
-    split of hundreds of thousands of videos does not stat them all again. A video that goes
-    missing later is still caught when it is decoded (skipped, and counted as bad)."""
-    cache = _preflight_cache(index, cache_dir)
-    if cache is not None and cache.exists():
-        bad = json.loads(cache.read_text())["bad"]
-        log.info("preflight of %s: %d files, %d bad, reused from %s (the annotation file is "
-                 "unchanged)", index.source, len(index), len(bad), cache)
-    else:
-        bad = []
-        for path, _ in index.paths:
-            try:
-                if os.path.getsize(path) == 0:
-                    bad.append(path)
-            except OSError:
-                bad.append(path)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"source": index.source, "videos": len(index), "bad": bad}))
-            os.replace(tmp, cache)  # atomic: a concurrent reader sees all of it or nothing
-    for path in bad:
-        log.warning("skipping bad video %s: missing or empty", path)
-    check_bad_fraction(len(bad), len(index), index.source, max_bad_fraction)
-    return bad
-
-
-def _preflight_cache(index: annotations.VideoIndex, cache_dir: Path | None) -> Path | None:
-    """Where the preflight of ``index`` is cached; None where its source is not one file."""
-    source = Path(index.source)
-    if cache_dir is None or not source.is_file() or not len(index):
-        return None
-    st = source.stat()
-    first, last = index.paths[0][0], index.paths[len(index) - 1][0]
-    key = f"{source.resolve()}|{st.st_mtime_ns}|{st.st_size}|{len(index)}|{first}|{last}"
-    return cache_dir / "preflight" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
-
-
-def check_bad_fraction(num_bad: int, total: int, source: str, max_bad_fraction: float) -> None:
-    if total and num_bad / total > max_bad_fraction:
-        raise BadDataError(
-            f"{source}: {num_bad} of {total} videos are unreadable "
-            f"({num_bad / total:.0%} > data.max_bad_fraction={max_bad_fraction}); "
-            f"see the warnings above for the files"
+            f"{train.source}: {names}{' ...' if len(missing) > 5 else ''}{hint}"
         )
 
 
@@ -226,6 +226,8 @@ def build_data(
     pin_memory: bool = False,
     preflight_train: bool = True,
     shared: Callable[[Callable[[], Any]], Any] | None = None,
+    drop_classes: Sequence[str] | None = None,
+    report_dir: str | Path | None = None,
 ) -> tuple[DataBundle, list[str]]:
     """Build train/val loaders; returns the bundle and the paths found bad by preflight.
 
@@ -240,12 +242,16 @@ def build_data(
     ``shared(fn)`` runs ``fn`` once and gives every process its result: under DDP only rank 0
     stats the files and the others receive the list (a dataset of 240k files stat-ed by every
     rank at once is a storm on a shared filesystem).
+    ``drop_classes`` (``data.drop_classes``): class names left out of both splits and of the
+    metrics (their label numbers stay); a class without readable videos is an error otherwise
+    (``coverage.check_classes``). Validation holds only the val videos that are there.
+    ``report_dir`` (the run folder) receives ``missing_videos_<split>.txt``, the full lists of
+    missing or empty videos (the log names a count and the first few).
     """
     options = dict(fold=fold, train_file=train_file, val_file=val_file, path_prefix=path_prefix,
                    classes_file=classes_file, split_dir=split_dir, video_dir=video_dir,
                    labels_file=labels_file, video_ext=video_ext)
-    if worker_timeout < 0:
-        raise ValueError(f"data.worker_timeout must be >= 0 seconds, got {worker_timeout}")
+    check_data_values({k: v for k, v in locals().items() if k in DATA_VALUE_CHECKS})
     check_decoder(decoder)  # before the files are read: a wrong name or a missing extra
     check_sampler(sampler)
     path = resolve_root(name, root, synthetic, layout)
@@ -256,19 +262,37 @@ def build_data(
         raise annotations.AnnotationError(
             f"{val_index.source}: class folders differ from train ({extra or 'missing classes'})"
         )
-    check_val_classes(train_index, val_index)
+    drop = dropped_labels(drop_classes, train_index.class_names, train_index.source)
+    check_val_classes(train_index, val_index, drop)
+
     def check_files() -> list[str]:
         cache = default_cache_root()
-        found = preflight(train_index, max_bad_fraction, cache) if preflight_train else []
-        return found + preflight(val_index, max_bad_fraction, cache)
+        found = (preflight(train_index, max_bad_fraction, cache, "train", report_dir)
+                 if preflight_train else [])
+        found += preflight(val_index, max_bad_fraction, cache, "val", report_dir)
+        check_classes(train_index, val_index, set(found), drop, preflight_train, report_dir)
+        return found
 
     bad = (shared or (lambda fn: fn()))(check_files)
+    known_bad = frozenset(bad)
+    val_listed = len(without(val_index, drop=drop))
+    # training replaces a bad video by another (batches stay full); evaluation scores only the
+    # videos that are there, never another video in place of a missing one
+    train_index = without(train_index, drop=drop)
+    val_index = without(val_index, known_bad, drop)
+    if drop:
+        log.warning("data.drop_classes: %s left out of training and the metrics (%d classes "
+                    "remain)", ", ".join(train_index.class_names[k] for k in sorted(drop)),
+                    len(train_index.class_names) - len(drop))
+    if val_listed != len(val_index):
+        log.warning("%s: evaluating the %d of %d listed videos that are there", val_index.source,
+                    len(val_index), val_listed)
     clip_duration = num_frames * sampling_rate / fps  # seconds of video one clip spans
     train_ds = VideoClipDataset(
         train_index, num_frames, clip_duration,
         train_transform(short_side, crop_size, tuple(train_scale), hflip,
                         randaugment=tuple(randaugment), random_erasing=random_erasing), train=True, seed=seed,
-        decoder=decoder, sampler=sampler,
+        decoder=decoder, sampler=sampler, known_bad=known_bad,
     )
     val_ds = VideoClipDataset(
         val_index, num_frames, clip_duration,
@@ -293,5 +317,6 @@ def build_data(
     val = DataLoader(val_ds, batch_size=val_batch_size, sampler=val_sampler,
                      generator=torch.Generator().manual_seed(seed), **common)
     names = train_index.class_names
-    bundle = DataBundle(train, val, train_sampler, names, len(names), path)
+    bundle = DataBundle(train, val, train_sampler, names, len(names), path, val_listed,
+                        [names[k] for k in sorted(drop)])
     return bundle, bad

@@ -19,7 +19,7 @@ so train and test share the label numbering even when a class is missing from on
 from __future__ import annotations
 
 import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
@@ -48,6 +48,16 @@ def _lines(path: Path):
     for lineno, raw in enumerate(read_text(path).splitlines(), start=1):
         if raw.strip():
             yield lineno, raw.strip()
+
+
+def _parent_name(rel: str) -> str:
+    """``PurePosixPath(rel).parent.name`` by string operations (a path object per line made the
+    9,537-line trainlist take 10x as long as reading it)."""
+    head, sep, name = rel.rpartition("/")
+    if sep and head and "/" not in head and head != "." and name not in ("", "."):  # "Class/v_x.avi"
+        return head
+    parts = [p for p in rel.split("/") if p and p != "."]
+    return parts[-2] if len(parts) > 1 else ""
 
 
 def _video_dir(root: Path, video_dir: str | None) -> Path:
@@ -98,7 +108,7 @@ def ucf101_index(
         if len(parts) not in (1, 2):
             raise AnnotationError(f"{path}:{lineno}: expected 'Class/video.avi [label]', got {line!r}")
         rel = parts[0]
-        folder = PurePosixPath(rel).parent.name
+        folder = _parent_name(rel)
         if folder not in by_name:
             raise AnnotationError(f"{path}:{lineno}: class folder {folder!r} of {rel!r} is not "
                                   f"in {lists / 'classInd.txt'}")

@@ -171,25 +171,31 @@ def set_collective_timeout(seconds: float) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
-def report_failure(rank: int, message: str) -> None:
+def report_failure(rank: int, message: str, user: bool = False) -> None:
     """Leave ``message`` in the process group's store, where the other ranks look when their
-    collective times out (see :func:`failed_peers`). Best effort: the store may be gone."""
+    collective times out (see :func:`failed_peers`); ``user``: a config or data error, which
+    the run reports as one ``error:`` line. Best effort: the store may be gone."""
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.distributed_c10d._get_default_store().set(f"{FAILED_KEY}{rank}", message[:2000])
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{FAILED_KEY}{rank}", message[:2000])
+            if user:
+                store.set(f"{FAILED_KEY}user/{rank}", "1")
         except Exception:  # noqa: BLE001 (the original error matters, not this one)
             pass
 
 
-def failed_peers(world_size: int, me: int) -> dict[int, str]:
-    """The other ranks that reported a failure, with their messages."""
+def failed_peers(world_size: int, me: int, user: bool = False) -> dict[int, str]:
+    """The other ranks that reported a failure, with their messages (``user``: only those that
+    reported a config or data error)."""
     found: dict[int, str] = {}
     if not (dist.is_available() and dist.is_initialized()):
         return found
     try:
         store = dist.distributed_c10d._get_default_store()
         for r in range(world_size):
-            if r != me and store.check([f"{FAILED_KEY}{r}"]):
+            keys = [f"{FAILED_KEY}{r}"] + ([f"{FAILED_KEY}user/{r}"] if user else [])
+            if r != me and store.check(keys):
                 found[r] = store.get(f"{FAILED_KEY}{r}").decode()
     except Exception:  # noqa: BLE001
         pass

@@ -70,6 +70,8 @@ def evaluate(
     for batch in tqdm(loader, desc="val", disable=not progress, leave=False):
         if on_skipped and batch["skipped"]:
             on_skipped(batch["skipped"])
+        if batch["video"] is None:  # every video of the batch was unreadable: none is scored
+            continue
         video = batch["video"].to(device, non_blocking=True)  # (B, V, T, C, H, W)
         labels = batch["label"].to(device, non_blocking=True)
         b, v = video.shape[:2]
@@ -117,14 +119,17 @@ def multi_view_test(model: torch.nn.Module, data: DataBundle, bad: list[str], se
         "video_top1": m["val_top1"], "video_top5": m["val_top5"],
         "clip_top1": m["val_clip_top1"], "clip_top5": m["val_clip_top5"],
         "mean_class_acc": m["val_mean_class_acc"], "loss": m["val_loss"],
-        "videos": m["val_videos"], "num_classes": data.num_classes,
+        "videos": m["val_videos"], "videos_listed": data.val_listed or len(index),
+        "num_classes": data.num_classes, "dropped_classes": list(data.dropped_classes),
         "skipped_videos": len(skipped), "skipped_paths": sorted(skipped), **describe,
     }
     if not writes:
         return summary
     write_eval_report(out_dir, summary, meter.confusion, data.class_names)
     log.info("eval (%d clips x %d crops, %s): video top-1 %.4f top-5 %.4f, clip top-1 %.4f, "
-             "mean class acc %.4f over %d videos; written to %s", s.clips, s.crops, s.aggregate,
-             summary["video_top1"], summary["video_top5"], summary["clip_top1"],
-             summary["mean_class_acc"], summary["videos"], out_dir)
+             "mean class acc %.4f over %d of %d listed videos%s; written to %s", s.clips, s.crops,
+             s.aggregate, summary["video_top1"], summary["video_top5"], summary["clip_top1"],
+             summary["mean_class_acc"], summary["videos"], summary["videos_listed"],
+             f" (data.drop_classes: {', '.join(data.dropped_classes)})" if data.dropped_classes else "",
+             out_dir)
     return summary

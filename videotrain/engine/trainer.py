@@ -383,8 +383,9 @@ class Trainer:
         if paths:
             # logged here too, not only by the dataset: a worker process's log may not reach
             # the run's log (e.g. with the spawn start method), the main process's always does
+            what = "not evaluated" if source == "val split" else "another clip took its place"
             for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
-                log.warning("bad video skipped (another clip took its place): %s", path)
+                log.warning("bad video skipped (%s): %s", what, path)
             self.state.skipped.update(paths)
             if source not in self._split_paths:  # bad videos of the other split don't count
                 self._split_paths[source] = {p for p, _ in dataset.index.paths}
@@ -546,8 +547,10 @@ class Trainer:
             self._best_pending = True  # the save that follows writes best.ckpt
         self.logger.log({**metrics, "epoch": self.state.epoch}, self.state.step)
         if self.is_main:
-            log.info("step %d epoch %d: val top1 %.3f top5 %.3f (clip top1 %.3f)%s", st.step,
-                     st.epoch, metrics["val_top1"], metrics["val_top5"], metrics["val_clip_top1"],
+            log.info("step %d epoch %d: val top1 %.3f top5 %.3f (clip top1 %.3f) over %d of %d "
+                     "listed videos%s", st.step, st.epoch, metrics["val_top1"], metrics["val_top5"],
+                     metrics["val_clip_top1"], metrics["val_videos"],
+                     self.data.val_listed or len(self.data.val.dataset),
                      f"; EMA top1 {metrics['val_ema_top1']:.3f}" if self.ema is not None else "")
         return metrics
 
@@ -615,6 +618,8 @@ class Trainer:
             "best_val_top1": st.best_top1 if st.best_step >= 0 else None,  # best.ckpt's
             "best_step": st.best_step if st.best_step >= 0 else None,
             "num_classes": self.data.num_classes,
+            "val_videos_listed": self.data.val_listed or len(self.data.val.dataset),
+            "dropped_classes": list(self.data.dropped_classes),
             "device": str(self.device),
             "precision": self.precision.key,
         }

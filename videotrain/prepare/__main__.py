@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summaries = prepare_kinetics(args.csv, args.videos, args.out, resize=args.resize,
                                      workers=max(args.workers, 1), settings=settings)
-    except (KineticsCsvError, FileNotFoundError) as err:
+    except (KineticsCsvError, OSError) as err:  # a bad CSV; a file or folder missing or unreadable
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 1 if any(s.found == 0 for s in summaries) else 0

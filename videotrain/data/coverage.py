@@ -1,0 +1,107 @@
+"""Which classes a run can train and score: videos listed and readable per class, the errors
+for a class left without any, and ``data.drop_classes``.
+
+Why: a partial download or a repack that renames files (UCF101's ``v_HandstandPushups_*``
+against the lists' ``v_HandStandPushups_*``) can leave a whole class without a readable video.
+Training would never see it, and evaluation would average the other classes' accuracy while
+reporting the full class count. So a class with no readable training videos, or none in a
+split being evaluated, stops the run with the class and the list file named, unless the user
+drops it explicitly (``data.drop_classes``): its videos then leave both splits, it is left out
+of the metrics, and ``results.json`` / ``eval.json`` say so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
+
+from videotrain.data.annotations import AnnotationError, VideoIndex
+
+
+def dropped_labels(drop_classes: Sequence[str] | None, names: list[str], source: str) -> set[int]:
+    """The labels of ``data.drop_classes``; a name that is not a class is an error."""
+    by_name = {n: i for i, n in enumerate(names)}
+    unknown = [n for n in drop_classes or () if n not in by_name]
+    if unknown:
+        raise ValueError(f"data.drop_classes: {unknown[0]!r} is not a class of {source} "
+                         f"({len(names)} classes: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+    return {by_name[n] for n in drop_classes or ()}
+
+
+def drop_override(names: list[str]) -> str:
+    """The command-line override that drops ``names``: ``data.drop_classes=[A,B]``, quoted for
+    the shell and for Hydra when a name has spaces or other characters."""
+    if all(re.fullmatch(r"[A-Za-z0-9_]+", n) for n in names):
+        return f"data.drop_classes=[{','.join(names)}]"
+    inner = ",".join('"' + n.replace("\\", "\\\\").replace('"', '\\"') + '"' for n in names)
+    return f"'data.drop_classes=[{inner}]'"
+
+
+def counts(index: VideoIndex, bad: Collection[str] = ()) -> tuple[list[int], list[int]]:
+    """(listed, readable) videos per class; ``bad``: the paths found missing or empty."""
+    listed = [0] * len(index.class_names)
+    readable = [0] * len(index.class_names)
+    for path, info in index.paths:
+        label = int(info["label"])
+        if label < len(listed):
+            listed[label] += 1
+            readable[label] += path not in bad
+    return listed, readable
+
+
+def _names(labels: list[int], names: list[str], detail: dict[int, str]) -> str:
+    shown = [f"{names[k]!r} (label {k}, {detail[k]})" for k in labels[:5]]
+    return ", ".join(shown) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")
+
+
+def _listing(report_dir: str | Path | None, split: str) -> str:
+    if report_dir is None:
+        return "the warnings above"
+    return str(Path(report_dir) / f"missing_videos_{split}.txt")
+
+
+def check_classes(train: VideoIndex, val: VideoIndex, bad: Collection[str], drop: set[int],
+                  train_checked: bool = True, report_dir: str | Path | None = None) -> None:
+    """Raise an ``AnnotationError`` naming the classes (and the list file) that have no
+    readable training videos while listed in either split, or that are listed in val with
+    none readable there; the message gives the ``data.drop_classes`` override that goes on
+    without them. ``train_checked=False`` (evaluation: training files are not stat-ed) judges
+    the training split by its lists alone."""
+    names = train.class_names
+    train_listed, train_ok = counts(train, bad if train_checked else ())
+    val_listed, val_ok = counts(val, bad)
+    no_train = [k for k in range(len(names)) if k not in drop and train_ok[k] == 0
+                and (train_listed[k] or val_listed[k])]
+    if no_train:
+        detail = {k: f"{train_listed[k]} listed, all missing or empty" if train_listed[k]
+                  else f"none listed, {val_listed[k]} in val" for k in no_train}
+        raise AnnotationError(
+            f"{train.source}: {len(no_train)} class(es) have no readable training videos: "
+            f"{_names(no_train, names, detail)}; the model would never learn them and their val "
+            f"videos would count as errors. Restore the videos (missing ones: "
+            f"{_listing(report_dir, 'train')}), or leave them out of training and the metrics "
+            f"with {drop_override([names[k] for k in no_train])} (recorded in results.json)")
+    no_val = [k for k in range(len(names)) if k not in drop and val_listed[k] and val_ok[k] == 0]
+    if no_val:
+        detail = {k: f"{val_listed[k]} listed, all missing or empty" for k in no_val}
+        raise AnnotationError(
+            f"{val.source}: {len(no_val)} class(es) have no readable videos in this evaluated "
+            f"split: {_names(no_val, names, detail)}; their accuracy cannot be measured, and mean "
+            f"class accuracy would average the other classes only. Restore the videos (missing "
+            f"ones: {_listing(report_dir, 'val')}), or leave them out of training and the metrics "
+            f"with {drop_override([names[k] for k in no_val])} (recorded in results.json)")
+
+
+def without(index: VideoIndex, bad: Collection[str] = (), drop: Collection[int] = ()) -> VideoIndex:
+    """``index`` without the videos in ``bad`` (full paths) and those of the ``drop`` labels;
+    the class list (and so the label numbering) stays as it is."""
+    if not bad and not drop:
+        return index
+    prefix = index.paths._path_prefix
+    kept = [(rel, label) for rel, label in index.paths._paths_and_labels
+            if label not in drop and (not bad or os.path.join(prefix, rel) not in bad)]
+    return VideoIndex(LabeledVideoPaths(kept, path_prefix=prefix), index.class_names, index.source)
