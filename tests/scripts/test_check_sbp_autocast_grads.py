@@ -3,22 +3,14 @@ every parameter gets a gradient, and it counts (and fails on) a parameter left w
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_sbp_autocast_grads.py"
-
 
 @pytest.fixture(scope="module")
-def check():
-    spec = importlib.util.spec_from_file_location("check_sbp_autocast_grads", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def check(load_script):
+    return load_script("check_sbp_autocast_grads")
 
 
 def test_every_parameter_gets_a_gradient_under_bf16(check, capsys) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,11 +16,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def summarize_sweep():
-    spec = importlib.util.spec_from_file_location("summarize_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def summarize_sweep(load_script):
+    return load_script("summarize_sweep")
 
 
 def make_job(root: Path, name: str, overrides: list[str], results: dict | None = None,

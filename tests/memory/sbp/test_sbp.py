@@ -58,10 +58,13 @@ def test_forward_and_running_stats_equal_e2e(kit, backbone, granularity, keep_ra
             torch.testing.assert_close(ours[n], theirs[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def _hand_reference(kit, backbone: str, policy: str, keep: torch.Tensor, x: torch.Tensor):
+def _hand_reference(kit, backbone: str, policy: str, keep: torch.Tensor, x: torch.Tensor,
+                    dtype: torch.dtype = torch.float32):
     """e2e with the dropped frames held constant: their features detached before the head
-    and (with full-batch BN) their rows detached at every BN input. Returns the model."""
+    and (with full-batch BN) their rows detached at every BN input, in ``dtype``. Returns the
+    model and its logits."""
     ref, _ = kit.model_pair(backbone, EndToEnd())
+    ref.to(dtype)
     mask = keep_mask(keep, kit.T)  # (B, T)
     hooks = kit.detach_bn_inputs(ref.backbone, mask.flatten()) if policy == "full_batch" else []
     if policy == "frozen":
@@ -113,25 +116,16 @@ def test_full_batch_bn_on_a_float64_model_matches_the_float64_reference(kit) -> 
     in the BN backward would miss 1e-9 by orders of magnitude)."""
     torch.manual_seed(0)
     strategy = sbp(keep_ratio=0.375, nograd_chunk=3)
-    plain, model = kit.model_pair("resnet", strategy)
-    plain.double(), model.double()
+    _, model = kit.model_pair("resnet", strategy)
+    model.double()
     x = kit.video().double()
     logits = model(x)
     nn.functional.cross_entropy(logits, kit.labels()).backward()
     assert logits.dtype == torch.float64
-    keep = strategy.last_keep  # (B, n)
-    mask = keep_mask(keep, kit.T)  # (B, T)
-    # the hand reference of test_frame_granularity_gradient_spec, in float64
-    hooks = kit.detach_bn_inputs(plain.backbone, mask.flatten())
-    b, t = x.shape[:2]
-    feats = plain.backbone(x.flatten(0, 1)).view(b, t, -1)  # (B, T, D)
-    feats = torch.where(mask[..., None], feats, feats.detach())
-    ref_logits = plain.head(feats, torch.arange(t).expand(b, t))
-    nn.functional.cross_entropy(ref_logits, kit.labels()).backward()
-    for h in hooks:
-        h.remove()
-    torch.testing.assert_close(logits.detach(), ref_logits.detach(), rtol=1e-10, atol=1e-12)
-    ours, theirs = kit.grads(model.backbone), kit.grads(plain.backbone)
+    ref, ref_logits = _hand_reference(kit, "resnet", "full_batch", strategy.last_keep, x,
+                                      dtype=torch.float64)
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-10, atol=1e-12)
+    ours, theirs = kit.grads(model.backbone), kit.grads(ref.backbone)
     assert all(g.dtype == torch.float64 for g in ours.values())
     kit.assert_close_dicts(ours, theirs, rtol=1e-9, atol=1e-12)
 
