@@ -23,6 +23,9 @@ def test_plan_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert report["predicted_peak_bytes"] <= 0.8 * report["e2e_peak_bytes"]
     assert report["smallest_feasible_bytes"] <= report["predicted_peak_bytes"]
     assert sum(len(s["nodes"]) for s in report["segments"]) == report["vertices"]
+    # a real backbone has more than 16 vertices: rounded costs, so the plan says it is approximate
+    assert report["vertices"] > 16 and report["exact_family"] and report["exact"] is False
+    assert "approximate plan: it may recompute more than the optimum" in text
 
 
 def test_plan_cli_infeasible_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,6 +105,8 @@ def render(report: dict[str, Any]) -> str:
         f"policy {report['policy']}  input {tuple(report['input_shape'])}  "
         f"{report['vertices']} tensors, {report['lower_sets']} lower sets"
         f"{'' if report['exact_family'] else ' (approximate family)'}",
+        *([] if report["exact"] or report["policy"] != "optimal" else [
+            "approximate plan: it may recompute more than the optimum (docs/memory.md)"]),
         f"e2e peak            {report['e2e_peak_bytes'] / mib:10.2f} MiB",
         f"predicted peak      {report['predicted_peak_bytes'] / mib:10.2f} MiB",
         f"predicted overhead  {report['overhead_frac_of_forward']:10.1%} of a forward",

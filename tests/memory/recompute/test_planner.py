@@ -142,3 +142,32 @@ def test_a_block_that_saves_nothing_is_never_recomputed() -> None:
     assert evaluate(saving, chain_)[1] == 1.0 + 3.0  # each block recomputes all but its boundary
     assert evaluate(silent, chain_)[1] == 1.0  # the middle block is never recomputed
     assert evaluate(silent, chain_)[0] <= evaluate(saving, chain_)[0]
+
+
+def random_chain(n: int, seed: int) -> Graph:
+    rng = random.Random(seed)
+    return Graph([f"v{i}" for i in range(n)], [[i - 1] if i else [] for i in range(n)],
+                 [float(rng.randint(1, 64)) for _ in range(n)],
+                 [float(rng.randint(1, 50)) for _ in range(n)])
+
+
+def test_rounded_costs_make_a_plan_approximate_and_it_says_so() -> None:
+    """Above 16 vertices ``plan`` rounds overheads into 5n buckets: its plan never beats the
+    unrounded DP's, sometimes recomputes more, and is reported as not exact; up to 16 vertices
+    it is the exact DP's and says so."""
+    misses = 0
+    for seed in range(32):
+        g = random_chain(17 + seed % 14, seed)
+        sets = lower_sets(g)
+        smallest, top = min_peak(g, sets), evaluate(g, [g.full])[0]
+        budget = smallest + (top - smallest) * random.Random(seed).random() * 0.5
+        best = dp(g, budget, sets)  # no rounding: the optimum over a chain's n+1 lower sets
+        rounded, _, exact = plan(g, budget)
+        assert not exact and rounded.overhead >= best.overhead - 1e-9
+        misses += rounded.overhead > best.overhead + 1e-9
+    assert misses > 0  # the flag is not idle: rounding does lose on some of these chains
+    g = random_chain(16, 0)
+    sets = lower_sets(g)
+    budget = min_peak(g, sets) * 1.2
+    small, _, exact = plan(g, budget)
+    assert exact and small.overhead == pytest.approx(dp(g, budget, sets).overhead)

@@ -115,10 +115,10 @@ class Recompute(StatelessStrategy):
         """Trace ``backbone`` for ``frames (N, C, H, W)`` and plan; returns the report too."""
         gm, g, index = trace(backbone, frames)
         e2e_peak = evaluate(g, [g.full])[0]
-        sets, exact = family(g, self.lower_set_cap)
+        sets, exact_family = family(g, self.lower_set_cap)
         if self.policy == "sqrt":
             chosen = sqrt_plan(g, self.segments)
-            smallest = None
+            smallest, exact = None, False  # a rule, not a search
         else:
             budget = self.budget_bytes(e2e_peak)
             chosen, smallest, exact = plan(g, budget, self.objective, cap=self.lower_set_cap)
@@ -127,7 +127,8 @@ class Recompute(StatelessStrategy):
             "input_shape": list(frames.shape),
             "vertices": g.n,
             "lower_sets": len(sets),
-            "exact_family": exact,
+            "exact_family": exact_family,  # every lower set enumerated
+            "exact": exact,  # optimal within the cost model (no cost rounding either)
             "e2e_peak_bytes": e2e_peak,
             "predicted_peak_bytes": chosen.peak,
             "predicted_overhead": chosen.overhead,

@@ -342,13 +342,18 @@ def min_peak(g: Graph, sets: list[int]) -> float:
 
 def plan(g: Graph, budget: float | None, objective: str = "time", cap: int = 500,
          buckets: int | None = None) -> tuple[Plan, float, bool]:
-    """(plan, smallest feasible budget, exact family?) for ``budget`` bytes (None: the smallest).
+    """(plan, smallest feasible budget, exact?) for ``budget`` bytes (None: the smallest).
 
     ``time``: least overhead within the budget. ``memory``: least peak (the smallest feasible
-    budget), then least overhead there.
+    budget), then least overhead there. Exact means optimal within the cost model: every lower
+    set enumerated (at most ``cap``) and no cost rounding. Above 16 vertices (every real
+    backbone) the overheads are rounded into ``5n`` buckets by default, which keeps planning
+    fast but may choose a plan that recomputes slightly more than the optimum
+    (docs/memory.md says by how much); such a plan is not exact.
     """
     sets, exact = family(g, cap)
     buckets = buckets if buckets is not None else (None if g.n <= 16 else 5 * g.n)
+    exact = exact and buckets is None
     smallest = min_peak(g, sets)
     target = smallest * (1 + 1e-9) if budget is None or objective == "memory" else budget
     best = dp(g, target, sets, buckets)
