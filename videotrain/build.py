@@ -179,7 +179,7 @@ RUN_VALUE_CHECKS: dict[str, tuple[Any, str]] = {
     "optim.lr": (lambda v: v > 0, "a learning rate > 0"),
     "optim.weight_decay": (lambda v: v >= 0, ">= 0"),
     "optim.head_lr": (lambda v: v > 0, "null or a learning rate > 0"),
-    "sched.name": (lambda v: v == "cosine", "cosine"),
+    "sched.name": (lambda v: v == "cosine", "'cosine'"),
     "sched.warmup_steps": (lambda v: v >= 0, "a number of steps >= 0"),
     "sched.min_lr_ratio": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
 }

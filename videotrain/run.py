@@ -116,8 +116,6 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
         seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
     runtime = {"world_size": ctx.world_size, "global_batch_size": global_batch, "lr": lr}
     config = OmegaConf.to_container(cfg, resolve=True)  # recorded in checkpoints, guards resume
-    if cfg.sched.name != "cosine":
-        raise ValueError(f"sched.name must be 'cosine', got {cfg.sched.name!r}")
     _, total_steps = plan_steps(len(data.train), settings)
     scheduler = warmup_cosine(optimizer, total_steps, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio)
     trainer = Trainer(model, optimizer, scheduler, data, precision, settings, out_dir,
