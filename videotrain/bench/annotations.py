@@ -143,11 +143,11 @@ def write_hmdb51(root: Path, per_class: int) -> None:
 
 # ---------------------------------------------------------------------- timing
 def best_of(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
-    """(the shortest of ``repeat`` timed calls, the last result)."""
+    """(the shortest of ``repeat`` timed calls, the last result). The garbage collector stays
+    on, as in a real start, whose parse pays its collections too."""
     times, result = [], None
     for _ in range(repeat):
-        result = None
-        gc.collect()  # the garbage of the last call is not this call's cost
+        result = None  # the last call's result is freed (by reference count) before the next
         t0 = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - t0)
@@ -168,6 +168,7 @@ def compare(name: str, files: list[Path], plain: Callable[[], Any], build: Calla
     """One row: ``plain`` and ``build`` timed alternately, best of ``repeat`` each (more for a
     small file, so that a millisecond parse is timed about 0.5 s in all)."""
     plain_s, build_s, built = [], [], None
+    gc.collect()  # once per row, not per call: 0.2 s a call in a process of many objects (pytest)
     rounds = max(repeat, min(50, int(0.5 / max(best_of(plain, 1)[0], 1e-4))))
     for _ in range(rounds):
         built = None
