@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
-from videotrain.data.synthetic import CLASSES, Clip, SyntheticSpec, render_all, write_video
+from videotrain.data.synthetic import Clip, SyntheticSpec, render_all, write_video
 
 FOLDS = (1, 2, 3)
 
@@ -57,14 +57,14 @@ def write_kinetics(root: Path, spec: SyntheticSpec, clips: Iterable[Clip],
                    annotations: bool = True) -> None:
     lines: dict[str, list[str]] = {"train": [], "val": []}
     for clip in clips:
-        name = CLASSES[clip.label]
+        name = spec.classes[clip.label]
         rel = f"{clip.split}/{name}/{name}_{clip.i:04d}.mp4"
         write_video(root / rel, clip.frames, spec.fps)
         lines[clip.split].append(f"{rel} {clip.label}")
     if annotations:
         for split, split_lines in lines.items():
             (root / f"{split}.csv").write_text("\n".join(split_lines) + "\n")
-        (root / "classes.txt").write_text("\n".join(CLASSES) + "\n")
+        (root / "classes.txt").write_text("\n".join(spec.classes) + "\n")
 
 
 def write_folder(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
@@ -74,7 +74,7 @@ def write_folder(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None
 def write_ucf101(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
     entries = []  # (label, j, relative path)
     for clip in clips:
-        cls, j = camel(CLASSES[clip.label]), clip_number(spec, clip)
+        cls, j = camel(spec.classes[clip.label]), clip_number(spec, clip)
         rel = f"{cls}/v_{cls}_g{j + 1:02d}_c01.avi"
         write_video(root / "UCF-101" / rel, clip.frames, spec.fps)
         entries.append((clip.label, j, rel))
@@ -85,7 +85,7 @@ def write_ucf101(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None
     def write(name: str, lines: list[str]) -> None:  # the official files use CRLF
         (lists / name).write_bytes("".join(f"{ln}\r\n" for ln in lines).encode())
 
-    write("classInd.txt", [f"{k + 1} {camel(n)}" for k, n in enumerate(CLASSES)])
+    write("classInd.txt", [f"{k + 1} {camel(n)}" for k, n in enumerate(spec.classes)])
     for fold in FOLDS:
         write(f"trainlist0{fold}.txt",
               [f"{rel} {label + 1}" for label, j, rel in entries if not in_test_fold(spec, j, fold)])
@@ -96,7 +96,7 @@ def write_ucf101(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None
 def write_hmdb51(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
     videos: dict[int, list[tuple[int, str]]] = {}
     for clip in clips:
-        name, j = CLASSES[clip.label], clip_number(spec, clip)
+        name, j = spec.classes[clip.label], clip_number(spec, clip)
         video = f"Synth_{j:03d}_{name}_u_nm_np1_fr_med_0.avi"
         write_video(root / "hmdb51_org" / name / video, clip.frames, spec.fps)
         videos.setdefault(clip.label, []).append((j, video))
@@ -106,13 +106,13 @@ def write_hmdb51(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None
         for fold in FOLDS:
             lines = [f"{video} {2 if in_test_fold(spec, j, fold) else 1} \n"  # sic: trailing space
                      for j, video in sorted(items, key=lambda x: x[1])]
-            (lists / f"{CLASSES[label]}_test_split{fold}.txt").write_text("".join(lines))
+            (lists / f"{spec.classes[label]}_test_split{fold}.txt").write_text("".join(lines))
 
 
 def write_ssv2(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
     entries: dict[str, list[dict]] = {"train": [], "val": []}
     for number, clip in enumerate(clips, start=1):
-        vid, name = str(number), CLASSES[clip.label]
+        vid, name = str(number), spec.classes[clip.label]
         write_video(root / "20bn-something-something-v2" / f"{vid}.webm", clip.frames, spec.fps)
         entries[clip.split].append({
             "id": vid, "label": f"moving box {name.replace('_', ' ')}",
@@ -121,7 +121,7 @@ def write_ssv2(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
     labels = root / "labels"
     labels.mkdir(parents=True)
     mapping = {ssv2_template(n).replace("[", "").replace("]", ""): str(k)
-               for k, n in enumerate(CLASSES)}
+               for k, n in enumerate(spec.classes)}
     (labels / "labels.json").write_text(json.dumps(mapping, indent=1) + "\n")
     for split, fname in (("train", "train.json"), ("val", "validation.json")):
         body = ",\n".join(json.dumps(e, separators=(",", ":")) for e in entries[split])

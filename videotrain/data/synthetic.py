@@ -8,7 +8,8 @@ second half a blue square moves up or down, each from a random start over a rand
 The class is the pair of directions (4 classes). Reversing either stroke alone maps one class
 onto another while leaving the frame *set* unchanged, so all four classes share one
 distribution of frame sets: an order-blind model is at chance (0.25) by construction, and
-only a head that uses frame order can solve the task.
+only a head that uses frame order can solve the task. ``SyntheticSpec.task`` picks another
+task of the same construction instead (``temporal_tasks.py``: the accuracy suite's tasks).
 
 Files are written with PyAV, deterministically for a seed. The same clips can be written in
 the layout of each supported dataset (``layouts.py``, which also generates and caches them): by default Kinetics-style,
@@ -30,9 +31,10 @@ from typing import NamedTuple
 import av
 import numpy as np
 
+from videotrain.data.temporal_tasks import BLUE, RED, TASKS, texture
+
 CLASSES: tuple[str, ...] = ("right_then_down", "right_then_up", "left_then_down", "left_then_up")
-_RED = np.array([230, 40, 40], dtype=np.float32)
-_BLUE = np.array([40, 80, 235], dtype=np.float32)
+TASK_NAMES: tuple[str, ...] = ("two_strokes", *TASKS)
 
 
 @dataclass(frozen=True)
@@ -47,31 +49,34 @@ class SyntheticSpec:
     travel: float = 0.45  # stroke length as a fraction of the frame size
     fps: int = 10
     seed: int = 0
+    task: str = "two_strokes"  # or a task of the accuracy suite (``temporal_tasks.TASKS``)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASK_NAMES:
+            raise ValueError(f"data.synthetic.task must be one of {', '.join(TASK_NAMES)}, got {self.task!r}")
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return CLASSES if self.task == "two_strokes" else TASKS[self.task].classes
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if fields["task"] == "two_strokes":  # the default task keeps the folder name it had
+            del fields["task"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()[:10]
 
 
-def _texture(rng: np.random.Generator, size: int) -> np.ndarray:
-    """A smooth random colour texture, (H, W, 3) float32 in [0, 255]."""
-    coarse = rng.uniform(60, 190, size=(size // 8 + 2, size // 8 + 2, 3)).astype(np.float32)
-    tex = np.kron(coarse, np.ones((8, 8, 1), dtype=np.float32))[:size, :size]
-    # blur the blocks a little so the texture has no hard grid edges
-    for axis in (0, 1):
-        tex = (tex + np.roll(tex, 3, axis=axis) + np.roll(tex, -3, axis=axis)) / 3.0
-    tex += rng.normal(0, 12, size=tex.shape).astype(np.float32)
-    return np.clip(tex, 0, 255)
-
-
 def render_clip(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
-    """Render one clip of class ``label``; returns uint8 frames (T, H, W, 3)."""
+    """Render one clip of class ``label`` of ``spec.task``; returns uint8 frames (T, H, W, 3)."""
+    if spec.task != "two_strokes":
+        return TASKS[spec.task].render(spec, label, rng)
     horiz_sign = 1 if label in (0, 1) else -1  # red: right (+x) or left (-x)
     vert_sign = 1 if label in (0, 2) else -1  # blue: down (+y) or up (-y)
     size, obj = spec.size, spec.object_size
     travel = spec.travel * size
     half = spec.num_frames // 2
-    background = _texture(rng, size)
+    background = texture(rng, size)
     frames = np.empty((spec.num_frames, size, size, 3), dtype=np.uint8)
 
     def track(sign: int) -> tuple[float, float]:
@@ -85,11 +90,11 @@ def render_clip(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np
         frame = background.copy()
         if t < half:
             x = red_along + horiz_sign * travel * t / max(half - 1, 1)
-            y, colour = red_across, _RED
+            y, colour = red_across, RED
         else:
             s = t - half
             y = blue_along + vert_sign * travel * s / max(spec.num_frames - half - 1, 1)
-            x, colour = blue_across, _BLUE
+            x, colour = blue_across, BLUE
         x0, y0 = int(round(x)), int(round(y))
         frame[y0 : y0 + obj, x0 : x0 + obj] = colour
         frames[t] = frame.astype(np.uint8)
@@ -139,5 +144,5 @@ def render_all(spec: SyntheticSpec) -> Iterator[Clip]:
     rng = np.random.default_rng(spec.seed)
     for split, per_class in (("train", spec.train_per_class), ("val", spec.val_per_class)):
         for i in range(per_class):
-            for label in range(len(CLASSES)):
+            for label in range(len(spec.classes)):
                 yield Clip(split, i, label, render_clip(spec, label, rng))

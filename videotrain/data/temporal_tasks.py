@@ -1,0 +1,185 @@
+"""Synthetic temporal tasks for the accuracy suite (``python -m videotrain.bench --suite accuracy``).
+
+Every task has four classes built from two *reversible* events, the trick of the default
+two-stroke task (``synthetic.py``): reversing one event in time turns a clip of one class into a
+clip of another, and leaves every frame's distribution unchanged. So all four classes share one
+distribution of frame *sets*, an order-blind model (the mean head) is at chance (0.25), and only
+a model that compares frames in time order can solve the task. Per-frame appearance carries no
+label. The kinds of temporal evidence differ between tasks:
+
+* ``direction``: motion direction, the default task made harder (a small square over a busy,
+  flickering texture, with a decoy square of each colour that jitters in place);
+* ``rotation``: direction of rotation of a bar (clockwise or not), then of zoom of a disc (in or out);
+* ``order``: order of events: a square takes three colours one after another; the class is the
+  order (four of the six permutations; segment lengths are exchangeable, so the colour counts
+  say nothing);
+* ``speed``: a square wraps around the frame horizontally, left or right, once or twice per
+  clip; with a random phase every frame's position is uniform in both speeds.
+
+Renderers take the generator's spec and a numpy ``Generator`` and return uint8 ``(T, H, W, 3)``
+frames, deterministically for the generator state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from videotrain.data.synthetic import SyntheticSpec
+
+RED = np.array([230, 40, 40], dtype=np.float32)
+GREEN = np.array([40, 200, 60], dtype=np.float32)
+BLUE = np.array([40, 80, 235], dtype=np.float32)
+
+
+def texture(rng: np.random.Generator, size: int, noise: float = 12.0) -> np.ndarray:
+    """A smooth random colour texture, (H, W, 3) float32 in [0, 255]."""
+    coarse = rng.uniform(60, 190, size=(size // 8 + 2, size // 8 + 2, 3)).astype(np.float32)
+    tex = np.kron(coarse, np.ones((8, 8, 1), dtype=np.float32))[:size, :size]
+    for axis in (0, 1):  # blur the blocks a little so the texture has no hard grid edges
+        tex = (tex + np.roll(tex, 3, axis=axis) + np.roll(tex, -3, axis=axis)) / 3.0
+    tex += rng.normal(0, noise, size=tex.shape).astype(np.float32)
+    return np.clip(tex, 0, 255)
+
+
+def _paint(frame: np.ndarray, mask: np.ndarray, colour: np.ndarray) -> None:
+    frame[mask] = colour
+
+
+def _square(size: int, x: float, y: float, side: int, wrap: bool = False) -> np.ndarray:
+    """Boolean (H, W) mask of a ``side`` square with top-left corner (x, y); ``wrap``: x is
+    taken modulo the width, so the square leaves on one side and enters on the other."""
+    cols = np.arange(size)
+    x0 = int(round(x))
+    xs = (np.arange(x0, x0 + side) % size) if wrap else np.arange(max(x0, 0), min(x0 + side, size))
+    y0 = int(round(y))
+    mask = np.zeros((size, size), dtype=bool)
+    rows = np.arange(max(y0, 0), min(y0 + side, size))
+    mask[np.ix_(rows, np.intersect1d(cols, xs))] = True
+    return mask
+
+
+def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    return xx, yy
+
+
+def render_direction(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
+    """Two strokes as in the default task (red: right/left, then blue: down/up; the same class
+    order), with a small object, a shorter travel, a flickering texture and two decoys."""
+    horiz = 1 if label in (0, 1) else -1
+    vert = 1 if label in (0, 2) else -1
+    size, obj, T = spec.size, max(spec.object_size // 2, 3), spec.num_frames
+    travel = spec.travel * 0.6 * size
+    half = T // 2
+    background = texture(rng, size, noise=0.0)
+    decoys = [(rng.uniform(0, size - obj, 2), colour) for colour in (RED, BLUE)]
+    lo_r = rng.uniform(0, size - obj - travel)
+    lo_b = rng.uniform(0, size - obj - travel)
+    across_r, across_b = rng.uniform(0, size - obj, 2)
+    frames = np.empty((T, size, size, 3), dtype=np.uint8)
+    for t in range(T):
+        frame = background + rng.normal(0, 20, size=background.shape).astype(np.float32)
+        for (dx, dy), colour in decoys:  # jitters in place: no direction
+            jx, jy = rng.uniform(-2, 2, 2)
+            _paint(frame, _square(size, dx + jx, dy + jy, obj), colour)
+        if t < half:
+            s = t / max(half - 1, 1)
+            x = lo_r + (s if horiz > 0 else 1 - s) * travel
+            _paint(frame, _square(size, x, across_r, obj), RED)
+        else:
+            s = (t - half) / max(T - half - 1, 1)
+            y = lo_b + (s if vert > 0 else 1 - s) * travel
+            _paint(frame, _square(size, across_b, y, obj), BLUE)
+        frames[t] = np.clip(frame, 0, 255).astype(np.uint8)
+    return frames
+
+
+def render_rotation(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
+    """First half: a red bar turns clockwise (labels 0, 1) or counter-clockwise by 90 degrees
+    from a random angle; second half: a blue disc zooms in (labels 0, 2) or out."""
+    clockwise = label in (0, 1)
+    zoom_in = label in (0, 2)
+    size, T = spec.size, spec.num_frames
+    half = T // 2
+    xx, yy = _grid(size)
+    background = texture(rng, size)
+    length, width = 0.32 * size, max(size / 16, 2.0)
+    cx, cy = rng.uniform(0.35 * size, 0.65 * size, 2)
+    a0 = rng.uniform(0, np.pi)
+    dx, dy = rng.uniform(0.3 * size, 0.7 * size, 2)
+    r_small, r_big = 0.08 * size, 0.22 * size
+    frames = np.empty((T, size, size, 3), dtype=np.uint8)
+    for t in range(T):
+        frame = background.copy()
+        if t < half:
+            s = t / max(half - 1, 1)
+            angle = a0 + (s if clockwise else -s) * np.pi / 2  # y grows downwards: + is clockwise
+            u, v = np.cos(angle), np.sin(angle)
+            along = (xx - cx) * u + (yy - cy) * v
+            across = -(xx - cx) * v + (yy - cy) * u
+            _paint(frame, (np.abs(along) <= length) & (np.abs(across) <= width / 2), RED)
+        else:
+            s = (t - half) / max(T - half - 1, 1)
+            r = r_small + (s if zoom_in else 1 - s) * (r_big - r_small)
+            _paint(frame, (xx - dx) ** 2 + (yy - dy) ** 2 <= r * r, BLUE)
+        frames[t] = frame.astype(np.uint8)
+    return frames
+
+
+ORDERS: tuple[tuple[int, int, int], ...] = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0))
+_COLOURS = (RED, GREEN, BLUE)
+
+
+def render_order(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
+    """A square that jitters in place shows three colours one after another, in the class's
+    order; the three segment lengths are a random permutation of a near-equal split of the clip.
+    (No drift: along a path, the middle colour would sit in the middle of the frame set.)"""
+    size, obj, T = spec.size, spec.object_size, spec.num_frames
+    lengths = rng.permutation([T // 3 + (1 if k < T % 3 else 0) for k in range(3)])
+    colours = [c for k, n in zip(ORDERS[label], lengths, strict=True) for c in [k] * int(n)]
+    background = texture(rng, size)
+    x, y = rng.uniform(1, size - obj - 1, 2)
+    frames = np.empty((T, size, size, 3), dtype=np.uint8)
+    for t in range(T):
+        frame = background.copy()
+        jx, jy = rng.uniform(-1, 1, 2)
+        _paint(frame, _square(size, x + jx, y + jy, obj), _COLOURS[colours[t]])
+        frames[t] = frame.astype(np.uint8)
+    return frames
+
+
+def render_speed(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
+    """A red square wraps around the frame to the right (labels 0, 1) or left, once (labels 0,
+    2) or twice per clip, from a random phase."""
+    sign = 1 if label in (0, 1) else -1
+    laps = 1 if label in (0, 2) else 2
+    size, obj, T = spec.size, spec.object_size, spec.num_frames
+    background = texture(rng, size)
+    x0, y = rng.uniform(0, size), rng.uniform(0, size - obj)
+    frames = np.empty((T, size, size, 3), dtype=np.uint8)
+    for t in range(T):
+        frame = background.copy()
+        x = (x0 + sign * laps * size * t / T) % size
+        _paint(frame, _square(size, x, y, obj, wrap=True), RED)
+        frames[t] = frame.astype(np.uint8)
+    return frames
+
+
+class Task(NamedTuple):
+    classes: tuple[str, ...]
+    render: Callable[[SyntheticSpec, int, np.random.Generator], np.ndarray]
+
+
+TASKS: dict[str, Task] = {
+    "direction": Task(("right_then_down", "right_then_up", "left_then_down", "left_then_up"),
+                      render_direction),
+    "rotation": Task(("clockwise_then_zoom_in", "clockwise_then_zoom_out",
+                      "counterclockwise_then_zoom_in", "counterclockwise_then_zoom_out"),
+                     render_rotation),
+    "order": Task(tuple("_".join(("red", "green", "blue")[k] for k in o) for o in ORDERS), render_order),
+    "speed": Task(("right_once", "right_twice", "left_once", "left_twice"), render_speed),
+}
