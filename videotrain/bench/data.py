@@ -105,7 +105,7 @@ class _PeerTransform:
         self.num_frames, self.transform = num_frames, transform
 
     def __call__(self, sample: dict) -> dict:
-        from videotrain.data.decode import uniform_indices
+        from videotrain.data.clip_sampling import uniform_indices
 
         frames = sample["video"]  # (C, T_window, H, W) float in [0, 255]
         # what pytorchvideo.transforms.UniformTemporalSubsample does (that module cannot be
