@@ -151,6 +151,30 @@ def test_cli_failed_row_exits_nonzero(tmp_path: Path) -> None:
     assert len(rows) == 1 and "no_such_key" in rows[0]["error"]
 
 
+def test_device_name_resolves_auto_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` becomes the name of what torch sees; other names reach the rows as given
+    (the rows' ``build.resolve_device`` checks them)."""
+    from videotrain.bench.spawn import device_name
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device_name("auto") == "cuda" and device_name("cuda:1") == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_name("auto") == "cpu" and device_name("cuda") == "cuda"
+
+
+def test_run_child_returns_the_child_error_and_the_timeout() -> None:
+    """A row that raises in its process comes back as its error line (not raised here); a row
+    past its timeout comes back as a timeout, both with the wall time."""
+    from videotrain.bench.spawn import run_child
+
+    spec = {"kind": "data", "loader": "no-such-loader", "device": "cpu"}
+    res = run_child(spec, timeout=300)
+    assert res["error"].startswith("ValueError: loader must be one of"), res["error"]
+    assert res["wall_s"] > 0
+    res = run_child(spec, timeout=0.01)
+    assert res["error"] == "timed out after 0 s" and res["wall_s"] >= 0.01
+
+
 # ---------------------------------------------------------------------- the data suite
 def test_data_suite_rows() -> None:
     from videotrain.bench.suites import DATA_BACKENDS, DATA_SUITES, worker_counts

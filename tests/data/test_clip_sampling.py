@@ -1,4 +1,5 @@
-"""``data.sampler=segment`` (TSN): one frame from each of ``T`` equal segments of the whole video,
+"""``data.sampler=random``'s frames in a window (``uniform_indices``), and
+``data.sampler=segment`` (TSN): one frame from each of ``T`` equal segments of the whole video,
 random within the segment at training time (deterministic per seed, epoch and index), the
 centre at evaluation (evenly offset for several clips); with either decoder."""
 
@@ -12,7 +13,7 @@ import torch
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 from videotrain.data.annotations import VideoIndex
-from videotrain.data.clip_sampling import check_sampler, segment_indices
+from videotrain.data.clip_sampling import check_sampler, segment_indices, uniform_indices
 from videotrain.data.dataset import SampleKey, VideoClipDataset
 from videotrain.data.synthetic import write_video
 
@@ -138,3 +139,9 @@ def test_both_decoders_take_the_same_segment_frames(torchcodec: None, index_vide
         a = _dataset(index_video, "pyav", train=True)[key]["video"]
         b = _dataset(index_video, "torchcodec", train=True)[key]["video"]
         assert (a.float() - b.float()).abs().mean() < 3
+
+
+def test_uniform_indices() -> None:
+    assert uniform_indices(8, 4).tolist() == [0, 2, 5, 7]
+    assert uniform_indices(3, 5).tolist() == [0, 0, 1, 2, 2]  # repeats when too short
+    assert uniform_indices(1, 3).tolist() == [0, 0, 0]

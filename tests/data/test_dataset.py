@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from videotrain.data.annotations import kinetics_index
-from videotrain.data.dataset import SampleKey, VideoClipDataset, collate, uniform_indices
+from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
 from videotrain.data.loaders import ResumableSampler, build_data
 from videotrain.data.transforms import SpatialCrops, eval_transform, train_transform
 
@@ -87,12 +87,6 @@ def test_collate() -> None:
     assert batch["video"].shape == (2, T, 3, 2, 2)
     assert batch["label"].tolist() == [1, 3] and batch["index"].tolist() == [0, 7]
     assert batch["skipped"] == ["x.mp4", "y.mp4"]
-
-
-def test_uniform_indices() -> None:
-    assert uniform_indices(8, 4).tolist() == [0, 2, 5, 7]
-    assert uniform_indices(3, 5).tolist() == [0, 0, 1, 2, 2]  # repeats when too short
-    assert uniform_indices(1, 3).tolist() == [0, 0, 0]
 
 
 # ------------------------------------------------------------------- transforms

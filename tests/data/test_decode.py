@@ -12,7 +12,8 @@ import pytest
 import torch
 from pytorchvideo.data.encoded_video import EncodedVideo
 
-from videotrain.data.decode import VideoFile, uniform_indices
+from videotrain.data.clip_sampling import uniform_indices
+from videotrain.data.decode import VideoFile
 from videotrain.data.synthetic import SyntheticSpec, render_clip, write_video
 
 SPEC = SyntheticSpec(num_frames=40, size=32)  # 4 s at 10 fps

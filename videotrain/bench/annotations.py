@@ -192,7 +192,7 @@ def run_annotation_bench(out: str | Path | None = None, scale: float = 1.0, repe
     """Write the files (``scale`` x the official sizes), time every row, write ``bench.json``
     and ``bench.md`` into ``out``; returns (rows, meta, markdown table)."""
     from videotrain.bench import report
-    from videotrain.bench.cli import machine_info
+    from videotrain.bench.spawn import machine_info
     from videotrain.data.layouts import default_cache_root
     from videotrain.data.loaders import preflight, read_index
     from videotrain.prepare.kinetics import prepare_kinetics, read_release_csv

@@ -1,13 +1,12 @@
-"""``python -m videotrain.bench``: run a suite, one fresh subprocess per row, and report."""
+"""``python -m videotrain.bench``: run a suite, one fresh subprocess per row (``spawn.run_child``),
+and report; with ``--child``, measure that one row (``child_main``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -19,6 +18,7 @@ from typing import Any
 from videotrain.bench import report
 from videotrain.bench.child import step_stats
 from videotrain.bench.data import run_data_bench
+from videotrain.bench.spawn import device_name, machine_info, run_child
 from videotrain.bench.suites import CHILD_KEYS, DATA_SUITES, SUITES, resolve, setting_for
 
 DEFAULT_HEAD = "transformer"
@@ -44,14 +44,6 @@ def setting_overrides(batch_size: int, frames: int, size: int, device: str,
         "logger.wandb.mode=disabled",
         *extra,
     ]
-
-
-def resolve_device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def require_cuda(suite: str, device: str) -> None:
@@ -84,36 +76,6 @@ def default_out(suite: str, device: str) -> Path | None:
     return Path(root) / slug(torch.cuda.get_device_name(torch.device(device)))
 
 
-def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run one row in a fresh interpreter; the result (or the error) as a dict."""
-    env = os.environ.copy()
-    env.setdefault("WANDB_MODE", "disabled")
-    if spec["device"] == "cpu" and spec.get("kind") != "data":  # memory is metered
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    cmd = [sys.executable, "-m", "videotrain.bench", "--child", json.dumps(spec)]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
-    wall = time.perf_counter() - t0
-    result: dict[str, Any] | None = None
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            try:
-                result = json.loads(line)
-                break
-            except json.JSONDecodeError:
-                continue
-    if result is None:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        result = {"error": f"child exited with {proc.returncode} and no result:\n{tail}"}
-    elif proc.returncode != 0 and not result.get("error"):
-        result["error"] = f"child exited with {proc.returncode}"
-    result["wall_s"] = wall
-    return result
-
-
 def child_main(spec_json: str) -> int:
     """Child side: measure one row, print exactly one JSON line on stdout."""
     from videotrain.bench.child import measure
@@ -132,39 +94,6 @@ def child_main(spec_json: str) -> int:
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
     return code
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "host": platform.node(), "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
-    try:
-        info["load_avg"] = os.getloadavg()
-    except OSError:
-        pass
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info.update(gpu_info(torch.device(device)))
-    try:
-        info["git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                     text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
-
-
-def gpu_info(device: Any) -> dict[str, Any]:
-    """Name, compute capability, memory and the CUDA / cuDNN versions torch was built with."""
-    import torch
-
-    props = torch.cuda.get_device_properties(device)
-    return {"gpu": props.name, "gpu_capability": f"{props.major}.{props.minor}",
-            "gpu_total_memory_mb": props.total_memory / 2**20, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version()}
 
 
 def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
@@ -274,7 +203,7 @@ def run_bench(
     if suite not in SUITES and rows is None:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     base = setting_for(suite)
-    device = resolve_device(device or base.device)
+    device = device_name(device or base.device)
     if base.needs_cuda:
         require_cuda(suite, device)
     batch_size = batch_size or base.batch_size

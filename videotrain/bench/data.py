@@ -105,7 +105,7 @@ class _PeerTransform:
         self.num_frames, self.transform = num_frames, transform
 
     def __call__(self, sample: dict) -> dict:
-        from videotrain.data.decode import uniform_indices
+        from videotrain.data.clip_sampling import uniform_indices
 
         frames = sample["video"]  # (C, T_window, H, W) float in [0, 255]
         # what pytorchvideo.transforms.UniformTemporalSubsample does (that module cannot be
@@ -250,7 +250,7 @@ def run_data_bench(
     sets: dict[str, Any] | None = None, log=print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run a data suite (or the given ``data_row`` specs): decoded clips/s per loader row
-    (``measure_data``), each row in a fresh process (``cli.run_child``), ``rounds`` times round-robin; a row reports
+    (``measure_data``), each row in a fresh process (``spawn.run_child``), ``rounds`` times round-robin; a row reports
     the median over its rounds.
 
     The clip sets the rows read are generated first (once, cached: bench/clips.py), with
@@ -262,11 +262,11 @@ def run_data_bench(
 
     from videotrain.bench import clips as clip_sets
     from videotrain.bench import report
-    from videotrain.bench.cli import machine_info, resolve_device, run_child
+    from videotrain.bench.spawn import device_name, machine_info, run_child
     from videotrain.bench.suites import DATA_SUITES
     from videotrain.build import compose_cfg
 
-    device = resolve_device(device)
+    device = device_name(device)
     extra = list(extra_overrides or [])
     specs = [r for r in (rows if rows is not None else DATA_SUITES[suite])
              if not only or any(fnmatch.fnmatch(r["name"], p) for p in only)]

@@ -44,6 +44,12 @@ def clip_windows(duration: float, clip_duration: float, train: bool,
     return [(float(i.clip_start_sec), float(i.clip_end_sec)) for i in infos]
 
 
+def uniform_indices(length: int, num: int) -> torch.Tensor:
+    """``num`` evenly spaced frame indices into ``length`` frames (repeats if too short): the
+    frames a ``random`` window keeps of those inside it, in both decoders."""
+    return torch.linspace(0, max(length - 1, 0), num).round().long()  # (num,)
+
+
 def segment_indices(length: int, num_segments: int, train: bool, num_clips: int = 1,
                     generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """``data.sampler=segment``: frame indices into a video of ``length`` frames, one per

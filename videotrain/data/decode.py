@@ -25,7 +25,8 @@ from typing import Protocol
 
 import av
 import numpy as np
-import torch
+
+from videotrain.data.clip_sampling import uniform_indices
 
 # Seek forward (to the keyframe before a window) only when the window starts this much past
 # the last decoded frame; closer windows are reached faster by decoding on.
@@ -40,11 +41,6 @@ def _rgb(frame: av.VideoFrame) -> np.ndarray:
     same pixels as ``to_ndarray(format="rgb24")`` in about a third of the time (PyAV 18: 0.22
     against 0.71 ms for a 340x256 frame on this project's CPU; docs/data.md)."""
     return frame.reformat(format="rgb24").to_ndarray()
-
-
-def uniform_indices(length: int, num: int) -> torch.Tensor:
-    """``num`` evenly spaced frame indices into ``length`` frames (repeats if too short)."""
-    return torch.linspace(0, max(length - 1, 0), num).round().long()
 
 
 class ClipSource(Protocol):

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from videotrain.data.decode import uniform_indices
+from videotrain.data.clip_sampling import uniform_indices
 
 INSTALL_HINT = (
     'data.decoder=torchcodec needs the optional torchcodec extra (pip install -e ".[torchcodec]") '

@@ -1,0 +1,95 @@
+"""The process plumbing every suite's parent side shares: the device name its rows get
+(``device_name``), one row in a fresh interpreter (``run_child``, which runs
+``python -m videotrain.bench --child SPEC``; ``cli.child_main`` measures it there), and the
+machine the rows ran on (``machine_info``, written into every suite's ``bench.json``).
+
+It imports no suite, so the model suites (``cli``), the data suite (``data``) and the
+annotation suite (``annotations``) all build on it without importing each other's modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def device_name(name: str) -> str:
+    """The device a suite runs its rows on, as the name each row is given (``device=NAME``):
+    ``auto`` becomes ``cuda`` where torch sees a GPU, else ``cpu``; any other name is passed on
+    as it is, and each row resolves it to a ``torch.device`` (``build.resolve_device``)."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one row in a fresh interpreter; the result (or the error) as a dict."""
+    env = os.environ.copy()
+    env.setdefault("WANDB_MODE", "disabled")
+    if spec["device"] == "cpu" and spec.get("kind") != "data":  # memory is metered
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    cmd = [sys.executable, "-m", "videotrain.bench", "--child", json.dumps(spec)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
+    wall = time.perf_counter() - t0
+    result: dict[str, Any] | None = None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
+    if result is None:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        result = {"error": f"child exited with {proc.returncode} and no result:\n{tail}"}
+    elif proc.returncode != 0 and not result.get("error"):
+        result["error"] = f"child exited with {proc.returncode}"
+    result["wall_s"] = wall
+    return result
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Host, CPU, Python and torch versions, torch's threads, the load average, the GPU
+    (``gpu_info``, for a CUDA device) and the commit (``git describe``)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "host": platform.node(), "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        info["load_avg"] = os.getloadavg()
+    except OSError:
+        pass
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info.update(gpu_info(torch.device(device)))
+    try:
+        info["git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                     text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def gpu_info(device: Any) -> dict[str, Any]:
+    """Name, compute capability, memory and the CUDA / cuDNN versions torch was built with."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": props.name, "gpu_capability": f"{props.major}.{props.minor}",
+            "gpu_total_memory_mb": props.total_memory / 2**20, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version()}
