@@ -5,6 +5,7 @@ the same results, or the same ``error:`` line with exit status 2."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import videotrain
 import videotrain.run as run
 from videotrain.build import clean_errors, validate
 from videotrain.engine import checkpoint as ckpt
@@ -23,6 +25,29 @@ from videotrain.predict import predict
 from videotrain.trained_run import apply_overrides, find_run_config, load_trained, open_run
 
 COMMANDS = ("eval", "predict", "export")
+
+
+def _imports(module: str) -> set[str]:
+    """The ``videotrain`` modules ``videotrain/<module>.py`` imports, at the top or inside
+    functions (a lazy import ties the modules as much as a top-level one)."""
+    tree = ast.parse((Path(videotrain.__file__).parent / f"{module}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {name for name in found if name.startswith("videotrain.")}
+
+
+def test_the_commands_load_through_trained_run_and_not_through_each_other() -> None:
+    for name in COMMANDS:
+        imported = _imports(name)
+        assert "videotrain.trained_run" in imported, name
+        others = {f"videotrain.{o}" for o in COMMANDS if o != name}
+        assert not imported & others, (name, imported & others)
+    assert not _imports("trained_run") & {f"videotrain.{o}" for o in COMMANDS}
 
 
 def test_apply_overrides_keeps_the_run_and_takes_the_command_line(compose_cfg) -> None:
