@@ -235,7 +235,8 @@ def load_trained(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = 
     """``cfg.checkpoint``'s model (evaluation mode, on ``device``, default ``cfg.device``), its
     run's config and its class names: the whole module docstring, for predict and export."""
     run = open_run(cfg, overrides, keep)
-    model = trained_model(run.cfg, run.state, run.path, resolve_device(device or run.cfg.device))
     num_classes = checkpoint_classes(model_state(run.state), run.path)
+    model = trained_model(run.cfg, run.state, run.path, resolve_device(device or run.cfg.device),
+                          num_classes)
     names = class_names_of(run.cfg, run.run_dir, num_classes, run.state)
     return Trained(run.cfg, model, names, run.state, run.path)
