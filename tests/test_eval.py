@@ -19,9 +19,9 @@ from torch import nn
 import videotrain.run as run
 from videotrain.engine.evaluate import EvalSettings, evaluate
 from videotrain.engine.precision import Precision
-from videotrain.eval import apply_overrides
 from videotrain.metrics.accuracy import MultiViewAccuracy
 from videotrain.metrics.eval_report import write_eval_report
+from videotrain.trained_run import apply_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CPU = torch.device("cpu")
@@ -146,17 +146,6 @@ def test_eval_settings_validation() -> None:
     assert EvalSettings(frame_chunk=None).frame_chunk is None
 
 
-def test_apply_overrides_keeps_the_run_and_takes_the_command_line(compose_cfg) -> None:
-    saved = compose_cfg(["model/backbone=vit_tiny", "data.num_frames=4", "memory=sbp"])
-    composed = compose_cfg(["eval.clips=2", "data.root=/x", "model/head=mean", "checkpoint=a.ckpt"])
-    cfg = apply_overrides(saved, composed, ["eval.clips=2", "data.root=/x", "model/head=mean",
-                                            "checkpoint=a.ckpt", "hydra.run.dir=/tmp/y"])
-    assert cfg.model.backbone._target_ == saved.model.backbone._target_  # from the run
-    assert cfg.data.num_frames == 4 and cfg.memory.keep_ratio == saved.memory.keep_ratio
-    assert cfg.model.head == composed.model.head and cfg.data.root == "/x"  # from the command
-    assert cfg.eval.clips == 2 and cfg.checkpoint == "a.ckpt"
-
-
 # ------------------------------------------------------------------- end to end
 
 
@@ -183,7 +172,8 @@ def test_test_after_fit_matches_the_last_validation(run_overrides, compose_cfg, 
 
 def test_evaluate_checkpoint_with_the_run_config(run_overrides, compose_cfg, tmp_path: Path) -> None:
     """What the command does, in-process: the run's config.yaml, then the eval settings."""
-    from videotrain.eval import evaluate_checkpoint, find_run_config
+    from videotrain.eval import evaluate_checkpoint
+    from videotrain.trained_run import find_run_config
 
     run_dir = tmp_path / "run"
     results = run.train(compose_cfg(run_overrides(trainer__max_steps=2)), run_dir)

@@ -22,7 +22,8 @@ from videotrain.data.dataset import BadVideo
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.inference import ExportSettings, PredictSettings, run_exported
 from videotrain.export import export
-from videotrain.predict import load_trained, predict
+from videotrain.predict import predict
+from videotrain.trained_run import load_trained
 
 CLASSES = ["right_then_down", "right_then_up", "left_then_down", "left_then_up"]
 

@@ -15,8 +15,9 @@ dimension is dynamic (``export.dynamic_batch``).
 
 With ``export.check=true`` (default) the file is loaded back (ONNX: onnxruntime) and its logits
 compared with the eager model's on another batch size. A ``FILE.json`` beside it records the
-input shape, the normalization, the class names and that difference. The model and its run's
-config are found as by ``videotrain.predict`` / ``videotrain.eval``.
+input shape, the normalization, the class names and that difference. The model, its run's
+config and its class names are loaded by ``videotrain.trained_run``, as for
+``videotrain.predict`` and ``videotrain.eval``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from videotrain.engine.inference import (
     export_metadata,
     export_model,
 )
-from videotrain.predict import load_trained
+from videotrain.trained_run import load_trained
 
 log = logging.getLogger(__name__)
 

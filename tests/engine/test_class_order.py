@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 import videotrain.build as builder
 from videotrain import run
 from videotrain.engine import checkpoint as ckpt
-from videotrain.eval import apply_overrides, evaluate_checkpoint
+from videotrain.eval import evaluate_checkpoint
+from videotrain.trained_run import apply_overrides
 
 RENAME = {"left_then_down": "climb", "left_then_up": "climb_stairs"}
 SORTED = ["climb", "climb_stairs", "right_then_down", "right_then_up"]
@@ -165,7 +166,7 @@ def test_what_an_old_checkpoint_without_class_names_reveals() -> None:
 
 
 def test_predict_names_a_legacy_checkpoints_classes_in_its_order(trained: Path) -> None:
-    from videotrain.predict import class_names_of
+    from videotrain.trained_run import class_names_of
 
     cfg = OmegaConf.load(trained / "config.yaml")
     blob = ckpt.load(trained / "checkpoints" / "last.ckpt")

@@ -1,0 +1,242 @@
+"""Load a trained run: the one loader behind ``python -m videotrain.eval``, ``videotrain.predict``
+and ``videotrain.export`` (as MMAction2's ``init_recognizer`` is behind its demos and tools).
+They import this module and never each other, so a checkpoint is read, its config recovered and
+its model built the same way by all three.
+
+Order, and why:
+
+1. the checkpoint, with ``torch.load(weights_only=True)`` (``videotrain.engine.checkpoint.load``)
+   before anything else: a file that needs arbitrary unpickling is refused and nothing in it runs
+   (:func:`read_checkpoint`);
+2. the run's config, by one rule (:func:`run_config`): the run folder's ``config.yaml`` when the
+   checkpoint sits in one (``RUN/checkpoints/x`` or ``RUN/x``), else the config stored in the
+   checkpoint (every videotrain checkpoint stores it), else the command line's composed config.
+   Either file's config goes through ``videotrain.config_files.checked_config`` first (refused,
+   naming the key, before anything of it is resolved or built); the command line's overrides
+   replace parts of it. ``run_config=false`` reads neither: the command line's config groups
+   describe the model and the checkpoint supplies only the weights;
+3. the model (:func:`trained_model`): built by ``videotrain.build.build_model`` without any
+   source of initial weights (``init=False``) and as plain e2e, since the evaluation forward is
+   the same under every memory strategy (no SBP / recomputation wrappers, no memory=auto
+   planning); then the checkpoint's weights (its EMA's when the run kept one).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from videotrain.build import build_model, resolve_device
+from videotrain.config_files import checked_config, read_config_file
+from videotrain.data.loaders import READER_OPTIONS, read_index, resolve_root
+from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.class_order import saved_class_names
+from videotrain.models.finetune import trained_state
+from videotrain.models.video import VideoClassifier
+
+log = logging.getLogger(__name__)
+
+E2E = {"_target_": "videotrain.memory.e2e.EndToEnd"}
+
+
+# ---------------------------------------------------------------------- the checkpoint
+def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict[str, Any]]:
+    """``cfg.checkpoint``'s path and contents, read with ``torch.load(weights_only=True)``
+    (``videotrain.engine.checkpoint.load``): a file that needs arbitrary unpickling is refused
+    (``UnsafeCheckpointError``) and nothing in it runs. Call it before reading any data."""
+    if not cfg.get("checkpoint"):
+        raise ValueError("checkpoint=PATH is required (e.g. checkpoint=outputs/.../checkpoints/last.ckpt)")
+    path = Path(str(cfg.checkpoint)).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint: file not found: {path}")
+    blob = ckpt.load(path, map_location="cpu")
+    if not isinstance(blob, dict):
+        raise ValueError(f"checkpoint {path} holds a {type(blob).__name__}, not a state dict or "
+                         "a videotrain checkpoint")
+    return path, blob
+
+
+# ---------------------------------------------------------------------- the run's config
+def find_run_config(checkpoint: Path) -> Path | None:
+    """``config.yaml`` of the training run a checkpoint belongs to (``RUN/checkpoints/x``)."""
+    for folder in (checkpoint.parent, checkpoint.parent.parent):
+        if (folder / "config.yaml").is_file():
+            return folder / "config.yaml"
+    return None
+
+
+def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = (),
+               state: dict[str, Any] | None = None) -> tuple[DictConfig, Path | None]:
+    """The config of the run that wrote ``cfg.checkpoint``, the one reader of a trained run's
+    config (eval, predict, export): its run folder's ``config.yaml``, else the config stored in
+    the checkpoint ``state``, with the command line's ``overrides`` and the app's own nodes
+    (``keep``) taken from ``cfg``. Either file's config is checked first
+    (``videotrain.config_files``: refused, naming the key, before anything of it is built or
+    resolved). With ``run_config=false`` neither is read: ``cfg`` (the command line's config
+    groups) describes the model and the checkpoint supplies only the weights. Returns the config
+    and the run folder (None when the checkpoint is not in one), whose ``results.json`` names
+    the classes."""
+    path = Path(str(cfg.checkpoint)).expanduser()
+    saved = find_run_config(path)
+    run_dir = saved.parent if saved is not None else None
+    stored = state.get("config") if state is not None else None
+    if not cfg.get("run_config", True):
+        if saved is not None or stored is not None:
+            log.info("run_config=false: the model and data are this command line's config groups "
+                     "(%s is not read); the checkpoint supplies the weights",
+                     saved or f"the config stored in {path}")
+        return cfg, run_dir
+    if saved is not None:
+        source, base = str(saved), read_config_file(saved)
+    elif stored is not None:
+        source = f"the config stored in {path}"
+        base = checked_config(stored, source)
+    else:
+        return cfg, run_dir
+    log.info("model and data settings from %s (overridden by the command line)", source)
+    return apply_overrides(base, cfg, overrides, keep), run_dir
+
+
+def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str],
+                    keep: tuple[str, ...] = ()) -> DictConfig:
+    """``base`` with the parts named by command-line ``overrides`` (``data.root=...``,
+    ``model/backbone=resnet18``) taken from ``composed``, and ``eval``/``checkpoint`` and the
+    app's own nodes (``keep``) always."""
+    out = OmegaConf.create(OmegaConf.to_container(base, resolve=True))
+    keys = ["eval", "checkpoint", *keep]
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~").replace("/", ".")
+        if not key.startswith("hydra"):
+            keys.append(key)
+    for key in keys:
+        value = OmegaConf.select(composed, key, throw_on_missing=False)
+        value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        OmegaConf.update(out, key, value, merge=False, force_add=True)
+    return out
+
+
+@dataclasses.dataclass
+class TrainedRun:
+    """A checkpoint read (``state``, from ``path``) and the config that describes its model
+    (``cfg``, by :func:`run_config`'s rule); ``run_dir`` is its run folder, if it is in one."""
+
+    cfg: DictConfig
+    path: Path
+    state: dict[str, Any]
+    run_dir: Path | None
+
+
+def open_run(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()) -> TrainedRun:
+    """``cfg.checkpoint`` read (``weights_only``, first) and its run's checked config with the
+    command line's ``overrides`` (and the app's own nodes ``keep``) over it: steps 1 and 2 of
+    the module docstring, what eval, predict and export all start with."""
+    path, state = read_checkpoint(cfg)
+    cfg, run_dir = run_config(cfg, overrides, keep, state)
+    return TrainedRun(cfg, path, state, run_dir)
+
+
+# ---------------------------------------------------------------------- the model
+def model_state(blob: dict[str, Any]) -> dict[str, Any]:
+    """The weights a videotrain checkpoint ships (its EMA's when the run kept one, see
+    ``recipe.ema_decay``), or the plain state dict it is."""
+    return trained_state(blob)[0]
+
+
+def checkpoint_classes(state: dict[str, Any], path: Path) -> int:
+    """The number of classes the checkpoint's head scores (rows of ``head.fc.weight``)."""
+    weight = state.get("head.fc.weight")  # every head ends in a Linear `fc`: (K, D)
+    if weight is None or weight.dim() != 2:
+        raise ValueError(f"checkpoint {path}: cannot tell the number of classes (no head.fc.weight)")
+    return int(weight.shape[0])
+
+
+def load_trained_weights(model: VideoClassifier, blob: dict[str, Any], path: Path) -> None:
+    """The checkpoint's weights into ``model``, with its evaluation memory budget: the training
+    steps' measured peaks (``eval.frame_chunk=auto`` stays within what training needed)."""
+    peaks = blob.get("peaks") or []  # MB
+    if peaks:
+        model.eval_memory_budget = max(peaks[1:] or peaks) * 2**20
+    state, kind = trained_state(blob)
+    if kind == "EMA weights":
+        log.info("checkpoint %s: loading its EMA weights (the run's recipe.ema_decay)", path)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise ValueError(f"checkpoint {path} does not fit the configured model (model/backbone, "
+                         f"model/head and the number of classes must match training): {err}") from err
+
+
+def trained_model(cfg: DictConfig, blob: dict[str, Any], path: Path, device: torch.device,
+                  num_classes: int | None = None) -> VideoClassifier:
+    """``cfg``'s model with the checkpoint's weights, in evaluation mode on ``device``: built
+    plain e2e and without initial weights (step 3 of the module docstring). ``num_classes``
+    defaults to the checkpoint's head; eval passes the dataset's, so a dataset with another
+    number of classes stops here naming the checkpoint."""
+    if num_classes is None:
+        num_classes = checkpoint_classes(model_state(blob), path)
+    cfg = copy.deepcopy(cfg)  # the caller's config keeps its memory group
+    with open_dict(cfg):
+        cfg.memory = E2E
+    model = build_model(cfg, num_classes, init=False)
+    load_trained_weights(model, blob, path)
+    return model.to(device).eval()
+
+
+# ---------------------------------------------------------------------- the classes
+def class_names_of(cfg: DictConfig, run_dir: Path | None, num_classes: int,
+                   blob: dict[str, Any] | None = None) -> list[str]:
+    """The class names of the run: the checkpoint's, else ``results.json``'s, else the
+    dataset's (for an HMDB51 checkpoint from before checkpoints recorded them, in the order it
+    was trained with), else placeholders."""
+    saved = (blob or {}).get("class_names")
+    if isinstance(saved, list) and len(saved) == num_classes:
+        return [str(n) for n in saved]
+    if run_dir is not None and (run_dir / "results.json").is_file():
+        names = json.loads((run_dir / "results.json").read_text()).get("class_names")
+        if isinstance(names, list) and len(names) == num_classes:
+            return [str(n) for n in names]
+    try:
+        d = cfg.data
+        root = resolve_root(d.name, d.get("root"), OmegaConf.to_container(d.get("synthetic")) if
+                            d.get("synthetic") is not None else None, d.layout)
+        options = {k: d.get(k) for k in READER_OPTIONS.get(d.layout, ())}
+        names = read_index(d.layout, root, "train", d.get("num_classes"), options).class_names
+        if len(names) == num_classes:
+            known, _ = saved_class_names(blob or {}, list(names), d.layout)
+            return known or list(names)
+        log.warning("the dataset has %d classes, the checkpoint %d", len(names), num_classes)
+    except Exception as err:  # noqa: BLE001 - the dataset may not be on this machine
+        log.warning("class names unknown (no results.json next to the checkpoint, and the "
+                    "dataset's annotations could not be read: %s); using class_<i>", err)
+    return [f"class_{i}" for i in range(num_classes)]
+
+
+# ---------------------------------------------------------------------- all of it
+@dataclasses.dataclass
+class Trained:
+    """A checkpoint's model, ready for inference, with the config that describes it."""
+
+    cfg: DictConfig
+    model: VideoClassifier
+    class_names: list[str]
+    state: dict[str, Any]
+    path: Path
+
+
+def load_trained(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = (),
+                 device: str | None = None) -> Trained:
+    """``cfg.checkpoint``'s model (evaluation mode, on ``device``, default ``cfg.device``), its
+    run's config and its class names: the whole module docstring, for predict and export."""
+    run = open_run(cfg, overrides, keep)
+    num_classes = checkpoint_classes(model_state(run.state), run.path)
+    model = trained_model(run.cfg, run.state, run.path, resolve_device(device or run.cfg.device),
+                          num_classes)
+    names = class_names_of(run.cfg, run.run_dir, num_classes, run.state)
+    return Trained(run.cfg, model, names, run.state, run.path)
