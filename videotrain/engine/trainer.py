@@ -173,61 +173,30 @@ class Trainer:
     def strategy(self):
         return self.module.strategy
 
-    def _stop_if_requested(self, bar: tqdm | None = None) -> None:
-        """At a step boundary: when any rank got a stop signal, checkpoint this step (unless
-        its checkpoint is written) and stop (``videotrain.engine.preempt.stop_run``)."""
-        signum = agreed_stop(self.signals, self.comm)
-        if signum is None:
-            return
-        if bar is not None:
-            bar.close()
-        path = self.checkpoints.save_unless_saved(self.parts)
-        st = self.state
-        stop_run(signum, self.signals, self.comm, path, (st.step, st.epoch, st.consumed),
-                 (self.data.train, self.data.val))
-
-    # ---------------------------------------------------------------- loop
-    def _note_skipped(self, paths: list[str], dataset, source: str) -> None:
-        if paths:
-            # logged here too, not only by the dataset: a worker process's log may not reach
-            # the run's log (e.g. with the spawn start method), the main process's always does
-            what = "not evaluated" if source == "val split" else "another clip took its place"
-            for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
-                log.warning("bad video skipped (%s): %s", what, path)
-            self.state.skipped.update(paths)
-            if source not in self._split_paths:  # bad videos of the other split don't count
-                self._split_paths[source] = {p for p, _ in dataset.index.paths}
-            num_bad = len(self.state.skipped & self._split_paths[source])
-            check_bad_fraction(num_bad, len(dataset), source, self.s.max_bad_fraction)
-
-    def _sync_context(self, last_micro: bool):
-        """DDP all-reduces gradients in every backward; within an accumulation only the last
-        micro-batch needs it (``no_sync`` lets the others accumulate locally)."""
-        no_sync = getattr(self.model, "no_sync", None)
-        return nullcontext() if last_micro or no_sync is None else no_sync()
-
-    def _loss(self, video: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        targets: torch.Tensor = labels  # (B,) class indices, or (B, K) probabilities when mixed
-        if self.mix is not None:
-            video, targets = self.mix(video, labels)
-        with self.precision.autocast():
-            logits = self.model(video)  # (B, K)
-        return soft_target_loss(logits, targets, self.s.label_smoothing)
-
-    def _optimizer_step(self) -> float | None:
-        scaler = self.precision.scaler
-        grad_norm = None
-        if self.s.grad_clip:
-            scaler.unscale_(self.optimizer)
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.grad_clip))
-        scaler.step(self.optimizer)
-        scaler.update()
-        # gradients stay allocated between steps (like weights and optimizer state), so the
-        # per-step peak measures what the memory strategy controls: activations and transients
-        self.optimizer.zero_grad(set_to_none=False)
-        self.scheduler.step()
-        return grad_norm
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, Any]:
+        """Train to the end (from where the run's checkpoints left it) and return ``results()``.
+        While it runs, SIGTERM / SIGUSR1 / SIGUSR2 stop it at the next optimizer-step boundary
+        with a checkpoint and ``Preempted`` (exit code 75); see the module docstring."""
+        st, s = self.state, self.s
+        # metrics.jsonl as of the checkpoint: rows logged after it go (and a fresh start drops
+        # the rows of a run that died before its first checkpoint)
+        self.logger.truncate_after(st.step)
+        with StopSignals() as self.signals:
+            while st.step < self.total_steps and st.epoch < s.max_epochs:
+                finished = self.train_epoch()
+                if finished:
+                    st.epoch += 1
+                    st.consumed = 0
+                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
+                    self.validate()
+                self.checkpoints.save(self.parts)
+                self._stop_if_requested()
+            if st.val_step != st.step:  # e.g. resumed from a mid-epoch checkpoint at the last step
+                self.validate()
+                self.checkpoints.save(self.parts)
+            self._stop_if_requested()
+        return self.results()
 
     def train_epoch(self) -> bool:
         """One (possibly resumed) epoch. Returns False when ``max_steps`` stopped it early."""
@@ -303,29 +272,6 @@ class Trainer:
         bar.close()
         return st.consumed >= self.epoch_samples
 
-    def _meters(self) -> bool:
-        """Whether this step's peak memory is metered. On CUDA always (the allocator keeps
-        statistics anyway). On CPU the meter makes every large allocation a fresh mapping that
-        is handed back when freed (``videotrain.metrics.memory``), which slows the step (see
-        docs/benchmarks.md), so with ``cpu_metered_steps=N`` only this
-        process's first N steps are metered: a step's peak is the same from step 2 on (same
-        shapes, same number of kept frames). A strategy that observes every step's peak
-        (``memory=auto``) keeps the meter throughout."""
-        limit = self.s.cpu_metered_steps
-        if self.device.type != "cpu" or limit is None or isinstance(self.strategy, StepObserver):
-            return True
-        return self.metered_here < limit
-
-    def _stop_meter(self) -> float | None:
-        peak = self.meter.stop()
-        self.metered_here += 1
-        if not self._meters():  # the last metered step (CPU, with a limit, no observer)
-            # glibc keeps freed memory from now on; a meter in this process would misread after
-            keep_freed_memory()
-            log.info("peak memory metered on the first %d steps; the rest run without the CPU "
-                     "meter's allocator setting (trainer.cpu_metered_steps)", self.metered_here)
-        return peak
-
     def validate(self) -> dict[str, float]:
         """Validate the model (``val_*``) and, with ``recipe.ema_decay``, its EMA
         (``val_ema_*``). best.ckpt follows val top-1 of the weights the run ships: the EMA's
@@ -359,30 +305,86 @@ class Trainer:
                      f"; EMA top1 {metrics['val_ema_top1']:.3f}" if self.ema is not None else "")
         return metrics
 
-    def fit(self) -> dict[str, Any]:
-        """Train to the end (from where the run's checkpoints left it) and return ``results()``.
-        While it runs, SIGTERM / SIGUSR1 / SIGUSR2 stop it at the next optimizer-step boundary
-        with a checkpoint and ``Preempted`` (exit code 75); see the module docstring."""
-        st, s = self.state, self.s
-        # metrics.jsonl as of the checkpoint: rows logged after it go (and a fresh start drops
-        # the rows of a run that died before its first checkpoint)
-        self.logger.truncate_after(st.step)
-        with StopSignals() as self.signals:
-            while st.step < self.total_steps and st.epoch < s.max_epochs:
-                finished = self.train_epoch()
-                if finished:
-                    st.epoch += 1
-                    st.consumed = 0
-                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
-                    self.validate()
-                self.checkpoints.save(self.parts)
-                self._stop_if_requested()
-            if st.val_step != st.step:  # e.g. resumed from a mid-epoch checkpoint at the last step
-                self.validate()
-                self.checkpoints.save(self.parts)
-            self._stop_if_requested()
-        return self.results()
+    # ---------------------------------------------------------------- its parts
+    def _loss(self, video: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets: torch.Tensor = labels  # (B,) class indices, or (B, K) probabilities when mixed
+        if self.mix is not None:
+            video, targets = self.mix(video, labels)
+        with self.precision.autocast():
+            logits = self.model(video)  # (B, K)
+        return soft_target_loss(logits, targets, self.s.label_smoothing)
 
+    def _optimizer_step(self) -> float | None:
+        scaler = self.precision.scaler
+        grad_norm = None
+        if self.s.grad_clip:
+            scaler.unscale_(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.grad_clip))
+        scaler.step(self.optimizer)
+        scaler.update()
+        # gradients stay allocated between steps (like weights and optimizer state), so the
+        # per-step peak measures what the memory strategy controls: activations and transients
+        self.optimizer.zero_grad(set_to_none=False)
+        self.scheduler.step()
+        return grad_norm
+
+    def _sync_context(self, last_micro: bool):
+        """DDP all-reduces gradients in every backward; within an accumulation only the last
+        micro-batch needs it (``no_sync`` lets the others accumulate locally)."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return nullcontext() if last_micro or no_sync is None else no_sync()
+
+    def _note_skipped(self, paths: list[str], dataset, source: str) -> None:
+        if paths:
+            # logged here too, not only by the dataset: a worker process's log may not reach
+            # the run's log (e.g. with the spawn start method), the main process's always does
+            what = "not evaluated" if source == "val split" else "another clip took its place"
+            for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
+                log.warning("bad video skipped (%s): %s", what, path)
+            self.state.skipped.update(paths)
+            if source not in self._split_paths:  # bad videos of the other split don't count
+                self._split_paths[source] = {p for p, _ in dataset.index.paths}
+            num_bad = len(self.state.skipped & self._split_paths[source])
+            check_bad_fraction(num_bad, len(dataset), source, self.s.max_bad_fraction)
+
+    def _meters(self) -> bool:
+        """Whether this step's peak memory is metered. On CUDA always (the allocator keeps
+        statistics anyway). On CPU the meter makes every large allocation a fresh mapping that
+        is handed back when freed (``videotrain.metrics.memory``), which slows the step (see
+        docs/benchmarks.md), so with ``cpu_metered_steps=N`` only this
+        process's first N steps are metered: a step's peak is the same from step 2 on (same
+        shapes, same number of kept frames). A strategy that observes every step's peak
+        (``memory=auto``) keeps the meter throughout."""
+        limit = self.s.cpu_metered_steps
+        if self.device.type != "cpu" or limit is None or isinstance(self.strategy, StepObserver):
+            return True
+        return self.metered_here < limit
+
+    def _stop_meter(self) -> float | None:
+        peak = self.meter.stop()
+        self.metered_here += 1
+        if not self._meters():  # the last metered step (CPU, with a limit, no observer)
+            # glibc keeps freed memory from now on; a meter in this process would misread after
+            keep_freed_memory()
+            log.info("peak memory metered on the first %d steps; the rest run without the CPU "
+                     "meter's allocator setting (trainer.cpu_metered_steps)", self.metered_here)
+        return peak
+
+    def _stop_if_requested(self, bar: tqdm | None = None) -> None:
+        """At a step boundary: when any rank got a stop signal, checkpoint this step (unless
+        its checkpoint is written) and stop (``videotrain.engine.preempt.stop_run``)."""
+        signum = agreed_stop(self.signals, self.comm)
+        if signum is None:
+            return
+        if bar is not None:
+            bar.close()
+        path = self.checkpoints.save_unless_saved(self.parts)
+        st = self.state
+        stop_run(signum, self.signals, self.comm, path, (st.step, st.epoch, st.consumed),
+                 (self.data.train, self.data.val))
+
+    # ---------------------------------------------------------------- the summary
     def train_peak_mb(self) -> float | None:
         """The largest measured step peak of this process (step 1 left out: it also allocates
         gradients and optimizer state), or None before any metered step."""
