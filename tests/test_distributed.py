@@ -111,7 +111,7 @@ def test_ddp_resume_and_every_strategy(run_overrides, compose_cfg, tmp_path: Pat
     base = [*run_overrides(), *DDP_RUN]
     sbp_cfg = compose_cfg([o for o in base if not o.startswith(("model/backbone=", "model.backbone."))]
                           + SBP)
-    from videotrain.engine.trainer import ResumeRefused
+    from videotrain.engine.run_checkpoints import ResumeRefused
 
     with pytest.raises(ResumeRefused, match=r"world_size \(DDP processes\): 2 -> 1"):
         run.train(sbp_cfg, tmp_path / "sbp_a")  # an epoch-end checkpoint: like a config change

@@ -37,6 +37,7 @@ from videotrain.engine import distributed
 from videotrain.engine.distributed import Comm, DistContext, wrap_ddp
 from videotrain.engine.evaluate import multi_view_test
 from videotrain.engine.optim import warmup_cosine
+from videotrain.engine.run_checkpoints import RunCheckpoints
 from videotrain.engine.trainer import Trainer, plan_steps
 from videotrain.memory.base import SelfPlanning
 from videotrain.metrics.logger import MetricsLogger
@@ -118,21 +119,21 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)  # recorded in checkpoints, guards resume
     _, total_steps = plan_steps(len(data.train), settings)
     scheduler = warmup_cosine(optimizer, total_steps, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio)
-    trainer = Trainer(model, optimizer, scheduler, data, precision, settings, out_dir,
-                      MetricsLogger(out_dir, enabled=False), device, comm=comm, preflight_bad=bad,
-                      config=config, recipe=recipe)
-    # resume (or refuse to) before anything of this run is written: a refused resume leaves the
-    # run's config.yaml, metrics.jsonl and wandb run as they were
-    trainer.maybe_resume()
-    if ctx.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    checkpoints = RunCheckpoints(out_dir, settings.keep_last_k, settings.resume, comm, device,
+                                 config=config, class_names=list(data.class_names))
+    # what the run resumes from (or a refusal) before anything of this run is written: a refused
+    # resume leaves the run's config.yaml, metrics.jsonl and wandb run as they were
+    checkpoints.find_resume()
     logger = MetricsLogger(out_dir, enabled=ctx.is_main, wandb_mode=cfg.logger.wandb.mode,
                            wandb_project=cfg.logger.wandb.project, run_name=out_dir.name,
                            config={**config, "runtime": runtime})
-    trainer.logger = logger
     try:
+        # restores the checkpoint find_resume chose; config.yaml follows once that has worked
+        trainer = Trainer(model, optimizer, scheduler, data, precision, settings, checkpoints,
+                          logger, device, comm=comm, preflight_bad=bad, recipe=recipe)
         if ctx.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             log.info("training %s on %s x %d process(es): %d steps (%d per epoch), global batch %d "
                      "(%d per process x %d accumulated x %d), lr %g (optim.lr_scaling=%s), output in %s",
                      trainer.strategy.describe(), device, ctx.world_size, trainer.total_steps,
@@ -154,7 +155,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
             test = multi_view_test(
                 trainer.module, test_data, test_bad, eval_settings(cfg), precision, device, out_dir,
                 max_bad_fraction=float(cfg.data.max_bad_fraction), progress=settings.progress,
-                checkpoint=str(trainer.ckpt_dir / "last.ckpt"),
+                checkpoint=str(checkpoints.files.last),
                 num_frames=int(cfg.data.num_frames), crop_size=int(cfg.data.crop_size))
             results["test"] = test
             results.update({f"test_{k}": test[k] for k in

@@ -118,7 +118,7 @@ def test_recipe_run_resumes_exactly(recipe_run, compose_cfg, metrics_rows, tmp_p
     with pytest.raises(RuntimeError, match="simulated crash"):
         run.train(compose_cfg(overrides), tmp_path)
     monkeypatch.setattr(Trainer, "_optimizer_step", real_step)
-    with caplog.at_level(logging.INFO, logger="videotrain.engine.trainer"):
+    with caplog.at_level(logging.INFO, logger="videotrain.engine.run_checkpoints"):  # resume
         results_b = run.train(compose_cfg(overrides), tmp_path)
     assert "at step 4" in caplog.text
     a, b = (ckpt.load(d / "checkpoints" / "last.ckpt") for d in (out_a, tmp_path))

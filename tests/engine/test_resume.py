@@ -17,7 +17,7 @@ import torch
 import videotrain.run as run
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.resume import config_diff, flatten, one_sided, resume_mode
-from videotrain.engine.trainer import ResumeRefused
+from videotrain.engine.run_checkpoints import ResumeRefused
 
 BASE = dict(trainer__max_epochs=1, trainer__checkpoint_every_n_steps=2, model__head__dropout=0.5)
 

@@ -141,7 +141,7 @@ def test_resume_after_crash_matches_uninterrupted(
     calls = []
     real_loss = Trainer._loss
     monkeypatch.setattr(Trainer, "_loss", lambda self, v, y: calls.append(1) or real_loss(self, v, y))
-    with caplog.at_level(logging.INFO, logger="videotrain.engine.trainer"):
+    with caplog.at_level(logging.INFO, logger="videotrain.engine.run_checkpoints"):  # resume
         results_b = run.train(cfg, out_b)
     # the last checkpoint before the crash was at an even step: only the rest was retrained
     resumed_from = (crash_at_step - 1) // 2 * 2

@@ -13,6 +13,8 @@ same command resumes from that checkpoint.
 - The previous handler is not lost: once the checkpoint is written, ``chain`` calls it (if it
   is a Python function). Under submitit this is submitit's own handler, which requeues the job
   on USR2 (its preemption / time-limit signal) and logs and ignores SIGTERM.
+- ``agreed_stop`` and ``stop_run`` are what the trainer calls at a step boundary: whether to
+  stop (the same answer on every rank), and the stop itself once the checkpoint is written.
 - Handlers are installed from the main thread of the main process only. Forked children that
   inherit them (DataLoader workers) ignore SIGUSR1/SIGUSR2 (a SLURM ``--signal`` reaches every
   process of the job step; the main process stops the workers itself) and die on SIGTERM, as
@@ -25,9 +27,12 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
+
+from videotrain.engine.distributed import Comm
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +126,51 @@ class StopSignals:
         prev = self.previous_handler(signum)
         if prev is not None:
             prev(signum, None)
+
+
+def agreed_stop(signals: StopSignals, comm: Comm) -> int | None:
+    """The stop signal if any rank got one (the same answer on every rank: an all-reduce of
+    the flag, at the step boundaries all ranks share), else None."""
+    local = signals.requested
+    if not comm.active:
+        return local
+    got = comm.reduce({"signal": local}, "max")["signal"]
+    return None if got is None else int(got)
+
+
+def stop_run(signum: int, signals: StopSignals, comm: Comm, checkpoint: Path | None,
+             where: tuple[int, int, int], loaders: Iterable[Any]) -> NoReturn:
+    """After the stop's checkpoint is written: log (rank 0), stop the loaders' worker
+    processes, call the handler that was installed before ours, and raise ``Preempted``.
+    ``where`` is (optimizer step, epoch, samples into the epoch)."""
+    step, epoch, consumed = where
+    own = signals.requested or signum  # this rank's own signal decides what to chain
+    prev = signals.previous_handler(own)
+    if comm.is_main:
+        then = (f"handing over to the handler installed before ours "
+                f"({getattr(prev, '__qualname__', prev)}; submitit's requeues the job)"
+                if prev is not None else f"exiting with code {EXIT_PREEMPTED}")
+        log.warning("%s received: stopped after optimizer step %d (epoch %d, %d samples into "
+                    "it); checkpoint written: %s; %s. Re-running the same command resumes "
+                    "from it.", signal_name(signum), step, epoch, consumed, checkpoint, then)
+    for loader in loaders:
+        close_loader_workers(loader)
+    failed: BaseException | None = None
+    try:
+        signals.chain(own)
+    except BaseException as err:  # e.g. submitit's sys.exit after requeueing: after the barrier
+        failed = err
+    comm.barrier()  # no rank leaves before rank 0's previous handler has run
+    if failed is not None:
+        raise failed
+    raise Preempted(signum, step, checkpoint)
+
+
+def close_loader_workers(loader: Any) -> None:
+    """Stop a DataLoader's worker processes now: they are persistent, and would otherwise
+    live until the loader is garbage collected or the interpreter exits."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+    if it is not None:
+        loader._iterator = None

@@ -20,7 +20,8 @@ pace); only rank 0 writes checkpoints and logs. A checkpoint holds every rank's 
 shard and mask stream follow from its rank. Evaluation runs on the unwrapped model, so its
 shards may be uneven without a collective waiting on a rank that has run out of batches.
 
-Checkpoints (``videotrain.engine.checkpoint``): ``checkpoints/step-N.ckpt`` every
+Checkpoints (``videotrain.engine.run_checkpoints``, the one owner; the files are
+``videotrain.engine.checkpoint``'s): ``checkpoints/step-N.ckpt`` every
 ``checkpoint_every_n_steps`` and at each epoch end, the newest ``keep_last_k`` kept,
 ``last.ckpt`` naming the newest and ``best.ckpt`` the one after the best validation (val_top1).
 They hold tensors and plain values only and are read with ``torch.load(weights_only=True)``;
@@ -39,25 +40,23 @@ which requeues the job) are called once the checkpoint is written, and restored 
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from videotrain.data.loaders import DataBundle, check_bad_fraction
-from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.distributed import Comm
 from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
-from videotrain.engine.preempt import EXIT_PREEMPTED, Preempted, StopSignals, signal_name
+from videotrain.engine.preempt import StopSignals, agreed_stop, stop_run
 from videotrain.engine.recipe import BatchMix, RecipeSettings, WeightEMA, soft_target_loss
-from videotrain.engine.resume import refusal, resume_mode
+from videotrain.engine.resume import resume_mode
+from videotrain.engine.run_checkpoints import Checkpointed, RunCheckpoints, TrainState
 from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.metrics.memory import StepPeakMemory, keep_freed_memory
@@ -114,28 +113,11 @@ def plan_steps(batches_per_epoch: int, settings: TrainerSettings) -> tuple[int, 
     return per_epoch, min(settings.max_steps or by_epochs, by_epochs)
 
 
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0  # current epoch
-    consumed: int = 0  # samples of the current epoch already trained on (per rank: equal on all)
-    skipped: set[str] = field(default_factory=set)  # bad video paths seen so far
-    step_times: list[float] = field(default_factory=list)
-    data_waits: list[float] = field(default_factory=list)  # per step, waiting for batches
-    peaks: list[float] = field(default_factory=list)
-    last_val: dict[str, float] = field(default_factory=dict)
-    val_step: int = -1  # the step last_val was computed at
-    best_top1: float = -1.0  # the best val_top1 so far (best.ckpt), and its step
-    best_step: int = -1
-
-
-class ResumeRefused(ckpt.CheckpointError):
-    """The checkpoint was written under a config (or world size) that trains differently."""
-
-
 class Trainer:
-    """The loop. ``config`` is the run's resolved config as a plain dict: recorded in every
-    checkpoint and compared on resume (optional: without it, resume is not guarded).
+    """The loop. ``checkpoints`` owns the run's checkpoints (``RunCheckpoints``): the trainer
+    restores from it when built (the checkpoint the run resumes from, if any, RNG states
+    included), saves through it at the checkpoint steps and epoch ends, and asks it for the
+    stop's checkpoint when a signal stops training.
 
     ``fit`` raises ``Preempted`` (a ``SystemExit`` with code ``EXIT_PREEMPTED`` = 75) when a
     SIGTERM, SIGUSR1 or SIGUSR2 stopped training after a checkpoint (module docstring).
@@ -149,27 +131,19 @@ class Trainer:
         data: DataBundle,
         precision: Precision,
         settings: TrainerSettings,
-        out_dir: str | Path,
+        checkpoints: RunCheckpoints,
         logger: MetricsLogger,
         device: torch.device,
         comm: Comm | None = None,
         preflight_bad: list[str] | None = None,
-        config: dict[str, Any] | None = None,
         recipe: RecipeSettings | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data, self.precision, self.s = data, precision, settings
-        self.out_dir, self.logger, self.device = Path(out_dir), logger, device
+        self.checkpoints, self.logger, self.device = checkpoints, logger, device
         self.comm = comm or Comm()
         self.is_main = self.comm.is_main
-        self.ckpt_dir = self.out_dir / "checkpoints"
-        self.ckpts = ckpt.CheckpointDir(self.ckpt_dir, settings.keep_last_k)
-        self.config = config
         self.signals = StopSignals()  # installed by fit
-        self._resume_checked = False
-        self._saved_step = -1  # the step of the last save (every rank)
-        self._last_path: Path | None = None  # the file it wrote (rank 0)
-        self._best_pending = False  # the last validation improved val_top1: the next save is best
         self.state = TrainState(skipped=set(preflight_bad or []))
         self.meter = StepPeakMemory(device)
         self.metered_here = 0  # steps this process metered (see _meters)
@@ -184,8 +158,12 @@ class Trainer:
         recipe = recipe or RecipeSettings()
         self.mix = BatchMix(recipe, data.num_classes) if recipe.mixes else None
         self.ema = WeightEMA(self.module, recipe.ema_decay) if recipe.ema_decay else None
+        # what every checkpoint holds; a resumed run continues from here (the RNG states too:
+        # nothing draws random numbers between this and fit)
+        self.parts = Checkpointed(self.module, optimizer, scheduler, precision.scaler, self.state,
+                                  self.total_steps, self.ema)
+        self.resumed = checkpoints.restore(self.parts)
 
-    # ---------------------------------------------------------------- checkpoints
     @property
     def module(self) -> torch.nn.Module:
         """The model without its DDP wrapper (what checkpoints and evaluation use)."""
@@ -195,231 +173,30 @@ class Trainer:
     def strategy(self):
         return self.module.strategy
 
-    def save(self) -> Path | None:
-        """Called on every rank at the same steps: gathers per-rank state, rank 0 writes
-        ``step-N.ckpt`` (and points last.ckpt at it; best.ckpt too after an improved
-        validation) and returns its path."""
-        st = self.state
-        rngs = self.comm.all_gather(ckpt.rng_state())
-        skipped = set().union(*self.comm.all_gather(sorted(st.skipped)))
-        best, self._best_pending = self._best_pending, False
-        self._saved_step = st.step
-        if not self.is_main:
-            return None
-        blob = {
-            ckpt.FORMAT_KEY: ckpt.FORMAT,
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.precision.scaler.state_dict(),
-            "strategy": self.strategy.state_dict(),
-            "rng_per_rank": rngs,
-            "world_size": self.comm.world_size,
-            "step": st.step,
-            "epoch": st.epoch,
-            "consumed": st.consumed,
-            "total_steps": self.total_steps,
-            "skipped": sorted(skipped),
-            "step_times": st.step_times,
-            "data_waits": st.data_waits,
-            "peaks": st.peaks,
-            "last_val": st.last_val,
-            "val_step": st.val_step,
-            "best_top1": st.best_top1,
-            "best_step": st.best_step,
-            "config": self.config,
-            "class_names": list(self.data.class_names),  # head row k scores class_names[k]
-        }
-        if self.ema is not None:  # what eval, predict, export and model.init_from load
-            blob["ema_model"] = self.ema.state_dict()
-            blob["ema_updates"] = self.ema.num_updates
-        self._last_path = self.ckpts.save(blob, st.step, best=best)
-        return self._last_path
-
-    def maybe_resume(self) -> bool:
-        """Resume from the newest checkpoint as ``trainer.resume`` says; ``fit`` calls it unless
-        it was called before (``run.train`` does, before it writes anything into the run).
-
-        Rank 0 finds, loads and checks the checkpoint (``CheckpointDir.load_newest``: a corrupt
-        newest file falls back to the previous one; ``resume.refusal``: the config guard) and every
-        rank follows its decision, so that all ranks resume, start fresh, or fail together.
-        """
-        self._resume_checked = True
-        if self.s.resume == "false":
-            if self.is_main:
-                self._set_aside_previous_run()
-            self.comm.barrier()
-            return False
-        loaded: list[dict[str, Any]] = []
-
-        def newest() -> str | None:  # rank 0's decision; its error is raised on every rank
-            self.ckpts.clean_temporaries()
-            found = self.ckpts.load_newest(map_location=self.device)
-            if found is None:
-                return None
-            path, blob = found
-            why = refusal(blob, path, self.config, self.comm.world_size, self.s.resume,
-                          class_names=list(self.data.class_names))
-            if why:
-                raise ResumeRefused(why)
-            loaded.append(blob)
-            return str(path)
-
-        path = self.comm.from_main(newest)
-        if path is None:
-            return False
-        blob = loaded[0] if loaded else None
-        if blob is None:  # ranks other than 0 read the file rank 0 chose
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"rank {self.comm.rank} cannot read rank 0's checkpoint "
-                                        f"{path}: under DDP the output directory must be on a "
-                                        "shared filesystem")
-            blob = ckpt.check_training_checkpoint(ckpt.load(path, map_location=self.device), path)
-        self._load(blob)
-        st = self.state
-        if self.is_main:
-            log.info("resumed from %s at step %d (epoch %d)", path, st.step, st.epoch)
-            if blob.get("total_steps", self.total_steps) != self.total_steps:
-                log.warning("training now ends at step %d, not %d as when %s was written "
-                            "(trainer.max_epochs / max_steps changed): the learning-rate schedule "
-                            "follows the new end from step %d on", self.total_steps,
-                            blob["total_steps"], path, st.step)
-        return True
-
-    def _load(self, blob: dict[str, Any]) -> None:
-        self.module.load_state_dict(blob["model"])
-        self.optimizer.load_state_dict(blob["optimizer"])
-        self.scheduler.load_state_dict(blob["scheduler"])
-        self.precision.scaler.load_state_dict(blob["scaler"])
-        self.strategy.load_state_dict(blob["strategy"])
-        if self.ema is not None:
-            if "ema_model" in blob:
-                self.ema.load(blob["ema_model"], int(blob["ema_updates"]))
-            else:  # a guarded resume refuses this; trainer.resume=force restarts the average
-                log.warning("the checkpoint has no EMA weights (recipe.ema_decay was off): the "
-                            "EMA starts from the resumed weights")
-        # the loaders draw worker seeds from their own generators, not the global RNG, so the
-        # restored state is exactly where the uninterrupted run was at this step; each rank
-        # takes its own (dropout masks differ per rank), or rank 0's if the world size changed
-        per_rank = blob["rng_per_rank"]
-        ckpt.set_rng_state(per_rank[self.comm.rank] if len(per_rank) == self.comm.world_size
-                           else per_rank[0])
-        st = self.state
-        st.step, st.epoch, st.consumed = blob["step"], blob["epoch"], blob["consumed"]
-        st.skipped |= set(blob["skipped"])
-        st.step_times, st.peaks, st.last_val = blob["step_times"], blob["peaks"], blob["last_val"]
-        st.data_waits, st.val_step = blob["data_waits"], blob["val_step"]
-        st.best_top1, st.best_step = blob["best_top1"], blob["best_step"]
-        self._saved_step = st.step
-
-    def _set_aside_previous_run(self) -> None:
-        """``trainer.resume=false``: start over. The old checkpoints move to
-        ``checkpoints.replaced-DATE-TIME/`` and metrics.jsonl to
-        ``metrics.replaced-DATE-TIME.jsonl``: kept for the user, never loaded."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        moved = self.ckpts.set_aside(f"replaced-{stamp}")
-        metrics = self.out_dir / "metrics.jsonl"
-        if moved is not None or metrics.exists():
-            log.warning("trainer.resume=false: starting over in %s; the previous run's "
-                        "checkpoints (%s) and metrics.jsonl are kept with the suffix replaced-%s "
-                        "and not loaded", self.out_dir, moved or "none", stamp)
-        if metrics.exists():
-            os.replace(metrics, self.out_dir / f"metrics.replaced-{stamp}.jsonl")
-
-    # ---------------------------------------------------------------- stopping on a signal
-    def _agreed_stop(self) -> int | None:
-        """The stop signal if any rank got one (the same answer on every rank: an all-reduce
-        of the flag, at the step boundaries all ranks share), else None."""
-        local = self.signals.requested
-        if not self.comm.active:
-            return local
-        got = self.comm.reduce({"signal": local}, "max")["signal"]
-        return None if got is None else int(got)
-
-    def _stop_if_requested(self) -> None:
-        signum = self._agreed_stop()
-        if signum is not None:
-            self._preempt(signum)
-
-    def _preempt(self, signum: int) -> None:
-        """Checkpoint (unless this step's is written), log, stop the loader workers, call the
-        handler that was installed before ours, and raise ``Preempted``."""
-        st = self.state
-        if self._saved_step != st.step:
-            self.save()
-        own = self.signals.requested or signum  # this rank's own signal decides what to chain
-        prev = self.signals.previous_handler(own)
-        if self.is_main:
-            then = (f"handing over to the handler installed before ours "
-                    f"({getattr(prev, '__qualname__', prev)}; submitit's requeues the job)"
-                    if prev is not None else f"exiting with code {EXIT_PREEMPTED}")
-            log.warning("%s received: stopped after optimizer step %d (epoch %d, %d samples into "
-                        "it); checkpoint written: %s; %s. Re-running the same command resumes "
-                        "from it.", signal_name(signum), st.step, st.epoch, st.consumed,
-                        self._last_path, then)
-        self._close_loader_workers()
-        failed: BaseException | None = None
-        try:
-            self.signals.chain(own)
-        except BaseException as err:  # e.g. submitit's sys.exit after requeueing: after the barrier
-            failed = err
-        self.comm.barrier()  # no rank leaves before rank 0's previous handler has run
-        if failed is not None:
-            raise failed
-        raise Preempted(signum, st.step, self._last_path)
-
-    def _close_loader_workers(self) -> None:
-        """Stop the DataLoader worker processes now: they are persistent, and would otherwise
-        live until the loaders are garbage collected or the interpreter exits."""
-        for loader in (self.data.train, self.data.val):
-            it = getattr(loader, "_iterator", None)
-            if it is not None and hasattr(it, "_shutdown_workers"):
-                it._shutdown_workers()
-            if it is not None:
-                loader._iterator = None
-
-    # ---------------------------------------------------------------- loop
-    def _note_skipped(self, paths: list[str], dataset, source: str) -> None:
-        if paths:
-            # logged here too, not only by the dataset: a worker process's log may not reach
-            # the run's log (e.g. with the spawn start method), the main process's always does
-            what = "not evaluated" if source == "val split" else "another clip took its place"
-            for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
-                log.warning("bad video skipped (%s): %s", what, path)
-            self.state.skipped.update(paths)
-            if source not in self._split_paths:  # bad videos of the other split don't count
-                self._split_paths[source] = {p for p, _ in dataset.index.paths}
-            num_bad = len(self.state.skipped & self._split_paths[source])
-            check_bad_fraction(num_bad, len(dataset), source, self.s.max_bad_fraction)
-
-    def _sync_context(self, last_micro: bool):
-        """DDP all-reduces gradients in every backward; within an accumulation only the last
-        micro-batch needs it (``no_sync`` lets the others accumulate locally)."""
-        no_sync = getattr(self.model, "no_sync", None)
-        return nullcontext() if last_micro or no_sync is None else no_sync()
-
-    def _loss(self, video: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        targets: torch.Tensor = labels  # (B,) class indices, or (B, K) probabilities when mixed
-        if self.mix is not None:
-            video, targets = self.mix(video, labels)
-        with self.precision.autocast():
-            logits = self.model(video)  # (B, K)
-        return soft_target_loss(logits, targets, self.s.label_smoothing)
-
-    def _optimizer_step(self) -> float | None:
-        scaler = self.precision.scaler
-        grad_norm = None
-        if self.s.grad_clip:
-            scaler.unscale_(self.optimizer)
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.grad_clip))
-        scaler.step(self.optimizer)
-        scaler.update()
-        # gradients stay allocated between steps (like weights and optimizer state), so the
-        # per-step peak measures what the memory strategy controls: activations and transients
-        self.optimizer.zero_grad(set_to_none=False)
-        self.scheduler.step()
-        return grad_norm
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, Any]:
+        """Train to the end (from where the run's checkpoints left it) and return ``results()``.
+        While it runs, SIGTERM / SIGUSR1 / SIGUSR2 stop it at the next optimizer-step boundary
+        with a checkpoint and ``Preempted`` (exit code 75); see the module docstring."""
+        st, s = self.state, self.s
+        # metrics.jsonl as of the checkpoint: rows logged after it go (and a fresh start drops
+        # the rows of a run that died before its first checkpoint)
+        self.logger.truncate_after(st.step)
+        with StopSignals() as self.signals:
+            while st.step < self.total_steps and st.epoch < s.max_epochs:
+                finished = self.train_epoch()
+                if finished:
+                    st.epoch += 1
+                    st.consumed = 0
+                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
+                    self.validate()
+                self.checkpoints.save(self.parts)
+                self._stop_if_requested()
+            if st.val_step != st.step:  # e.g. resumed from a mid-epoch checkpoint at the last step
+                self.validate()
+                self.checkpoints.save(self.parts)
+            self._stop_if_requested()
+        return self.results()
 
     def train_epoch(self) -> bool:
         """One (possibly resumed) epoch. Returns False when ``max_steps`` stopped it early."""
@@ -487,39 +264,13 @@ class Trainer:
                 self.logger.log(row, st.step)
             micro, loss_sum, data_wait = 0, 0.0, 0.0
             if s.checkpoint_every_n_steps and st.step % s.checkpoint_every_n_steps == 0:
-                self.save()
-            stop = self._agreed_stop()  # a step boundary: stop here if a rank got a signal
-            if stop is not None:
-                bar.close()
-                self._preempt(stop)
+                self.checkpoints.save(self.parts)
+            self._stop_if_requested(bar)  # a step boundary: stop here if a rank got a signal
             if st.step >= self.total_steps:
                 break
             t_data = time.perf_counter()
         bar.close()
         return st.consumed >= self.epoch_samples
-
-    def _meters(self) -> bool:
-        """Whether this step's peak memory is metered. On CUDA always (the allocator keeps
-        statistics anyway). On CPU the meter makes every large allocation a fresh mapping that
-        is handed back when freed (``videotrain.metrics.memory``), which slows the step (see
-        docs/benchmarks.md), so with ``cpu_metered_steps=N`` only this
-        process's first N steps are metered: a step's peak is the same from step 2 on (same
-        shapes, same number of kept frames). A strategy that observes every step's peak
-        (``memory=auto``) keeps the meter throughout."""
-        limit = self.s.cpu_metered_steps
-        if self.device.type != "cpu" or limit is None or isinstance(self.strategy, StepObserver):
-            return True
-        return self.metered_here < limit
-
-    def _stop_meter(self) -> float | None:
-        peak = self.meter.stop()
-        self.metered_here += 1
-        if not self._meters():  # the last metered step (CPU, with a limit, no observer)
-            # glibc keeps freed memory from now on; a meter in this process would misread after
-            keep_freed_memory()
-            log.info("peak memory metered on the first %d steps; the rest run without the CPU "
-                     "meter's allocator setting (trainer.cpu_metered_steps)", self.metered_here)
-        return peak
 
     def validate(self) -> dict[str, float]:
         """Validate the model (``val_*``) and, with ``recipe.ema_decay``, its EMA
@@ -544,7 +295,7 @@ class Trainer:
         shipped = metrics["val_ema_top1" if self.ema is not None else "val_top1"]
         if shipped is not None and shipped > st.best_top1:
             st.best_top1, st.best_step = shipped, st.step
-            self._best_pending = True  # the save that follows writes best.ckpt
+            self.checkpoints.mark_best()  # the save that follows writes best.ckpt
         self.logger.log({**metrics, "epoch": self.state.epoch}, self.state.step)
         if self.is_main:
             log.info("step %d epoch %d: val top1 %.3f top5 %.3f (clip top1 %.3f) over %d of %d "
@@ -554,32 +305,86 @@ class Trainer:
                      f"; EMA top1 {metrics['val_ema_top1']:.3f}" if self.ema is not None else "")
         return metrics
 
-    def fit(self) -> dict[str, Any]:
-        """Train to the end (resuming first, see ``maybe_resume``) and return ``results()``.
-        While it runs, SIGTERM / SIGUSR1 / SIGUSR2 stop it at the next optimizer-step boundary
-        with a checkpoint and ``Preempted`` (exit code 75); see the module docstring."""
-        st, s = self.state, self.s
-        if not self._resume_checked:
-            self.maybe_resume()
-        # metrics.jsonl as of the checkpoint: rows logged after it go (and a fresh start drops
-        # the rows of a run that died before its first checkpoint)
-        self.logger.truncate_after(st.step)
-        with StopSignals() as self.signals:
-            while st.step < self.total_steps and st.epoch < s.max_epochs:
-                finished = self.train_epoch()
-                if finished:
-                    st.epoch += 1
-                    st.consumed = 0
-                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
-                    self.validate()
-                self.save()
-                self._stop_if_requested()
-            if st.val_step != st.step:  # e.g. resumed from a mid-epoch checkpoint at the last step
-                self.validate()
-                self.save()
-            self._stop_if_requested()
-        return self.results()
+    # ---------------------------------------------------------------- its parts
+    def _loss(self, video: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets: torch.Tensor = labels  # (B,) class indices, or (B, K) probabilities when mixed
+        if self.mix is not None:
+            video, targets = self.mix(video, labels)
+        with self.precision.autocast():
+            logits = self.model(video)  # (B, K)
+        return soft_target_loss(logits, targets, self.s.label_smoothing)
 
+    def _optimizer_step(self) -> float | None:
+        scaler = self.precision.scaler
+        grad_norm = None
+        if self.s.grad_clip:
+            scaler.unscale_(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.grad_clip))
+        scaler.step(self.optimizer)
+        scaler.update()
+        # gradients stay allocated between steps (like weights and optimizer state), so the
+        # per-step peak measures what the memory strategy controls: activations and transients
+        self.optimizer.zero_grad(set_to_none=False)
+        self.scheduler.step()
+        return grad_norm
+
+    def _sync_context(self, last_micro: bool):
+        """DDP all-reduces gradients in every backward; within an accumulation only the last
+        micro-batch needs it (``no_sync`` lets the others accumulate locally)."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return nullcontext() if last_micro or no_sync is None else no_sync()
+
+    def _note_skipped(self, paths: list[str], dataset, source: str) -> None:
+        if paths:
+            # logged here too, not only by the dataset: a worker process's log may not reach
+            # the run's log (e.g. with the spawn start method), the main process's always does
+            what = "not evaluated" if source == "val split" else "another clip took its place"
+            for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
+                log.warning("bad video skipped (%s): %s", what, path)
+            self.state.skipped.update(paths)
+            if source not in self._split_paths:  # bad videos of the other split don't count
+                self._split_paths[source] = {p for p, _ in dataset.index.paths}
+            num_bad = len(self.state.skipped & self._split_paths[source])
+            check_bad_fraction(num_bad, len(dataset), source, self.s.max_bad_fraction)
+
+    def _meters(self) -> bool:
+        """Whether this step's peak memory is metered. On CUDA always (the allocator keeps
+        statistics anyway). On CPU the meter makes every large allocation a fresh mapping that
+        is handed back when freed (``videotrain.metrics.memory``), which slows the step (see
+        docs/benchmarks.md), so with ``cpu_metered_steps=N`` only this
+        process's first N steps are metered: a step's peak is the same from step 2 on (same
+        shapes, same number of kept frames). A strategy that observes every step's peak
+        (``memory=auto``) keeps the meter throughout."""
+        limit = self.s.cpu_metered_steps
+        if self.device.type != "cpu" or limit is None or isinstance(self.strategy, StepObserver):
+            return True
+        return self.metered_here < limit
+
+    def _stop_meter(self) -> float | None:
+        peak = self.meter.stop()
+        self.metered_here += 1
+        if not self._meters():  # the last metered step (CPU, with a limit, no observer)
+            # glibc keeps freed memory from now on; a meter in this process would misread after
+            keep_freed_memory()
+            log.info("peak memory metered on the first %d steps; the rest run without the CPU "
+                     "meter's allocator setting (trainer.cpu_metered_steps)", self.metered_here)
+        return peak
+
+    def _stop_if_requested(self, bar: tqdm | None = None) -> None:
+        """At a step boundary: when any rank got a stop signal, checkpoint this step (unless
+        its checkpoint is written) and stop (``videotrain.engine.preempt.stop_run``)."""
+        signum = agreed_stop(self.signals, self.comm)
+        if signum is None:
+            return
+        if bar is not None:
+            bar.close()
+        path = self.checkpoints.save_unless_saved(self.parts)
+        st = self.state
+        stop_run(signum, self.signals, self.comm, path, (st.step, st.epoch, st.consumed),
+                 (self.data.train, self.data.val))
+
+    # ---------------------------------------------------------------- the summary
     def train_peak_mb(self) -> float | None:
         """The largest measured step peak of this process (step 1 left out: it also allocates
         gradients and optimizer state), or None before any metered step."""
