@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -73,6 +73,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
         decoder: str = "pyav",
         sampler: str = "random",
         known_bad: frozenset[str] = frozenset(),
+        flip_labels: Mapping[int, int] | None = None,
     ) -> None:
         check_decoder(decoder)
         check_sampler(sampler)
@@ -90,6 +91,10 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.known_bad = known_bad
         self._good = ([i for i, (p, _) in enumerate(index.paths) if p not in known_bad]
                       if known_bad else None)
+        # label-aware horizontal flip (``data.hflip_label_map``, training only): half of the
+        # clips are mirrored and take the label of the mirrored action (left <-> right);
+        # labels missing from the map are their own mirror
+        self.flip_labels = dict(flip_labels) if flip_labels is not None and train else None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -135,9 +140,12 @@ class VideoClipDataset(torch.utils.data.Dataset):
             torch.manual_seed(seed)
             try:
                 video = self.decode_views(path)
+                label = int(info["label"])
+                if self.flip_labels is not None and torch.rand(()) < 0.5:
+                    video, label = video.flip(-1), self.flip_labels.get(label, label)  # (T, C, H, W)
             finally:
                 random.setstate(state)
-        return video, int(info["label"])
+        return video, label
 
     def __getitem__(self, key: SampleKey | int) -> dict:
         idx, epoch = (key, 0) if isinstance(key, int) else key

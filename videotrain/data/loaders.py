@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +140,27 @@ DATA_VALUE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "video_ext": (lambda v: v in ("webm", "mp4", "auto"), "webm, mp4 or auto"),
     "drop_classes": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
                      "a list of class names"),
+    "hflip_label_map": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(x, str)
+                                                               for k, x in v.items()),
+                        "null or a mapping of class names to class names"),
 }
+
+
+def flip_label_indices(pairs: Mapping[str, str], class_names: Sequence[str]) -> dict[int, int]:
+    """``data.hflip_label_map`` as label numbers, both ways: ``{a: b}`` maps a -> b and b -> a.
+    A name that is not a class, or a class given two mirrors, is a ``ValueError`` naming it."""
+    index = {name: k for k, name in enumerate(class_names)}
+    out: dict[int, int] = {}
+    for a, b in dict(pairs).items():
+        for name in (a, b):
+            if name not in index:
+                raise ValueError(f"data.hflip_label_map: {name!r} is not a class of this dataset "
+                                 f"(classes: {', '.join(class_names[:8])}{' ...' if len(class_names) > 8 else ''})")
+        for x, y in ((index[a], index[b]), (index[b], index[a])):
+            if out.setdefault(x, y) != y:
+                raise ValueError(f"data.hflip_label_map: {class_names[x]!r} is mapped to two mirrors "
+                                 f"({class_names[out[x]]!r} and {class_names[y]!r})")
+    return out
 
 
 def check_data_values(values: dict[str, Any]) -> None:
@@ -228,6 +248,7 @@ def build_data(
     shared: Callable[[Callable[[], Any]], Any] | None = None,
     drop_classes: Sequence[str] | None = None,
     report_dir: str | Path | None = None,
+    hflip_label_map: Mapping[str, str] | None = None,
 ) -> tuple[DataBundle, list[str]]:
     """Build train/val loaders; returns the bundle and the paths found bad by preflight.
 
@@ -245,6 +266,10 @@ def build_data(
     ``drop_classes`` (``data.drop_classes``): class names left out of both splits and of the
     metrics (their label numbers stay); a class without readable videos is an error otherwise
     (``coverage.check_classes``). Validation holds only the val videos that are there.
+    ``hflip_label_map`` (``data.hflip_label_map``, with ``hflip``): class name -> the class
+    of its mirror image (``{move_left: move_right}``; the reverse pairs are implied, unlisted
+    classes are their own mirror): training flips half of the clips and relabels them, so
+    direction classes keep a true label (``flip_label_indices``).
     ``report_dir`` (the run folder) receives ``missing_videos_<split>.txt``, the full lists of
     missing or empty videos (the log names a count and the first few).
     """
@@ -287,12 +312,16 @@ def build_data(
     if val_listed != len(val_index):
         log.warning("%s: evaluating the %d of %d listed videos that are there", val_index.source,
                     len(val_index), val_listed)
+    flip_labels = flip_label_indices(hflip_label_map, train_index.class_names) if hflip_label_map else None
+    if flip_labels is not None and not hflip:
+        raise ValueError("data.hflip_label_map is set but data.hflip=false: set data.hflip=true "
+                         "to flip with relabelling, or data.hflip_label_map=null")
     clip_duration = num_frames * sampling_rate / fps  # seconds of video one clip spans
     train_ds = VideoClipDataset(
         train_index, num_frames, clip_duration,
-        train_transform(short_side, crop_size, tuple(train_scale), hflip,
+        train_transform(short_side, crop_size, tuple(train_scale), hflip and flip_labels is None,
                         randaugment=tuple(randaugment), random_erasing=random_erasing), train=True, seed=seed,
-        decoder=decoder, sampler=sampler, known_bad=known_bad,
+        decoder=decoder, sampler=sampler, known_bad=known_bad, flip_labels=flip_labels,
     )
     val_ds = VideoClipDataset(
         val_index, num_frames, clip_duration,

@@ -10,11 +10,12 @@ label. The kinds of temporal evidence differ between tasks:
 * ``direction``: motion direction, the default task made harder (a small square over a busy,
   flickering texture, with a decoy square of each colour that jitters in place);
 * ``rotation``: direction of rotation of a bar (clockwise or not), then of zoom of a disc (in or out);
-* ``order``: order of events: a square takes three colours one after another; the class is the
+* ``order``: order of events: a small, half-transparent square takes three colours one after
+  another; the class is the
   order (four of the six permutations; segment lengths are exchangeable, so the colour counts
   say nothing);
-* ``speed``: a square wraps around the frame horizontally, left or right, once or twice per
-  clip; with a random phase every frame's position is uniform in both speeds.
+* ``speed``: a small square wraps around the frame horizontally, left or right, once or twice
+  per clip; with a random phase every frame's position is uniform in both speeds.
 
 Renderers take the generator's spec and a numpy ``Generator`` and return uint8 ``(T, H, W, 3)``
 frames, deterministically for the generator state.
@@ -69,11 +70,11 @@ def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def render_direction(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
     """Two strokes as in the default task (red: right/left, then blue: down/up; the same class
-    order), with a small object, a shorter travel, a flickering texture and two decoys."""
+    order), with a smaller object, a shorter travel, a flickering texture and two decoys."""
     horiz = 1 if label in (0, 1) else -1
     vert = 1 if label in (0, 2) else -1
-    size, obj, T = spec.size, max(spec.object_size // 2, 3), spec.num_frames
-    travel = spec.travel * 0.6 * size
+    size, obj, T = spec.size, max(2 * spec.object_size // 3, 3), spec.num_frames
+    travel = spec.travel * 0.8 * size
     half = T // 2
     background = texture(rng, size, noise=0.0)
     decoys = [(rng.uniform(0, size - obj, 2), colour) for colour in (RED, BLUE)]
@@ -82,7 +83,7 @@ def render_direction(spec: SyntheticSpec, label: int, rng: np.random.Generator) 
     across_r, across_b = rng.uniform(0, size - obj, 2)
     frames = np.empty((T, size, size, 3), dtype=np.uint8)
     for t in range(T):
-        frame = background + rng.normal(0, 20, size=background.shape).astype(np.float32)
+        frame = background + rng.normal(0, 12, size=background.shape).astype(np.float32)
         for (dx, dy), colour in decoys:  # jitters in place: no direction
             jx, jy = rng.uniform(-2, 2, 2)
             _paint(frame, _square(size, dx + jx, dy + jy, obj), colour)
@@ -138,7 +139,7 @@ def render_order(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> n
     """A square that jitters in place shows three colours one after another, in the class's
     order; the three segment lengths are a random permutation of a near-equal split of the clip.
     (No drift: along a path, the middle colour would sit in the middle of the frame set.)"""
-    size, obj, T = spec.size, spec.object_size, spec.num_frames
+    size, obj, T = spec.size, max(2 * spec.object_size // 3, 3), spec.num_frames
     lengths = rng.permutation([T // 3 + (1 if k < T % 3 else 0) for k in range(3)])
     colours = [c for k, n in zip(ORDERS[label], lengths, strict=True) for c in [k] * int(n)]
     background = texture(rng, size)
@@ -147,17 +148,18 @@ def render_order(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> n
     for t in range(T):
         frame = background.copy()
         jx, jy = rng.uniform(-1, 1, 2)
-        _paint(frame, _square(size, x + jx, y + jy, obj), _COLOURS[colours[t]])
+        mask = _square(size, x + jx, y + jy, obj)  # half-transparent: the colour is faint
+        frame[mask] = 0.7 * _COLOURS[colours[t]] + 0.3 * frame[mask]
         frames[t] = frame.astype(np.uint8)
     return frames
 
 
 def render_speed(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
-    """A red square wraps around the frame to the right (labels 0, 1) or left, once (labels 0,
-    2) or twice per clip, from a random phase."""
+    """A small red square wraps around the frame to the right (labels 0, 1) or left, once
+    (labels 0, 2) or twice per clip, from a random phase."""
     sign = 1 if label in (0, 1) else -1
-    laps = 1 if label in (0, 2) else 2
-    size, obj, T = spec.size, spec.object_size, spec.num_frames
+    laps = 1.0 if label in (0, 2) else 2.0
+    size, obj, T = spec.size, max(2 * spec.object_size // 3, 3), spec.num_frames
     background = texture(rng, size)
     x0, y = rng.uniform(0, size), rng.uniform(0, size - obj)
     frames = np.empty((T, size, size, 3), dtype=np.uint8)
@@ -181,5 +183,5 @@ TASKS: dict[str, Task] = {
                       "counterclockwise_then_zoom_in", "counterclockwise_then_zoom_out"),
                      render_rotation),
     "order": Task(tuple("_".join(("red", "green", "blue")[k] for k in o) for o in ORDERS), render_order),
-    "speed": Task(("right_once", "right_twice", "left_once", "left_twice"), render_speed),
+    "speed": Task(("right_slow", "right_fast", "left_slow", "left_fast"), render_speed),
 }
