@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Extra arguments are Hydra overrides applied to every row after its own, e.g. "
                "model/backbone=resnet10 model/head=tconv trainer.precision=bf16.")
     p.add_argument("--suite", default="default",
-                   choices=sorted([*SUITES, *DATA_SUITES, "annotations"]),
+                   choices=sorted([*SUITES, *DATA_SUITES, "annotations", "accuracy"]),
                    help="gpu: the CUDA acceptance suite (resnet50 + transformer head, B=8 x T=16 "
                         "at 224 px, bf16; e2e, sbp, frame dropout, checkpoint, memory=auto at half "
                         "of e2e's peak, torch.compile), written to docs/results/gpu/<gpu>/ unless "
@@ -280,7 +280,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "annotations: the index builds, prepare kinetics and the preflight on "
                         "annotation files of the official sizes (SSv2, K400, K700, UCF101, HMDB51) "
                         "against a plain parse of the same files, written to "
-                        "docs/results/bench_annotations/ unless --out")
+                        "docs/results/bench_annotations/ unless --out. "
+                        "accuracy: val top-1 of every memory strategy on four generated temporal "
+                        "tasks, seeds 0-2 (one training run each, resumable), written to "
+                        "docs/results/bench_accuracy/ unless --out; overrides apply to every run")
     p.add_argument("--out", help="write bench.json, bench.md and bench.png here (gpu suite: "
                                  "default docs/results/gpu/<gpu name>/; data suite: "
                                  "docs/results/bench_data/)")
@@ -318,6 +321,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0,
                    help="annotations suite: the files' sizes as a fraction of the official ones "
                         "(default 1)")
+    p.add_argument("--tasks", help="accuracy suite: comma-separated tasks (default: all four)")
+    p.add_argument("--seeds", help="accuracy suite: comma-separated seeds (default 0,1,2)")
+    p.add_argument("--jobs", type=int, default=2, help="accuracy suite: training runs at a time")
+    p.add_argument("--report-only", action="store_true",
+                   help="accuracy suite: tabulate the finished runs in --out, train nothing")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
@@ -331,6 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         return child_main(args.child)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    if args.suite == "accuracy":
+        from videotrain.bench.accuracy import RESULTS, run_accuracy_bench
+
+        runs, _, table = run_accuracy_bench(
+            out=args.out or RESULTS, tasks=args.tasks.split(",") if args.tasks else None,
+            seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
+            extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
+            train=not args.report_only)
+        print(table, end="")
+        failed = [f"{r['task']}/{r['row']}/seed{r['seed']}" for r in runs if r.get("error")]
+        if failed:
+            print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1 if failed else 0
     if args.suite == "annotations":
         from videotrain.bench.annotations import run_annotation_bench
 

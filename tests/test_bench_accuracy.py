@@ -1,0 +1,70 @@
+"""The accuracy suite's bookkeeping (``videotrain.bench.accuracy``): rows, paired statistics and
+the report; the training runs themselves are ordinary ``python -m videotrain`` runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from videotrain.bench.accuracy import (
+    ROWS,
+    mean_ci,
+    render,
+    rows_for,
+    run_overrides,
+    summarize,
+    t95,
+    train_one,
+)
+
+
+def test_t95_and_mean_ci_by_hand() -> None:
+    assert t95(2) == 4.303 and t95(11) == 2.201 and t95(21) == 2.086 and t95(500) == 1.96
+    m, sd, half = mean_ci([0.80, 0.90, 1.00])
+    assert m == pytest.approx(0.9) and sd == pytest.approx(0.1)
+    assert half == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+    assert math.isnan(mean_ci([0.5])[2])
+
+
+def test_rows_follow_whether_the_backbone_mixes_frames() -> None:
+    names = [r.name for r in rows_for([])]
+    assert "sbp-frame-0.5" in names and "sbp-block-0.5" not in names and names[0] == "e2e"
+    shifted = [r.name for r in rows_for(["model.backbone.temporal_shift=0.125"])]
+    assert "sbp-block-0.25" in shifted and "sbp-frame-0.25" not in shifted
+    assert {"frame_dropout-0.5", "checkpoint-optimal"} <= set(shifted)
+    ov = run_overrides("order", ROWS[1], 2, ["optim.lr=0.002"])
+    assert "data.synthetic.task=order" in ov and "seed=2" in ov and "memory.keep_ratio=0.5" in ov
+    assert ov.index("memory=sbp") < ov.index("optim.lr=0.002")  # the user's overrides come last
+
+
+def test_summary_pairs_rows_with_e2e_of_the_same_task_and_seed() -> None:
+    runs = []
+    for task, base in (("order", 0.90), ("speed", 0.70)):
+        for seed, jitter in enumerate((0.0, 0.02, -0.02)):
+            runs.append({"task": task, "row": "e2e", "seed": seed, "val_top1": base + jitter,
+                         "param_digests": {"w": f"{task}{seed}"}})
+            runs.append({"task": task, "row": "sbp-frame-0.5", "seed": seed,
+                         "val_top1": base + jitter - 0.01 * (seed + 1), "param_digests": {"w": "x"}})
+            runs.append({"task": task, "row": "checkpoint-optimal", "seed": seed,
+                         "val_top1": base + jitter, "param_digests": {"w": f"{task}{seed}"}})
+    runs.append({"task": "speed", "row": "frame_dropout-0.5", "seed": 0, "error": "not run"})
+    rows = [r for r in ROWS if r.name in ("e2e", "sbp-frame-0.5", "checkpoint-optimal", "frame_dropout-0.5")]
+    summary = summarize(runs, rows)
+    order_sbp = next(p for p in summary["per_task"] if p["task"] == "order" and p["row"] == "sbp-frame-0.5")
+    assert order_sbp["diff"] == pytest.approx(-0.02)  # mean of -0.01, -0.02, -0.03
+    assert order_sbp["diff_ci95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3))
+    overall = {o["row"]: o for o in summary["overall"]}
+    assert overall["sbp-frame-0.5"]["pairs"] == 6 and overall["sbp-frame-0.5"]["diff"] == pytest.approx(-0.02)
+    assert overall["e2e"]["mean"] == pytest.approx(0.80)
+    assert overall["checkpoint-optimal"]["weights_equal_e2e"] and not overall["sbp-frame-0.5"]["weights_equal_e2e"]
+    assert "frame_dropout-0.5" not in overall  # a run that did not finish is not a zero
+    table = render(summary, {"e2e": 1.0, "sbp-frame-0.5": 0.55, "checkpoint-optimal": 0.4},
+                   {"command": "x", "machine": "m", "seeds": [0, 1, 2]})
+    assert "| sbp-frame-0.5 | 0.55 |" in table and "-2.0 ±" in table and "weights identical to e2e" in table
+
+
+def test_report_only_does_not_train(tmp_path: Path) -> None:
+    assert train_one(tmp_path / "run", ["seed=0"], 1, 10, train=False) == {"error": "not run"}
+    assert not (tmp_path / "run").exists()

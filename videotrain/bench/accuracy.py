@@ -1,0 +1,270 @@
+"""The accuracy suite (``python -m videotrain.bench --suite accuracy``): what each memory strategy
+costs in accuracy, on temporal tasks that the default model does not saturate.
+
+Every (task, row, seed) is one ordinary training run, ``python -m videotrain`` in a fresh
+subprocess on a generated task of ``videotrain/data/temporal_tasks.py`` (four classes each,
+an order-blind model at chance), with the default model and recipe plus the row's ``memory``
+overrides. Runs of one seed share the model initialisation and the data order, so each row is
+compared with ``e2e`` of the same task and seed: the paired difference, with a 95% Student-t
+interval over seeds (per task) and over every (task, seed) pair (the average over the tasks).
+Stored activations, the memory a row saves, are counted for one training forward of the
+row's model (``metrics.saved``), relative to ``e2e``.
+
+A finished run (its ``results.json``) is not run again: an interrupted suite goes on where it
+stopped. Results: ``accuracy.json`` (every run), ``accuracy.md`` (the tables) and
+``accuracy.png`` (accuracy against stored activations) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TASKS = ("direction", "rotation", "order", "speed")
+SEEDS = (0, 1, 2)
+RESULTS = "docs/results/bench_accuracy"
+# the generated tasks: 16 source frames, so the default clip (8 frames at rate 2) spans the video;
+# validation once, at the end, on 32 videos per class; the CPU peak meter on as few steps as it takes
+TASK_DATA = ("data.synthetic.num_frames=16", "data.synthetic.val_per_class=32",
+             "trainer.val_every_n_epochs=${trainer.max_epochs}", "trainer.cpu_metered_steps=2")
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    overrides: tuple[str, ...]
+    frame_mixing: bool | None = None  # True: only where the backbone mixes frames; False: only where not
+
+
+ROWS: tuple[Row, ...] = (
+    Row("e2e", ("memory=e2e",)),
+    Row("sbp-frame-0.5", ("memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=frame"), False),
+    Row("sbp-frame-0.25", ("memory=sbp", "memory.keep_ratio=0.25", "memory.granularity=frame"), False),
+    Row("sbp-block-0.5", ("memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=block"), True),
+    Row("sbp-block-0.25", ("memory=sbp", "memory.keep_ratio=0.25", "memory.granularity=block"), True),
+    Row("frame_dropout-0.5", ("memory=frame_dropout", "memory.keep_ratio=0.5")),
+    Row("frame_dropout-0.25", ("memory=frame_dropout", "memory.keep_ratio=0.25")),
+    Row("checkpoint-optimal", ("memory=checkpoint", "memory.policy=optimal")),
+)
+
+# two-sided 95% Student-t quantiles by degrees of freedom (larger df: the normal's 1.96)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
+        17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 24: 2.064, 29: 2.045, 40: 2.021, 60: 2.000}
+
+
+def t95(df: int) -> float:
+    """The two-sided 95% Student-t quantile for ``df`` degrees of freedom (conservative between
+    tabulated values)."""
+    if df < 1:
+        return math.nan
+    if df > max(_T95):
+        return 1.96
+    return _T95[max(k for k in _T95 if k <= df)]
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """Mean, sample std and the half-width of the mean's 95% t interval (nan for one value)."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, math.nan, math.nan
+    sd = statistics.stdev(values)
+    return m, sd, t95(len(values) - 1) * sd / math.sqrt(len(values))
+
+
+def rows_for(overrides: list[str]) -> list[Row]:
+    """The suite's rows for a model: frame-granularity SBP where the backbone treats frames
+    independently, block granularity where it mixes them (``model.backbone.temporal_shift``)."""
+    mixing = any(o.startswith("model.backbone.temporal_shift=") and float(o.split("=", 1)[1]) > 0
+                 for o in overrides) or _default_shift() > 0
+    return [r for r in ROWS if r.frame_mixing is None or r.frame_mixing == mixing]
+
+
+def _default_shift() -> float:
+    from videotrain.build import compose_cfg
+
+    return float(compose_cfg([]).model.backbone.get("temporal_shift", 0) or 0)
+
+
+def run_overrides(task: str, row: Row, seed: int, extra: list[str]) -> list[str]:
+    return [f"data.synthetic.task={task}", *TASK_DATA, f"seed={seed}", *row.overrides, *extra,
+            "trainer.progress=false", "logger.wandb.mode=disabled"]
+
+
+def train_one(run_dir: Path, overrides: list[str], threads: int, timeout: float,
+              train: bool = True) -> dict[str, Any]:
+    """One training run in a fresh interpreter; its results.json, or the error it ended with.
+    ``train=False``: only what a finished run left (the report of a partial suite)."""
+    done = run_dir / "results.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    if not train:
+        return {"error": "not run"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "videotrain", *overrides, f"hydra.run.dir={run_dir}"]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0 or not done.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"exit {proc.returncode}: {tail[0]}"}
+    result = json.loads(done.read_text())
+    result["wall_s"] = time.perf_counter() - start
+    done.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def stored_activation_bytes(overrides: list[str]) -> int:
+    """Bytes that one training forward of the row's model keeps for backward, on a batch of
+    the configured shape (the same for every task: they share the clip and model settings)."""
+    import torch
+
+    from videotrain.build import build_model, compose_cfg
+    from videotrain.metrics.saved import saved_activation_bytes
+
+    cfg = compose_cfg(overrides)
+    torch.manual_seed(0)
+    model = build_model(cfg, num_classes=4).train()
+    d = cfg.data
+    video = torch.randn(d.batch_size, d.num_frames, 3, d.crop_size, d.crop_size)  # (B, T, C, H, W)
+    return saved_activation_bytes(model, video)
+
+
+def summarize(runs: list[dict[str, Any]], rows: list[Row]) -> dict[str, Any]:
+    """Per (task, row): mean/std over seeds and the paired difference to e2e with its interval;
+    per row: the same over every (task, seed) pair."""
+    acc = {(r["task"], r["row"], r["seed"]): r["val_top1"] for r in runs if "val_top1" in r}
+    digests = {(r["task"], r["row"], r["seed"]): r.get("param_digests") for r in runs if "val_top1" in r}
+    per_task, overall = [], []
+    tasks = sorted({r["task"] for r in runs}, key=lambda t: TASKS.index(t) if t in TASKS else 99)
+    for row in rows:
+        pooled: list[float] = []
+        for task in tasks:
+            seeds = sorted(s for (t, n, s) in acc if t == task and n == row.name)
+            if not seeds:
+                continue
+            vals = [acc[task, row.name, s] for s in seeds]
+            diffs = [acc[task, row.name, s] - acc[task, "e2e", s] for s in seeds if (task, "e2e", s) in acc]
+            pooled += diffs
+            m, sd, _ = mean_ci(vals)
+            dm, _, dci = mean_ci(diffs) if diffs else (math.nan, math.nan, math.nan)
+            per_task.append({"task": task, "row": row.name, "seeds": len(vals), "mean": m, "std": sd,
+                             "diff": dm, "diff_ci95": dci})
+        if pooled:
+            dm, dsd, dci = mean_ci(pooled)
+            means = [p["mean"] for p in per_task if p["row"] == row.name]
+            # the trained weights equal e2e's in every (task, seed) pair (checkpointing must)
+            same = [digests[k] is not None and digests[k] == digests.get((k[0], "e2e", k[2]))
+                    for k in digests if k[1] == row.name and (k[0], "e2e", k[2]) in digests]
+            overall.append({"row": row.name, "pairs": len(pooled), "mean": statistics.fmean(means),
+                            "diff": dm, "diff_std": dsd, "diff_ci95": dci,
+                            "weights_equal_e2e": bool(same) and all(same)})
+    return {"per_task": per_task, "overall": overall}
+
+
+def _pct(x: float) -> str:
+    return "–" if math.isnan(x) else f"{100 * x:+.1f}"
+
+
+def render(summary: dict[str, Any], stored: dict[str, float], meta: dict[str, Any]) -> str:
+    tasks = list(dict.fromkeys(p["task"] for p in summary["per_task"]))
+    lines = [f"# Accuracy suite: {meta['command']}", "",
+             f"{meta['machine']}; {len(meta['seeds'])} seeds ({', '.join(map(str, meta['seeds']))}); "
+             "val top-1 on 128 videos per task (32 per class); mean ± std over seeds; Δ: the paired "
+             "difference to e2e of the same task and seed, in points, ± the 95% t interval's "
+             "half-width. Stored: activations one training forward keeps, relative to e2e.", "",
+             "| row | stored | " + " | ".join(tasks) + " | mean | Δ mean (95% CI) |",
+             "|---|---|" + "---|" * len(tasks) + "---|---|"]
+    by = {(p["task"], p["row"]): p for p in summary["per_task"]}
+    for o in summary["overall"]:
+        cells = []
+        for t in tasks:
+            p = by.get((t, o["row"]))
+            if p is None:
+                cells.append("–")
+                continue
+            cell = f"{p['mean']:.3f} ± {p['std']:.3f}"
+            if o["row"] != "e2e":
+                cell += f" (Δ {_pct(p['diff'])} ± {100 * p['diff_ci95']:.1f})"
+            cells.append(cell)
+        delta = "" if o["row"] == "e2e" else f"{_pct(o['diff'])} ± {100 * o['diff_ci95']:.1f} (n={o['pairs']})"
+        if o["row"] != "e2e" and o["weights_equal_e2e"]:
+            delta += "; weights identical to e2e"
+        lines.append(f"| {o['row']} | {stored.get(o['row'], math.nan):.2f} | " + " | ".join(cells)
+                     + f" | {o['mean']:.3f} | {delta} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], stored: dict[str, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for o in summary["overall"]:
+        x = stored.get(o["row"], math.nan)
+        ax.errorbar([x], [o["mean"]], yerr=[[0.0], [0.0]], fmt="o")
+        ax.annotate(o["row"], (x, o["mean"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    for t in dict.fromkeys(p["task"] for p in summary["per_task"]):
+        pts = sorted((stored.get(p["row"], math.nan), p["mean"]) for p in summary["per_task"] if p["task"] == t)
+        ax.plot([a for a, _ in pts], [b for _, b in pts], ".", alpha=0.5, label=t)
+    ax.set_xlabel("stored activations per training forward (fraction of e2e)")
+    ax.set_ylabel("val top-1 (mean over seeds; large: mean over tasks)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None,
+                       seeds: list[int] | None = None, only: list[str] | None = None,
+                       extra: list[str] | None = None, jobs: int = 2, timeout: float = 1800,
+                       train: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """Run (or resume) the suite and write its results; returns (runs, summary, markdown).
+    ``train=False`` reports the finished runs and trains nothing."""
+    import fnmatch
+    import platform
+
+    out, extra = Path(out), list(extra or [])
+    tasks, seeds = list(tasks or TASKS), list(seeds or SEEDS)
+    rows = [r for r in rows_for(extra) if not only or r.name == "e2e"
+            or any(fnmatch.fnmatch(r.name, g) for g in only)]
+    todo = [(t, r, s) for s in seeds for t in tasks for r in rows]
+    threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
+
+    def one(item: tuple[str, Row, int]) -> dict[str, Any]:
+        t, r, s = item
+        res = train_one(out / "runs" / t / r.name / f"seed{s}", run_overrides(t, r, s, extra), threads,
+                        timeout, train)
+        print(f"{t} {r.name} seed {s}: " + (f"val top-1 {res['val_top1']:.3f}" if "val_top1" in res
+                                              else res["error"]), flush=True)
+        return {"task": t, "row": r.name, "seed": s, **res}
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        runs = list(pool.map(one, todo))
+    e2e_bytes = stored_activation_bytes(list(extra))
+    stored = {r.name: stored_activation_bytes([*r.overrides, *extra]) / e2e_bytes for r in rows}
+    summary = summarize(runs, rows)
+    meta = {"command": "python -m videotrain.bench --suite accuracy " + " ".join(extra),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {jobs} runs at a time",
+            "seeds": seeds, "tasks": tasks, "extra_overrides": extra, "stored_frac": stored}
+    table = render(summary, stored, meta)
+    out.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k not in ("param_digests", "class_names", "skipped_paths")} for r in runs]
+    (out / "accuracy.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": slim}, indent=2))
+    (out / "accuracy.md").write_text(table)
+    plot(summary, stored, out / "accuracy.png")
+    return runs, summary, table
