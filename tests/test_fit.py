@@ -100,3 +100,51 @@ def test_e2e_row_agrees_with_torch_memtracker_over_meta_tensors() -> None:
     theirs = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     print(f"e2e fp32: predicted {ours / GIB:.4f} GiB, MemTracker {theirs / GIB:.4f} GiB")
     assert ours == pytest.approx(theirs, rel=0.25), (ours / GIB, theirs / GIB)
+
+
+def test_fit_predicts_the_frozen_backbone_step_training_builds(report: dict) -> None:
+    """``model.freeze_backbone=true`` (a linear probe): the e2e row's training step is what a
+    fake step of the frozen model counts, built by hand as ``build_model`` builds it, and less than the
+    unfrozen row (no backbone gradients, no optimizer state for them, nothing saved)."""
+    from hydra.utils import instantiate
+
+    from videotrain.build import optimizer_from_cfg
+    from videotrain.engine.precision import PRECISIONS
+    from videotrain.memory.auto.predict import simulate_step
+    from videotrain.memory.e2e import EndToEnd
+    from videotrain.models.finetune import freeze_backbone
+    from videotrain.models.video import VideoClassifier
+
+    frozen = fit_report([*TINY, "model.freeze_backbone=true"], device_gb=1.0)
+    row = next(r for r in frozen["rows"] if r["strategy"] == "e2e")
+    cfg = compose_cfg([*TINY, "model.freeze_backbone=true"])
+
+    def make_model() -> VideoClassifier:
+        backbone = instantiate(cfg.model.backbone, pretrained=None)
+        model = VideoClassifier(backbone, instantiate(cfg.model.head, in_dim=backbone.feature_dim,
+                                                      num_classes=400), EndToEnd())
+        freeze_backbone(model)
+        return model
+
+    def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+        optimizer = optimizer_from_cfg(cfg, model)
+        for group in optimizer.param_groups:
+            group["foreach"] = True  # as for a CUDA target
+        return optimizer
+
+    ref = simulate_step(make_model, make_optimizer, (2, 8, 3, 96, 96), 400,
+                        autocast_dtype=PRECISIONS["bf16"], grad_clip=cfg.trainer.grad_clip,
+                        label_smoothing=float(cfg.trainer.label_smoothing))
+    assert row["predicted_train_peak_gb"] == ref.train_peak / GIB
+    assert row["held_gb"] == ref.held / GIB
+    unfrozen = next(r for r in report["rows"] if r["strategy"] == "e2e")
+    assert row["predicted_train_peak_gb"] < 0.8 * unfrozen["predicted_train_peak_gb"]
+    assert row["held_gb"] < unfrozen["held_gb"]
+
+
+def test_fit_simulates_sync_bn_as_training_builds_it() -> None:
+    """``trainer.sync_bn=true`` reaches the simulated model: SBP's full-batch BN statistics are
+    refused with it, in the prediction as in training."""
+    cfg = compose_cfg([*TINY, "trainer.sync_bn=true", "memory=sbp", "memory.bn_policy=full_batch"])
+    with pytest.raises(ValueError, match="trainer.sync_bn=true does not combine with memory=sbp"):
+        simulate_cfg(cfg, "cuda")

@@ -3,8 +3,9 @@
 ``python -m videotrain.plan --fit GB`` calls :func:`fit_report`. For each strategy row (the
 ``memory=`` names) the configured model's training step and validation forward run on fake
 tensors (``videotrain.memory.auto.predict``), at full size, with the configured precision
-and optimizer; nothing is allocated and no weights are loaded (``model.pretrained`` is
-ignored). Each simulation runs in a process of its own (two at a time, from a fork server).
+and optimizer. The model is built as training builds it (``build.build_model``:
+``model.freeze_backbone``, SyncBatchNorm under ``trainer.sync_bn``), with no weights read
+(``model.pretrained``, ``pretrained_path`` and ``init_from`` are ignored); nothing is allocated. Each simulation runs in a process of its own (two at a time, from a fork server).
 
 What is predicted is ``torch.cuda.max_memory_allocated`` during a training step (parameters,
 gradients, optimizer state, the batch, and what the strategy keeps and allocates), and during
@@ -28,10 +29,15 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from videotrain.build import compose_cfg, eval_settings, group_choices, optimizer_from_cfg
+from videotrain.build import (
+    build_model,
+    compose_cfg,
+    eval_settings,
+    group_choices,
+    optimizer_from_cfg,
+)
 from videotrain.config_files import checked_config
 from videotrain.engine.precision import PRECISIONS
 from videotrain.memory.auto.predict import (
@@ -76,11 +82,14 @@ def simulate_cfg(cfg: DictConfig, target: str, with_eval: bool = True) -> StepMe
     test = int(cfg.eval.batch_size) * int(cfg.eval.clips) * int(cfg.eval.crops)
     eval_shape = (max(val, test if cfg.trainer.test_after_fit else 0), t, 3, size, size)
     classes = num_classes_of(cfg)
+    # trainer.sync_bn converts BatchNorm on CUDA (with several processes, as the user intends
+    # by setting it); on a single process SyncBatchNorm runs as BatchNorm, so it is simulated
+    sync_bn = bool(cfg.trainer.sync_bn) and target == "cuda"
 
     def make_model() -> VideoClassifier:
-        backbone = instantiate(cfg.model.backbone, pretrained=None)  # planning loads no weights
-        head = instantiate(cfg.model.head, in_dim=backbone.feature_dim, num_classes=classes)
-        return VideoClassifier(backbone, head, instantiate(cfg.memory))
+        # training's own builder (model.freeze_backbone, SyncBatchNorm, the strategy), without
+        # reading any weights: values do not change memory
+        return build_model(cfg, classes, sync_bn=sync_bn, init=False)
 
     def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
         optimizer = optimizer_from_cfg(cfg, model)
