@@ -40,11 +40,11 @@ from videotrain.engine.optim import build_optimizer, scaled_lr
 from videotrain.engine.precision import Precision
 from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.trainer import TrainerSettings
-from videotrain.memory.auto.predict import StepMemory
 from videotrain.memory.base import SelfPlanning
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier
 from videotrain.models.weights import load_backbone_weights
+from videotrain.simulate.step import StepMemory
 
 log = logging.getLogger(__name__)
 

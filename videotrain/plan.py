@@ -59,7 +59,9 @@ from videotrain.build import (
     resolve_device,
     seed_everything,
 )
-from videotrain.memory.auto.predict import (
+from videotrain.memory.recompute import InfeasibleBudget, Recompute
+from videotrain.simulate.config_run import ConfigPredictor, num_classes_of, run_isolated
+from videotrain.simulate.step import (
     CUDA_CONTEXT_GIB,
     GIB,
     UNSEEN_FRAC,
@@ -67,8 +69,6 @@ from videotrain.memory.auto.predict import (
     device_need,
     usable_bytes,
 )
-from videotrain.memory.recompute import InfeasibleBudget, Recompute
-from videotrain.simulate.config_run import ConfigPredictor, num_classes_of, run_isolated
 
 # (strategy, keep_ratio, policy, overrides): the rows of the fit table, by memory= name
 FIT_ROWS: list[tuple[str, float | None, str | None, list[str]]] = [

@@ -14,7 +14,6 @@ from hydra.utils import instantiate
 import videotrain.run as run
 from videotrain import plan
 from videotrain.memory.auto.candidates import TIER_SBP, Candidate, NoPlanFits, Options, ranked
-from videotrain.memory.auto.predict import GIB, UNSEEN_FRAC, StepMemory
 from videotrain.memory.auto.predicted import INFEASIBLE, choose_predicted, predicted_candidates
 from videotrain.memory.auto.profile import MB
 from videotrain.memory.auto.strategy import STRATEGIES, AutoStrategy, memory_node
@@ -24,6 +23,7 @@ from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier
+from videotrain.simulate.step import GIB, UNSEEN_FRAC, StepMemory
 
 T = 16
 

@@ -2,8 +2,8 @@
 
 With ``memory.budget_gb`` (or on CUDA with no budget set), ``AutoStrategy`` does not profile
 real steps, which at full size could run out of memory themselves: each candidate it reaches is
-predicted on fake tensors (:func:`videotrain.memory.auto.predict.simulate_step`, in a process of
-its own, through ``videotrain.fit``), its training step and validation forward together, as
+predicted on fake tensors (:func:`videotrain.simulate.step.simulate_step`, in a process of
+its own, through ``videotrain.simulate.config_run``), its training step and validation forward together, as
 ``python -m videotrain.plan --fit GB`` predicts its rows. The first steps of training then
 verify the choice, as for a profiled plan (``AutoStrategy.observe_step``).
 

@@ -47,13 +47,6 @@ from videotrain.memory.auto.candidates import (
     reason,
     render_table,
 )
-from videotrain.memory.auto.predict import (
-    CUDA_CONTEXT_GIB,
-    GIB,
-    UNSEEN_FRAC,
-    StepMemory,
-    usable_bytes,
-)
 from videotrain.memory.auto.predicted import INFEASIBLE, choose_predicted, predicted_candidates
 from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
 from videotrain.memory.base import FrameFeatures, MemoryStrategy
@@ -63,6 +56,13 @@ from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.planner import InfeasibleBudget
 from videotrain.memory.sampling import SAMPLERS
 from videotrain.memory.sbp.strategy import StochasticBackprop
+from videotrain.simulate.step import (
+    CUDA_CONTEXT_GIB,
+    GIB,
+    UNSEEN_FRAC,
+    StepMemory,
+    usable_bytes,
+)
 
 log = logging.getLogger(__name__)
 
