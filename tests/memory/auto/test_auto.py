@@ -23,7 +23,6 @@ from videotrain.memory.auto.candidates import (
     NoPlanFits,
     Options,
     build_candidates,
-    choose,
     dropout_peak,
     keep_counts,
     ranked,
@@ -31,6 +30,7 @@ from videotrain.memory.auto.candidates import (
     sbp_peak,
     sbp_time,
 )
+from videotrain.memory.auto.choice import choose
 from videotrain.memory.auto.profile import MB, Measured, Profile
 from videotrain.memory.auto.strategy import AutoStrategy
 from videotrain.memory.base import MemoryStrategy, SelfPlanning, StepObserver
