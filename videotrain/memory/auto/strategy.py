@@ -52,8 +52,8 @@ from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_b
 from videotrain.memory.base import FrameFeatures, MemoryStrategy
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
-from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.planner import InfeasibleBudget
+from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sampling import SAMPLERS
 from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.simulate.step import (
