@@ -19,7 +19,7 @@ import logging
 import os
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from videotrain.memory.base import SelfPlanning
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier
 from videotrain.models.weights import load_backbone_weights
+from videotrain.simulate.step import StepMemory
 
 log = logging.getLogger(__name__)
 
@@ -308,19 +309,23 @@ def use_sync_bn(cfg: DictConfig, ctx: DistContext, device: torch.device) -> bool
 
 
 def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision | None,
-                device: torch.device, num_classes: int) -> dict[str, Any] | None:
+                device: torch.device, num_classes: int,
+                predictor: Callable[[DictConfig, int, str], Callable[[dict[str, Any]], StepMemory]],
+                ) -> dict[str, Any] | None:
     """Let a self-planning strategy (``memory=auto``) choose its plan before training: from
     fake-tensor predictions of the configured run at full size (``memory.budget_gb``, or CUDA
-    with no budget; ``videotrain.fit.ConfigPredictor``), or from profiling steps of the
-    configured model and batch (in ``precision``; predictions need none). A no-op (None) for
-    every other strategy. Raises ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget."""
+    with no budget), or from profiling steps of the configured model and batch (in
+    ``precision``; predictions need none). A no-op (None) for every other strategy. Raises
+    ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget.
+
+    ``predictor(cfg, num_classes, device_type)`` makes the predictor of a ``memory:`` node's
+    step: the commands pass ``videotrain.simulate.config_run.ConfigPredictor``, which builds
+    the model here through this module (so build does not import it)."""
     if not isinstance(model.strategy, SelfPlanning):
         return None
     d = cfg.data
     if model.strategy.predicts(device):
-        from videotrain.fit import ConfigPredictor
-
-        return model.strategy.plan_predicted(ConfigPredictor(cfg, num_classes, device.type),
+        return model.strategy.plan_predicted(predictor(cfg, num_classes, device.type),
                                              int(d.num_frames), device)
     from videotrain.memory.auto.profile import StepProbe
 

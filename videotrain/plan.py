@@ -2,9 +2,19 @@
 
 With ``--fit GB``: will this run fit a GPU with GB GiB of memory? For the configured model and
 batch at full size, every memory strategy's training-step and validation peak is predicted on
-fake tensors (``videotrain.fit``, no GPU, no dataset, no weights), with whether it fits and the
-largest ``data.batch_size`` and ``data.num_frames`` that would; printed as a table and written
-to ``--out`` as JSON.
+fake tensors (:func:`fit_report`: one simulation of the configured run per row, each in a
+process of its own, ``videotrain.simulate.config_run``; no GPU, no dataset, no weights), with
+whether it fits and the largest ``data.batch_size`` and ``data.num_frames`` that would; printed
+as a table and written to ``--out`` as JSON.
+
+What is predicted is ``torch.cuda.max_memory_allocated`` during a training step (parameters,
+gradients, optimizer state, the batch, and what the strategy keeps and allocates), and during
+a validation forward. A row fits when that peak plus the headroom stays within the card: the
+CUDA context (not in ``max_memory_allocated``) and a share for what fake tensors cannot see
+(cuDNN/cuBLAS workspaces, the caching allocator's rounding and fragmentation). The largest
+batch size and frame count are extrapolated from the same simulation (``StepMemory.scaled``):
+what the forward and backward keep and allocate grows linearly with the frames of a batch,
+while parameters, gradients, optimizer state and the optimizer's temporaries do not.
 
 Without ``--fit``, the recomputation plan viewer:
 
@@ -33,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +54,34 @@ from videotrain.build import (
     build_model,
     build_precision,
     compose_cfg,
+    group_choices,
     plan_memory,
     resolve_device,
     seed_everything,
 )
-from videotrain.fit import fit_report, render_fit
 from videotrain.memory.recompute import InfeasibleBudget, Recompute
+from videotrain.simulate.config_run import ConfigPredictor, num_classes_of, run_isolated
+from videotrain.simulate.step import (
+    CUDA_CONTEXT_GIB,
+    GIB,
+    UNSEEN_FRAC,
+    StepMemory,
+    device_need,
+    usable_bytes,
+)
+
+# (strategy, keep_ratio, policy, overrides): the rows of the fit table, by memory= name
+FIT_ROWS: list[tuple[str, float | None, str | None, list[str]]] = [
+    ("e2e", None, None, ["memory=e2e"]),
+    ("sbp", 0.5, None, ["memory=sbp", "memory.keep_ratio=0.5"]),
+    ("sbp", 0.25, None, ["memory=sbp", "memory.keep_ratio=0.25"]),
+    ("frame_dropout", 0.5, None, ["memory=frame_dropout", "memory.keep_ratio=0.5"]),
+    ("checkpoint", None, "blocks", ["memory=checkpoint", "memory.policy=blocks"]),
+    ("checkpoint", None, "sqrt", ["memory=checkpoint", "memory.policy=sqrt"]),
+    ("checkpoint", None, "optimal", ["memory=checkpoint", "memory.policy=optimal",
+                                     "memory.budget_mb=null", "memory.budget_frac=null"]),
+    ("sbp", 0.5, "optimal", ["memory=sbp", "memory.keep_ratio=0.5", "memory.checkpoint=optimal"]),
+]
 
 
 def strategy_from(cfg: DictConfig) -> Recompute:
@@ -88,11 +121,11 @@ def auto_report(cfg: DictConfig) -> dict[str, Any]:
     if OmegaConf.select(cfg, "memory.budget_gb") is not None:
         device = torch.device(name) if name.startswith("cuda") else resolve_device(name)
         model = build_model(cfg, num_classes, init=False)  # stays on the CPU: only its structure is read
-        return plan_memory(cfg, model, None, device, num_classes) or {}
+        return plan_memory(cfg, model, None, device, num_classes, ConfigPredictor) or {}
     device = resolve_device(name)
     precision = build_precision(cfg, device)
     model = build_model(cfg, num_classes, init=False).to(device)
-    return plan_memory(cfg, model, precision, device, num_classes) or {}
+    return plan_memory(cfg, model, precision, device, num_classes, ConfigPredictor) or {}
 
 
 def is_auto(cfg: DictConfig) -> bool:
@@ -119,6 +152,89 @@ def render(report: dict[str, Any]) -> str:
             f"  segment {i:2d}: {len(seg['nodes']):3d} tensors {seg['bytes'] / mib:8.2f} MiB  "
             f"{seg['nodes'][0]} .. {seg['nodes'][-1]}  keeps: {kept}"
         )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- --fit: the fit table
+def _largest(mem: StepMemory, current: int, budget: float, frames: bool, cap: int = 4096) -> int:
+    """The largest clips per batch (or frames per clip) whose extrapolated need fits ``budget``."""
+    best = 0
+    for n in range(1, cap + 1):
+        if device_need(mem.scaled(n / current, frames)) > budget:
+            break
+        best = n
+    return best
+
+
+def fit_report(overrides: list[str], device_gb: float | None, target: str = "cuda",
+               processes: int = 2) -> dict[str, Any]:
+    """The fit table for the config ``overrides``, each row's memory strategy substituted:
+    predicted training and validation peaks (GiB), and with ``device_gb`` (GiB, as cards are
+    sold: a "24 GB" card has 24 GiB) whether the row fits and the largest batch size and
+    frame count that would."""
+    base = compose_cfg(overrides)
+    choices = group_choices(overrides)
+    d = base.data
+    b, t = int(d.batch_size), int(d.num_frames)
+    rows = [(s, k, p, [*overrides, *row_ov]) for s, k, p, row_ov in FIT_ROWS]
+    # the optimal plans take longest (the planner's search): start them first
+    order = sorted(range(len(rows)), key=lambda i: rows[i][2] != "optimal")
+    t0 = time.perf_counter()
+    done = run_isolated([(rows[i][3], target) for i in order], processes)
+    results = [done[order.index(i)] for i in range(len(rows))]
+    budget = None if device_gb is None else usable_bytes(device_gb, target)
+    out_rows = []
+    for (strategy, keep, policy, _), res in zip(rows, results, strict=True):
+        row: dict[str, Any] = {"strategy": strategy, "keep_ratio": keep, "policy": policy}
+        if "error" in res:
+            out_rows.append({**row, "error": res["error"]})
+            continue
+        mem: StepMemory = res["memory"]
+        row.update({
+            "predicted_train_peak_gb": mem.train_peak / GIB,
+            "predicted_eval_peak_gb": (mem.eval_peak or 0) / GIB,
+            "predicted_step_increase_mb": mem.step_increase / 2**20,
+            "held_gb": mem.held / GIB,
+            "seconds": res["seconds"],
+        })
+        if budget is not None:
+            row.update({"fits": device_need(mem) <= budget,
+                        "max_batch_size": _largest(mem, b, budget, frames=False),
+                        "max_num_frames": _largest(mem, t, budget, frames=True)})
+        out_rows.append(row)
+    return {
+        "device": target, "device_memory_gb": device_gb,
+        "precision": str(base.trainer.precision), "backbone": choices["model/backbone"],
+        "head": choices["model/head"], "batch_size": b, "num_frames": t,
+        "crop_size": int(d.crop_size), "optimizer": str(base.optim.name),
+        "num_classes": num_classes_of(base),
+        "headroom": {"cuda_context_gb": CUDA_CONTEXT_GIB, "unseen_frac": UNSEEN_FRAC},
+        "rows": out_rows, "seconds": time.perf_counter() - t0, "processes": processes,
+    }
+
+
+def render_fit(report: dict[str, Any]) -> str:
+    """The fit table as text."""
+    gb = report["device_memory_gb"]
+    head = (f"{report['backbone']} + {report['head']}, {report['batch_size']} clips x "
+            f"{report['num_frames']} frames x {report['crop_size']} px, {report['precision']}, "
+            f"{report['optimizer']}" + (f", on a {gb:g} GiB {report['device']} device" if gb else ""))
+    lines = [head, f"{'strategy':<26}{'train GiB':>10}{'eval GiB':>10}"
+             + (f"{'fits':>6}{'max batch':>11}{'max frames':>12}" if gb else "")]
+    for r in report["rows"]:
+        name = r["strategy"] + (f" {r['keep_ratio']:g}" if r["keep_ratio"] else "") + (
+            f" +{r['policy']}" if r["policy"] and r["strategy"] == "sbp" else
+            f" {r['policy']}" if r["policy"] else "")
+        if "error" in r:
+            lines.append(f"{name:<26}error: {r['error']}")
+            continue
+        line = f"{name:<26}{r['predicted_train_peak_gb']:>10.2f}{r['predicted_eval_peak_gb']:>10.2f}"
+        if gb:
+            line += f"{'yes' if r['fits'] else 'no':>6}{r['max_batch_size']:>11}{r['max_num_frames']:>12}"
+        lines.append(line)
+    lines.append(f"headroom: {report['headroom']['cuda_context_gb']} GiB CUDA context + "
+                 f"{report['headroom']['unseen_frac']:.0%} for workspaces and fragmentation; "
+                 f"{report['seconds']:.0f} s")
     return "\n".join(lines)
 
 

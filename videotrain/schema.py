@@ -33,7 +33,7 @@ from videotrain.engine.recipe import RecipeSettings
 from videotrain.memory.auto.strategy import AutoStrategy
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
-from videotrain.memory.recompute.checkpoint import Recompute
+from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.models import heads
 from videotrain.models.backbones import resnet, vit

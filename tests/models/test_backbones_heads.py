@@ -216,3 +216,31 @@ def test_precision_choices() -> None:
         Precision("16", CPU)
     with pytest.raises(ValueError, match="trainer.precision must be one of"):
         Precision("64", CPU)
+
+
+def test_transformer_head_layers_start_as_torchs_clones() -> None:
+    """``TransformerHead`` builds its encoder layers instead of letting ``nn.TransformerEncoder``
+    deep-copy one (a deep copy reads a fake tensor's data pointer): the same parameter names and
+    initial values as the clones, and the same draws from the random generator after it."""
+    torch.manual_seed(3)
+    head = TransformerHead(32, K, d_model=16, num_layers=3, num_heads=2, dropout=0.1, max_frames=8)
+    after = torch.rand(4)
+    torch.manual_seed(3)  # the same construction with torch's clones
+    proj = nn.Sequential(nn.Linear(32, 16), nn.LayerNorm(16))
+    pos = nn.Embedding(8, 16)
+    nn.init.normal_(pos.weight, std=0.2)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True, norm_first=True)
+    encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    norm, fc = nn.LayerNorm(16), nn.Linear(16, K)
+    ours = head.state_dict()
+    clones = {**{f"proj.{k}": v for k, v in proj.state_dict().items()}, "cls": torch.zeros(1, 1, 16),
+              "pos.weight": pos.weight, **{f"encoder.{k}": v for k, v in encoder.state_dict().items()},
+              **{f"norm.{k}": v for k, v in norm.state_dict().items()},
+              **{f"fc.{k}": v for k, v in fc.state_dict().items()}}
+    assert sorted(ours) == sorted(clones)
+    for name, value in clones.items():
+        assert torch.equal(ours[name], value), name
+    assert torch.equal(after, torch.rand(4))
+    assert head.encoder.num_layers == len(head.encoder.layers) == 3
+    x, positions = torch.randn(2, 5, 32), torch.arange(5).expand(2, 5)  # (B, T', D), (B, T')
+    assert head.eval()(x, positions).shape == (2, K)

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from videotrain.memory.auto.predict import no_grad_peak
 from videotrain.memory.base import encode_all_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
@@ -18,6 +17,7 @@ from videotrain.metrics.live_bytes import LiveStorageBytes
 from videotrain.models.backbones import resnet, vit
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier
+from videotrain.simulate.step import no_grad_peak
 
 BACKBONES = {
     "resnet": lambda: resnet(layers=[1, 1, 1, 1]),

@@ -8,6 +8,8 @@ thing to it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,6 +57,21 @@ class TConvHead(nn.Module):
         return self.fc(self.drop(x.mean(dim=2)))
 
 
+def _identical(make: Callable[[], nn.Module], n: int) -> nn.ModuleList:
+    """``n`` modules with the same initial weights and one module's draws from the random
+    generator: what ``nn.TransformerEncoder``'s deep copies of one layer give, built instead of
+    copied. A deep copy of a fake tensor reads its data pointer (torch warns that this is
+    deprecated), and the memory simulator builds the model on fake tensors."""
+    first = make()
+    rest = []
+    with torch.random.fork_rng(devices=[]):  # the copies draw nothing, as a deep copy does not
+        for _ in range(n - 1):
+            rest.append(make())
+    for module in rest:
+        module.load_state_dict(first.state_dict())
+    return nn.ModuleList([first, *rest])
+
+
 class TransformerHead(nn.Module):
     """A small transformer encoder with a class token and learned *position* embeddings."""
 
@@ -79,15 +96,14 @@ class TransformerHead(nn.Module):
         # otherwise; at ViT's usual std of 0.02 it is drowned by the projected features
         # (~unit scale after the input LayerNorm) and the head learns time slowly.
         nn.init.normal_(self.pos.weight, std=pos_init_std)
-        layer = nn.TransformerEncoderLayer(
-            d_model,
-            num_heads,
-            int(d_model * mlp_ratio),
-            dropout=dropout,
-            batch_first=True,
-            norm_first=True,
-        )
-        self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+
+        def make_layer() -> nn.TransformerEncoderLayer:
+            return nn.TransformerEncoderLayer(d_model, num_heads, int(d_model * mlp_ratio),
+                                              dropout=dropout, batch_first=True, norm_first=True)
+
+        layers = _identical(make_layer, num_layers)
+        self.encoder = nn.TransformerEncoder(layers[0], 0, enable_nested_tensor=False)  # no clones
+        self.encoder.layers, self.encoder.num_layers = layers, num_layers
         self.norm = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, num_classes)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from videotrain.memory.auto.predict import eval_chunk
 from videotrain.memory.base import MemoryStrategy, encode_all_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.models.backbones import FrameBackbone
+from videotrain.simulate.step import eval_chunk
 
 
 class VideoClassifier(nn.Module):

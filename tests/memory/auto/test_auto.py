@@ -23,7 +23,6 @@ from videotrain.memory.auto.candidates import (
     NoPlanFits,
     Options,
     build_candidates,
-    choose,
     dropout_peak,
     keep_counts,
     ranked,
@@ -31,11 +30,12 @@ from videotrain.memory.auto.candidates import (
     sbp_peak,
     sbp_time,
 )
+from videotrain.memory.auto.choice import choose
 from videotrain.memory.auto.profile import MB, Measured, Profile
 from videotrain.memory.auto.strategy import AutoStrategy
 from videotrain.memory.base import MemoryStrategy, SelfPlanning, StepObserver
-from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.planner import InfeasibleBudget
+from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead

@@ -11,8 +11,8 @@ from torch import nn
 from videotrain.engine.optim import build_optimizer
 from videotrain.engine.precision import Precision
 from videotrain.memory.auto.profile import MB, StepProbe, device_free_bytes, unprepare
-from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.execute import CheckpointedForward
+from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.split import PatchedBN
 from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.models.backbones import resnet

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_checkpoint import SkipNet
+from test_recompute_strategy import SkipNet
 
-from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.graph import LiveBytes, trace
 from videotrain.memory.recompute.planner import evaluate
+from videotrain.memory.recompute.strategy import Recompute
 
 
 def measured_peak(module: torch.nn.Module, run: torch.nn.Module, x: torch.Tensor) -> int:

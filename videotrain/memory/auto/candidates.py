@@ -1,4 +1,4 @@
-"""``memory=auto``'s candidate plans, their predicted cost, and the choice.
+"""``memory=auto``'s candidate plans, their predicted cost, their ranking and the decision table.
 
 Everything here is decision logic over numbers (a :class:`~videotrain.memory.auto.profile.Profile`
 and a budget in bytes), so it is tested on synthetic profiles without running a model.
@@ -14,8 +14,8 @@ Expected accuracy (the first sort key). Plans are grouped into tiers, best first
 3. **frame dropout** (only with ``memory.allow_frame_dropout=true``): the head also trains on
    ``r`` of the frames, a train/test gap for temporal heads.
 
-Within a tier and keep ratio the fastest predicted plan comes first. :func:`choose` walks that
-ranking and takes the first plan whose peak fits the budget.
+Within a tier and keep ratio the fastest predicted plan comes first. ``choice.walk`` walks
+that ranking and takes the first plan whose peak fits the budget.
 
 Predicted peak, on the trainer's ``train_peak_mem_mb`` scale (bytes). With the e2e profile's
 step peak ``P``, saved activations ``A`` (backbone ``A_bb``, head ``A_head = A - A_bb``), the
@@ -42,7 +42,6 @@ is ``r`` of fwd+bwd. Times only break ties; memory decides.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,64 +210,48 @@ def build_candidates(p: Profile, checkpoint_plans: list[dict[str, Any]], opt: Op
     return cands
 
 
-# ---------------------------------------------------------------------- the choice
+def predicted_candidates(num_frames: int, has_batchnorm: bool, checkpoint_fracs: list[float],
+                         opt: Options, lower_set_cap: int = 500) -> list[Candidate]:
+    """Every candidate of the profiled decision, with no peak or time yet: for the choice from
+    simulations at full size (``choice.Simulated``). Recomputation plans
+    are specs (the planner plans each inside its prediction), from the largest budget down
+    to the least-memory plan."""
+    cands = [Candidate("e2e", "e2e", {}, TIER_EXACT, 1.0)]
+    fracs = sorted({float(f) for f in checkpoint_fracs}, reverse=True)
+    specs = [({"policy": "optimal", "budget_frac": f, "objective": "time", "lower_set_cap": lower_set_cap},
+              f"budget_frac={f:g}") for f in fracs]
+    specs.append(({"policy": "optimal", "objective": "memory", "lower_set_cap": lower_set_cap}, "least memory"))
+    for seq, (params, label) in enumerate(specs, start=1):
+        cands.append(Candidate(f"checkpoint optimal ({label})", "checkpoint", params, TIER_EXACT, 1.0,
+                               seq=seq))
+    common = {"sampler": opt.sampler, "seed": opt.seed, "nograd_chunk": opt.nograd_chunk}
+    for k in keep_counts(num_frames):
+        r = k / num_frames
+        cands.append(Candidate(f"sbp r={r:.3f}", "sbp", {"keep_ratio": r, "bn_policy": "full_batch", **common},
+                               TIER_SBP, r, seq=0))
+        if opt.sbp_checkpoint:
+            c = Candidate(f"sbp+checkpoint r={r:.3f}", "sbp_checkpoint",
+                          {"keep_ratio": r, "bn_policy": "full_batch", "checkpoint": opt.sbp_checkpoint,
+                           **common}, TIER_SBP, r, seq=1)
+            c.skip = opt.sbp_checkpoint_error
+            cands.append(c)
+        if has_batchnorm:
+            c = Candidate(f"sbp r={r:.3f} bn=frozen", "sbp", {"keep_ratio": r, "bn_policy": "frozen", **common},
+                          TIER_SBP_FROZEN, r)
+            if not opt.allow_frozen_bn:
+                c.skip = "sbp with frozen BN: not allowed (memory.allow_frozen_bn=false)"
+            cands.append(c)
+        c = Candidate(f"frame_dropout r={r:.3f}", "frame_dropout",
+                      {"keep_ratio": r, "sampler": opt.sampler, "seed": opt.seed}, TIER_DROPOUT, r)
+        if not opt.allow_frame_dropout:
+            c.skip = "frame dropout: not allowed, it changes what the head sees (memory.allow_frame_dropout=false)"
+        cands.append(c)
+    return cands
+
+
+# ---------------------------------------------------------------------- ranking and report
 def ranked(cands: list[Candidate]) -> list[Candidate]:
     return sorted(cands, key=Candidate.rank_key)
-
-
-def choose(
-    cands: list[Candidate],
-    budget: float,
-    measure: Callable[[Candidate], None] | None = None,
-    verify: bool = True,
-    max_profiles: int = 16,
-) -> Candidate:
-    """The first plan in :func:`ranked` order whose peak fits ``budget`` (bytes).
-
-    ``measure(c)`` runs one profiling step and sets ``c.measured_peak`` (or ``c.skip``). It is
-    called for plans that have no prediction when the walk reaches them, and with ``verify``
-    for a predicted plan before it is chosen (a measured peak over the budget moves the walk
-    on). At most ``max_profiles`` calls. Raises :class:`NoPlanFits` with the smallest budget
-    that would work (the least estimated peak, measured first where possible).
-    """
-    calls = 0
-
-    def profiled(c: Candidate) -> bool:
-        nonlocal calls
-        if measure is None or calls >= max_profiles or c.skip:
-            return False
-        calls += 1
-        measure(c)
-        return c.measured_peak is not None and not c.skip
-
-    order = [c for c in ranked(cands) if not c.skip]
-    for i, c in enumerate(order):
-        if c.peak is None and not profiled(c):
-            c.note = c.note or ("skipped: " + c.skip if c.skip else "not profiled (memory.max_profiles)")
-            continue
-        if c.peak > budget:
-            c.note = "over budget" + (" (measured)" if c.measured_peak is not None else "")
-            continue
-        if verify and c.measured_peak is None:
-            profiled(c)  # at the cap it stays unverified
-            if c.skip:
-                c.note = "skipped: " + c.skip
-                continue
-            if c.measured_peak is not None and c.measured_peak > budget:
-                c.note = "over budget when measured"
-                continue
-        c.note = "chosen"
-        for later in order[i + 1:]:
-            later.note = later.note or "not needed: a preferred plan fits"
-        return c
-    # nothing fits: the smallest budget that would, measured where it can be
-    while True:
-        known = [c for c in cands if not c.skip and c.peak is not None]
-        if not known:
-            raise NoPlanFits(budget, None, None, render_table(cands, budget))
-        best = min(known, key=lambda c: c.peak)
-        if not verify or best.measured_peak is not None or not profiled(best):
-            raise NoPlanFits(budget, best.peak, best.name, render_table(cands, budget))
 
 
 def reason(chosen: Candidate, cands: list[Candidate], budget: float) -> str:

@@ -42,27 +42,27 @@ from videotrain.memory.auto.candidates import (
     NoPlanFits,
     Options,
     build_candidates,
-    choose,
+    predicted_candidates,
     ranked,
     reason,
     render_table,
 )
-from videotrain.memory.auto.predict import (
+from videotrain.memory.auto.choice import INFEASIBLE, choose, choose_predicted
+from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
+from videotrain.memory.base import FrameFeatures, MemoryStrategy
+from videotrain.memory.e2e import EndToEnd
+from videotrain.memory.frame_dropout import FrameDropout
+from videotrain.memory.recompute.planner import InfeasibleBudget
+from videotrain.memory.recompute.strategy import Recompute
+from videotrain.memory.sampling import SAMPLERS
+from videotrain.memory.sbp.strategy import StochasticBackprop
+from videotrain.simulate.step import (
     CUDA_CONTEXT_GIB,
     GIB,
     UNSEEN_FRAC,
     StepMemory,
     usable_bytes,
 )
-from videotrain.memory.auto.predicted import INFEASIBLE, choose_predicted, predicted_candidates
-from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
-from videotrain.memory.base import FrameFeatures, MemoryStrategy
-from videotrain.memory.e2e import EndToEnd
-from videotrain.memory.frame_dropout import FrameDropout
-from videotrain.memory.recompute.checkpoint import Recompute
-from videotrain.memory.recompute.planner import InfeasibleBudget
-from videotrain.memory.sampling import SAMPLERS
-from videotrain.memory.sbp.strategy import StochasticBackprop
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class AutoStrategy:
     def plan_predicted(self, predict: Callable[[dict[str, Any]], StepMemory], num_frames: int,
                        device: torch.device) -> dict[str, Any]:
         """Choose from fake-tensor predictions at full size, before anything runs on the device
-        (:mod:`videotrain.memory.auto.predicted`). ``predict(memory_node)`` predicts the
+        (:mod:`videotrain.memory.auto.choice`). ``predict(memory_node)`` predicts the
         configured run with that ``memory:`` node. Raises :class:`NoPlanFits`."""
         target = device.type
         if self.budget_gb is not None:

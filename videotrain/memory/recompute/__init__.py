@@ -3,7 +3,7 @@
 Only some activations are kept in the forward; the rest are recomputed in backward, so the
 gradients equal e2e's exactly and the price is extra forward compute.
 
-- ``checkpoint.py``: ``Recompute``, the strategy and its policies (``blocks``: checkpoint each
+- ``strategy.py``: ``Recompute``, the strategy and its policies (``blocks``: checkpoint each
   residual / encoder block; ``sqrt``: Chen's segments at articulation points; ``optimal``:
   the lower-set plan for a budget).
 - ``graph.py``: the backbone as a DAG of intermediate tensors (fx trace, shape propagation,
@@ -17,7 +17,7 @@ gradients equal e2e's exactly and the price is extra forward compute.
 ``python -m videotrain.plan`` prints a plan without running any activation.
 """
 
-from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.planner import InfeasibleBudget
+from videotrain.memory.recompute.strategy import Recompute
 
 __all__ = ["InfeasibleBudget", "Recompute"]

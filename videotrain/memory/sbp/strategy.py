@@ -87,8 +87,8 @@ from videotrain.memory.base import (
     autocast_without_cache,
     encode_all_frames,
 )
-from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.execute import replay_on_recompute
+from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
 from videotrain.memory.sbp.blocks import BlockSplitter, PatchedBlock, select_blocks
 from videotrain.memory.sbp.lockstep import lockstep_forward, lockstep_graph

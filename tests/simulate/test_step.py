@@ -1,4 +1,4 @@
-"""The step simulation on fake tensors (``videotrain.memory.auto.predict``): it counts what the
+"""The step simulation on fake tensors (``videotrain.simulate.step``): it counts what the
 same steps count on real tensors, for every strategy, and its extrapolation is the stated one."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from videotrain.memory.auto.predict import StepMemory, _no_weight_init, simulate_step
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute import Recompute
@@ -15,6 +14,7 @@ from videotrain.memory.sbp import StochasticBackprop
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier
+from videotrain.simulate.step import StepMemory, _no_weight_init, simulate_step
 
 SHAPE = (2, 6, 3, 32, 32)  # (B, T, C, H, W)
 K = 5

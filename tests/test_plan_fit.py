@@ -1,5 +1,5 @@
 """``python -m videotrain.plan --fit GB``: every strategy row, predicted on fake tensors, with the
-JSON fields users script against, and an independent check against torch's MemTracker."""
+JSON fields users script against; a frozen backbone predicted as training builds it."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from videotrain.build import compose_cfg
-from videotrain.fit import FIT_ROWS, GIB, fit_report, simulate_cfg
+from videotrain.plan import FIT_ROWS, fit_report
 from videotrain.plan import main as plan_main
+from videotrain.simulate.step import GIB
 
 TINY = ["model/backbone=resnet10", "model/head=tconv", "data.num_frames=8", "data.crop_size=96",
         "data.batch_size=2", "data.val_batch_size=2", "trainer.precision=bf16"]
@@ -69,34 +69,41 @@ def test_plan_fit_refuses_a_non_positive_size(capsys: pytest.CaptureFixture) -> 
     assert "--fit takes the device's memory in GiB" in capsys.readouterr().err
 
 
-def test_e2e_row_agrees_with_torch_memtracker_over_meta_tensors() -> None:
-    """fp32 e2e against an independent count: torch's MemTracker over meta tensors of the same
-    model, batch and AdamW step, the second step (parameters, gradients and optimizer state
-    included)."""
+def test_fit_predicts_the_frozen_backbone_step_training_builds(report: dict) -> None:
+    """``model.freeze_backbone=true`` (a linear probe): the e2e row's training step is what a
+    fake step of the frozen model counts, built by hand as ``build_model`` builds it, and less than the
+    unfrozen row (no backbone gradients, no optimizer state for them, nothing saved)."""
     from hydra.utils import instantiate
-    from torch.distributed._tools.mem_tracker import MemTracker
 
+    from videotrain.build import optimizer_from_cfg
+    from videotrain.engine.precision import PRECISIONS
+    from videotrain.memory.e2e import EndToEnd
+    from videotrain.models.finetune import freeze_backbone
     from videotrain.models.video import VideoClassifier
+    from videotrain.simulate.step import simulate_step
 
-    overrides = ["model/backbone=resnet18", "model/head=mean", "data.num_frames=8",
-                 "data.crop_size=112", "data.batch_size=4", "trainer.grad_clip=null"]
-    cfg = compose_cfg(overrides)
-    ours = simulate_cfg(cfg, "cpu", with_eval=False).train_peak
-    with torch.device("meta"):
+    frozen = fit_report([*TINY, "model.freeze_backbone=true"], device_gb=1.0)
+    row = next(r for r in frozen["rows"] if r["strategy"] == "e2e")
+    cfg = compose_cfg([*TINY, "model.freeze_backbone=true"])
+
+    def make_model() -> VideoClassifier:
         backbone = instantiate(cfg.model.backbone, pretrained=None)
         model = VideoClassifier(backbone, instantiate(cfg.model.head, in_dim=backbone.feature_dim,
-                                                      num_classes=400))
-        video = torch.randn(4, 8, 3, 112, 112)
-        labels = torch.randint(0, 400, (4,))
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
-    F.cross_entropy(model(video), labels).backward()  # step 1: gradients and AdamW state exist
-    optimizer.step()  # from here on, as in the trainer's steady state (zeroed, not freed)
-    optimizer.zero_grad(set_to_none=False)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer, video)
-    with tracker:
-        F.cross_entropy(model(video), labels).backward()
-        optimizer.step()
-    theirs = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
-    print(f"e2e fp32: predicted {ours / GIB:.4f} GiB, MemTracker {theirs / GIB:.4f} GiB")
-    assert ours == pytest.approx(theirs, rel=0.25), (ours / GIB, theirs / GIB)
+                                                      num_classes=400), EndToEnd())
+        freeze_backbone(model)
+        return model
+
+    def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+        optimizer = optimizer_from_cfg(cfg, model)
+        for group in optimizer.param_groups:
+            group["foreach"] = True  # as for a CUDA target
+        return optimizer
+
+    ref = simulate_step(make_model, make_optimizer, (2, 8, 3, 96, 96), 400,
+                        autocast_dtype=PRECISIONS["bf16"], grad_clip=cfg.trainer.grad_clip,
+                        label_smoothing=float(cfg.trainer.label_smoothing))
+    assert row["predicted_train_peak_gb"] == ref.train_peak / GIB
+    assert row["held_gb"] == ref.held / GIB
+    unfrozen = next(r for r in report["rows"] if r["strategy"] == "e2e")
+    assert row["predicted_train_peak_gb"] < 0.8 * unfrozen["predicted_train_peak_gb"]
+    assert row["held_gb"] < unfrozen["held_gb"]

@@ -13,17 +13,28 @@ from hydra.utils import instantiate
 
 import videotrain.run as run
 from videotrain import plan
-from videotrain.memory.auto.candidates import TIER_SBP, Candidate, NoPlanFits, Options, ranked
-from videotrain.memory.auto.predict import GIB, UNSEEN_FRAC, StepMemory
-from videotrain.memory.auto.predicted import INFEASIBLE, choose_predicted, predicted_candidates
+from videotrain.memory.auto.candidates import (
+    TIER_SBP,
+    Candidate,
+    NoPlanFits,
+    Options,
+    predicted_candidates,
+    ranked,
+)
+from videotrain.memory.auto.choice import (
+    INFEASIBLE,
+    choose_predicted,
+    walk,
+)
 from videotrain.memory.auto.profile import MB
 from videotrain.memory.auto.strategy import STRATEGIES, AutoStrategy, memory_node
 from videotrain.memory.frame_dropout import FrameDropout
-from videotrain.memory.recompute.checkpoint import Recompute
+from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier
+from videotrain.simulate.step import GIB, UNSEEN_FRAC, StepMemory
 
 T = 16
 
@@ -63,6 +74,38 @@ def cands(**opts) -> list[Candidate]:
 
 def by_name(cs: list[Candidate]) -> dict[str, Candidate]:
     return {c.name: c for c in cs}
+
+
+class Listed:
+    """An evaluator that fits only the names it is given and records what the walk asked."""
+
+    def __init__(self, fitting: set[str]) -> None:
+        self.fitting, self.asked = fitting, []
+
+    def fits(self, c: Candidate, rest: list[Candidate]) -> bool:
+        self.asked.append((c.name, rest[0] is c, len(rest)))
+        return c.name in self.fitting
+
+    def no_plan_fits(self, cs: list[Candidate]) -> NoPlanFits:
+        return NoPlanFits(1.0, None, None, "table")
+
+
+def test_one_walk_serves_both_evaluators() -> None:
+    """``walk`` asks in ranked order, skipped plans left out, each with the rest of the ranking;
+    chooses the first that fits and notes the rest not needed; else raises the evaluator's
+    error (``choose`` and ``choose_predicted`` are that walk with ``Measured`` and
+    ``Simulated``, tested in test_auto.py and below)."""
+    cs = cands()
+    order = [c for c in ranked(cs) if not c.skip]
+    target = order[5]
+    ev = Listed({target.name, order[7].name})
+    assert walk(cs, ev) is target and target.note == "chosen"
+    assert [a[0] for a in ev.asked] == [c.name for c in order[:6]]
+    assert all(first for _, first, _ in ev.asked)
+    assert [n for _, _, n in ev.asked] == list(range(len(order), len(order) - 6, -1))
+    assert all(c.note == "not needed: a preferred plan fits" for c in order[6:])
+    with pytest.raises(NoPlanFits):
+        walk(cands(), Listed(set()))
 
 
 def test_candidates_are_specs_without_figures() -> None:

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from videotrain.memory.recompute.checkpoint import Recompute
 from videotrain.memory.recompute.execute import checkpoint_call, is_wrapped
 from videotrain.memory.recompute.planner import InfeasibleBudget
+from videotrain.memory.recompute.strategy import Recompute
 from videotrain.models.backbones import FrameBackbone, resnet
 from videotrain.models.heads import MeanHead
 from videotrain.models.video import VideoClassifier
