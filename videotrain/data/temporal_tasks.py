@@ -24,12 +24,19 @@ frames, deterministically for the generator state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from videotrain.data.synthetic import SyntheticSpec
+
+class SyntheticSpec(Protocol):
+    """What a renderer reads of the generator's spec (``synthetic.SyntheticSpec``, which
+    imports this module)."""
+
+    num_frames: int
+    size: int
+    object_size: int
+    travel: float
 
 RED = np.array([230, 40, 40], dtype=np.float32)
 GREEN = np.array([40, 200, 60], dtype=np.float32)
@@ -73,8 +80,8 @@ def render_direction(spec: SyntheticSpec, label: int, rng: np.random.Generator) 
     order), with a smaller object, a shorter travel, a flickering texture and two decoys."""
     horiz = 1 if label in (0, 1) else -1
     vert = 1 if label in (0, 2) else -1
-    size, obj, T = spec.size, max(2 * spec.object_size // 3, 3), spec.num_frames
-    travel = spec.travel * 0.8 * size
+    size, obj, T = spec.size, max(5 * spec.object_size // 6, 3), spec.num_frames
+    travel = spec.travel * size
     half = T // 2
     background = texture(rng, size, noise=0.0)
     decoys = [(rng.uniform(0, size - obj, 2), colour) for colour in (RED, BLUE)]
@@ -83,7 +90,7 @@ def render_direction(spec: SyntheticSpec, label: int, rng: np.random.Generator) 
     across_r, across_b = rng.uniform(0, size - obj, 2)
     frames = np.empty((T, size, size, 3), dtype=np.uint8)
     for t in range(T):
-        frame = background + rng.normal(0, 12, size=background.shape).astype(np.float32)
+        frame = background + rng.normal(0, 8, size=background.shape).astype(np.float32)
         for (dx, dy), colour in decoys:  # jitters in place: no direction
             jx, jy = rng.uniform(-2, 2, 2)
             _paint(frame, _square(size, dx + jx, dy + jy, obj), colour)
@@ -139,7 +146,7 @@ def render_order(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> n
     """A square that jitters in place shows three colours one after another, in the class's
     order; the three segment lengths are a random permutation of a near-equal split of the clip.
     (No drift: along a path, the middle colour would sit in the middle of the frame set.)"""
-    size, obj, T = spec.size, max(2 * spec.object_size // 3, 3), spec.num_frames
+    size, obj, T = spec.size, max(5 * spec.object_size // 6, 3), spec.num_frames
     lengths = rng.permutation([T // 3 + (1 if k < T % 3 else 0) for k in range(3)])
     colours = [c for k, n in zip(ORDERS[label], lengths, strict=True) for c in [k] * int(n)]
     background = texture(rng, size)
@@ -149,7 +156,7 @@ def render_order(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> n
         frame = background.copy()
         jx, jy = rng.uniform(-1, 1, 2)
         mask = _square(size, x + jx, y + jy, obj)  # half-transparent: the colour is faint
-        frame[mask] = 0.7 * _COLOURS[colours[t]] + 0.3 * frame[mask]
+        frame[mask] = 0.8 * _COLOURS[colours[t]] + 0.2 * frame[mask]
         frames[t] = frame.astype(np.uint8)
     return frames
 
@@ -159,7 +166,7 @@ def render_speed(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> n
     (labels 0, 2) or twice per clip, from a random phase."""
     sign = 1 if label in (0, 1) else -1
     laps = 1.0 if label in (0, 2) else 2.0
-    size, obj, T = spec.size, max(2 * spec.object_size // 3, 3), spec.num_frames
+    size, obj, T = spec.size, max(5 * spec.object_size // 6, 3), spec.num_frames
     background = texture(rng, size)
     x0, y = rng.uniform(0, size), rng.uniform(0, size - obj)
     frames = np.empty((T, size, size, 3), dtype=np.uint8)
