@@ -48,6 +48,7 @@ from videotrain.build import (
     seed_everything,
 )
 from videotrain.fit import fit_report, render_fit
+from videotrain.memory.base import set_clip_length
 from videotrain.memory.recompute import InfeasibleBudget, Recompute
 
 
@@ -71,6 +72,7 @@ def make_report(cfg: DictConfig) -> dict[str, Any]:
     d = cfg.data
     frames = torch.zeros(int(d.batch_size) * int(d.num_frames), 3, int(d.crop_size), int(d.crop_size))
     strategy = strategy_from(cfg)
+    set_clip_length(model.backbone, int(d.num_frames))  # a temporal shift needs T
     with torch.no_grad():
         _, _, _, report = strategy.make_plan(model.backbone, frames)  # (B*T, C, H, W)
     report.pop("_index")
