@@ -53,3 +53,16 @@ def test_the_traced_graph_keeps_the_shift_as_one_node() -> None:
     gm, g, index = trace(bb, torch.randn(8, 3, 32, 32))
     shifts = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("temporal_shift")]
     assert len(shifts) == len(bb.blocks()) and all(n.name in index for n in shifts)
+
+
+def test_the_plan_viewer_plans_a_shifted_backbone() -> None:
+    """``python -m videotrain.plan`` traces the backbone without a training forward first: it
+    sets the clip length itself."""
+    from videotrain.build import compose_cfg
+    from videotrain.plan import make_report
+
+    cfg = compose_cfg(["model.backbone.temporal_shift=0.125", "memory=checkpoint",
+                       "memory.policy=sqrt", "data.batch_size=1", "data.num_frames=4",
+                       "data.crop_size=32", "data.num_classes=4"])
+    report = make_report(cfg)
+    assert report["input_shape"] == [4, 3, 32, 32] and len(report["segments"]) > 1
