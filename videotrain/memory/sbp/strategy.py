@@ -20,7 +20,8 @@ frame. With TSM's temporal shift (``model.backbone.temporal_shift``) the shift
 runs on the block input of *all* frames with autograd (it stores nothing) before the branch is
 split, so the branch stays per-frame and the kept frames' gradient reaches their neighbours.
 Frame granularity is refused there: the shift makes frames depend on each other inside the
-backbone, and the dropped frames' activations would be needed for the kept frames' gradient. See ``videotrain.memory.sbp.blocks`` for how branches are found. Savings are smaller
+backbone, and the dropped frames' activations would be needed for the kept frames' gradient.
+See ``videotrain.memory.sbp.blocks`` for how branches are found. Savings are smaller
 than at frame granularity: the skip path's tensors (a ResNet block's final ReLU output) stay
 for every frame, and each split branch saves its own copy of the kept input rows where e2e
 shares the block input with the previous layer (docs/benchmarks.md has the measured ratios).
