@@ -59,6 +59,7 @@ from videotrain.build import (
     resolve_device,
     seed_everything,
 )
+from videotrain.memory.base import set_clip_length
 from videotrain.memory.recompute import InfeasibleBudget, Recompute
 from videotrain.simulate.config_run import ConfigPredictor, num_classes_of, run_isolated
 from videotrain.simulate.step import (
@@ -104,6 +105,7 @@ def make_report(cfg: DictConfig) -> dict[str, Any]:
     d = cfg.data
     frames = torch.zeros(int(d.batch_size) * int(d.num_frames), 3, int(d.crop_size), int(d.crop_size))
     strategy = strategy_from(cfg)
+    set_clip_length(model.backbone, int(d.num_frames))  # a temporal shift needs T
     with torch.no_grad():
         _, _, _, report = strategy.make_plan(model.backbone, frames)  # (B*T, C, H, W)
     report.pop("_index")

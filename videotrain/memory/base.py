@@ -72,16 +72,36 @@ def all_positions(video: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=video.device).expand(b, t)
 
 
+def mixes_frames(backbone: nn.Module) -> bool:
+    """Whether the frames of a clip interact inside ``backbone`` (TSM's temporal shift,
+    ``FrameBackbone.mixes_frames``): it must then see whole clips, in time order."""
+    return bool(getattr(backbone, "mixes_frames", False))
+
+
+def set_clip_length(backbone: nn.Module, num_frames: int) -> None:
+    """Tell ``backbone`` how many frames per clip its next calls get (``N = B * num_frames``):
+    every strategy calls it before the backbone, with the frames the backbone actually sees.
+    Backbones without the contract's ``set_clip_length`` ignore it."""
+    setter = getattr(backbone, "set_clip_length", None)
+    if callable(setter):
+        setter(int(num_frames))
+
+
 def encode_all_frames(backbone: nn.Module, video: torch.Tensor,
                       chunk: int | None = None) -> FrameFeatures:
     """Run the backbone on every frame as one batch of images: ``(B, T, ...) -> (B, T, D)``.
 
     Under ``no_grad`` with ``chunk``, the frames go through in chunks of ``chunk`` (frames are
     independent in eval mode), so the forward's transient memory is a chunk's, not the whole
-    batch's; the features are written into one output, in order."""
+    batch's; the features are written into one output, in order. A backbone that mixes frames
+    (temporal shift) gets whole clips: ``chunk`` is rounded down to a multiple of ``T`` (at
+    least one clip)."""
     b, t = video.shape[:2]
     frames = video.flatten(0, 1)  # (B*T, C, H, W)
     n = frames.shape[0]
+    set_clip_length(backbone, t)
+    if chunk and mixes_frames(backbone):
+        chunk = max(t, chunk // t * t)
     if not chunk or chunk >= n or torch.is_grad_enabled():
         feats = backbone(frames)  # (B*T, D)
     else:

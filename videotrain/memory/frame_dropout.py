@@ -13,6 +13,10 @@ changes what the head sees (a train/test gap for temporal heads), but saves the 
 BatchNorm needs no policy here: there is one backbone pass per step over the kept frames, so
 batch statistics are those of the kept frames (that *is* frame dropout) and running statistics
 update once. At ``keep_ratio=1`` the strategy is plain e2e, exactly.
+
+With a backbone that mixes frames (TSM's temporal shift) the backbone sees the kept frames only,
+as a clip of ``n_keep`` frames in time order: the shift mixes each kept frame with its kept
+neighbours (which may be several frames apart in the clip), and zeros at the ends.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from videotrain.memory.base import FrameFeatures, encode_all_frames
+from videotrain.memory.base import FrameFeatures, encode_all_frames, set_clip_length
 from videotrain.memory.sampling import FrameSampler, SamplerStateMixin, n_keep
 
 
@@ -61,7 +65,8 @@ class FrameDropout(SamplerStateMixin):
             return encode_all_frames(backbone, video)  # r=1: exactly e2e
         idx = self.sampler.sample(b, t, keep, video.device)  # (B, n) sorted
         self.last_keep = idx
-        kept = gather_frames(video, idx)  # (B, n, C, H, W)
+        kept = gather_frames(video, idx)  # (B, n, C, H, W), in time order
+        set_clip_length(backbone, keep)  # a temporal shift mixes the kept neighbours
         feats = backbone(kept.flatten(0, 1))  # (B*n, D)
         return FrameFeatures(feats.view(b, keep, -1), idx)
 

@@ -9,6 +9,11 @@ never need ``isinstance`` checks on torchvision classes:
 * ``blocks()``: the residual / encoder blocks in execution order, which is where block-level
   SBP and per-block checkpointing attach.
 
+* ``set_clip_length(T)``: the frames per clip of the next calls; strategies call it before
+  every backbone call (``videotrain.memory.base.set_clip_length``). Only a backbone whose frames
+  interact (``mixes_frames``: TSM's temporal shift, ``temporal_shift`` > 0) uses it, and such a
+  backbone must see whole clips in time order.
+
 ``grid`` > 1 pools the last feature map to a ``grid x grid`` map instead of one global average
 (ResNets only). A global average throws away *where* things are, which makes motion direction
 hard to see for a per-frame model; a small grid keeps coarse position at little cost.
@@ -19,10 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torchvision import models
 from torchvision.models.resnet import BasicBlock, ResNet
 from torchvision.models.vision_transformer import VisionTransformer
+
+from videotrain.models.temporal_shift import (
+    FrameTracer,
+    add_temporal_shift,
+    check_fraction,
+    set_num_frames,
+)
 
 
 class PretrainedWeightsUnavailable(RuntimeError):
@@ -33,9 +45,25 @@ class FrameBackbone(nn.Module):
     """Base class of the backbone contract; subclasses set ``feature_dim`` and ``net``."""
 
     feature_dim: int
+    temporal_shift: float = 0.0  # TSM's shift, fraction of channels each way (0: frames independent)
 
     def blocks(self) -> list[nn.Module]:
         raise NotImplementedError
+
+    @property
+    def mixes_frames(self) -> bool:
+        """Whether the frames of a clip interact inside the backbone (then it must see whole
+        clips, in time order, and frame-level SBP cannot train it)."""
+        return self.temporal_shift > 0
+
+    def set_clip_length(self, num_frames: int) -> None:
+        """Frames per clip of the next calls (``N = B * num_frames``); a no-op without a shift."""
+        if self.mixes_frames:
+            set_num_frames(self, num_frames)
+
+    def fx_tracer(self) -> fx.Tracer:
+        """The ``torch.fx`` tracer for this backbone (temporal shifts stay leaves)."""
+        return FrameTracer()
 
     # Loading image-model weights into ``self.net`` (``model.pretrained_path``,
     # ``videotrain.models.weights``): the classifier's state-dict prefixes, which are dropped,
@@ -77,9 +105,11 @@ def _load_weights(builder: Callable[..., nn.Module], name: str, pretrained: str 
 
 
 class ResNetBackbone(FrameBackbone):
-    """A torchvision ResNet without its classifier; features are ``C * grid**2`` wide."""
+    """A torchvision ResNet without its classifier; features are ``C * grid**2`` wide;
+    ``temporal_shift`` > 0 adds TSM's residual shift to every block
+    (``videotrain.models.temporal_shift``)."""
 
-    def __init__(self, net: ResNet, grid: int = 1) -> None:
+    def __init__(self, net: ResNet, grid: int = 1, temporal_shift: float = 0.0) -> None:
         super().__init__()
         net.fc = nn.Identity()
         net.avgpool = nn.AdaptiveAvgPool2d(grid)
@@ -88,6 +118,9 @@ class ResNetBackbone(FrameBackbone):
         last = net.layer4[-1]
         width = (last.conv3 if hasattr(last, "conv3") else last.conv2).out_channels  # Bottleneck | Basic
         self.feature_dim = int(width) * grid * grid
+        self.temporal_shift = check_fraction(temporal_shift)
+        if self.temporal_shift:
+            add_temporal_shift(self.blocks(), self.temporal_shift, "this ResNet")
 
     def blocks(self) -> list[nn.Module]:
         return [b for layer in (self.net.layer1, self.net.layer2, self.net.layer3, self.net.layer4) for b in layer]
@@ -120,20 +153,22 @@ class ViTBackbone(FrameBackbone):
 
 def resnet(
     depth: int = 18, pretrained: str | bool | None = None, grid: int = 1,
-    layers: list[int] | None = None,
+    layers: list[int] | None = None, temporal_shift: float = 0.0,
 ) -> ResNetBackbone:
     """torchvision ``resnet18``/``resnet50`` (``depth``), or a BasicBlock ResNet with custom
-    ``layers`` per stage (e.g. ``[1, 1, 1, 1]``, a CPU-friendly ResNet-10)."""
+    ``layers`` per stage (e.g. ``[1, 1, 1, 1]``, a CPU-friendly ResNet-10). ``temporal_shift``:
+    TSM's fraction of channels shifted each way in every residual block (0.125 in TSM; 0 = off)."""
     if layers is not None:
         if pretrained:
             raise ValueError("model.pretrained: torchvision has no weights for a custom `layers` ResNet")
         if len(layers) != 4 or min(layers) < 1:
             raise ValueError(f"model.backbone.layers must be 4 positive ints, got {layers}")
-        return ResNetBackbone(ResNet(BasicBlock, list(layers)), grid)
+        return ResNetBackbone(ResNet(BasicBlock, list(layers)), grid, temporal_shift)
     if depth not in (18, 34, 50, 101, 152):
         raise ValueError(f"model.backbone.depth must be 18, 34, 50, 101 or 152, got {depth}")
     name = f"resnet{depth}"
-    return ResNetBackbone(_load_weights(getattr(models, name), name, pretrained), grid)
+    check_fraction(temporal_shift)  # before any download
+    return ResNetBackbone(_load_weights(getattr(models, name), name, pretrained), grid, temporal_shift)
 
 
 def vit(

@@ -31,6 +31,7 @@ import torch
 from torch import fx, nn
 
 from videotrain.models.backbones import FrameBackbone, PretrainedWeightsUnavailable
+from videotrain.models.temporal_shift import FrameTracer, add_temporal_shift, check_fraction
 
 
 def _timm() -> Any:
@@ -41,7 +42,7 @@ def _timm() -> Any:
     return timm
 
 
-class TimmTracer(fx.Tracer):
+class TimmTracer(FrameTracer):
     """``torch.fx`` tracer with timm's notrace registry: the registered modules stay leaves
     (one ``call_module`` node) and the registered functions are wrapped (one ``call_function``
     node), as in ``timm.layers.create_feature_extractor``.
@@ -96,11 +97,14 @@ def find_blocks(net: nn.Module) -> list[nn.Module]:
 class TimmBackbone(FrameBackbone):
     """A timm model built with ``num_classes=0``: pooled features per frame."""
 
-    def __init__(self, net: nn.Module, name: str) -> None:
+    def __init__(self, net: nn.Module, name: str, temporal_shift: float = 0.0) -> None:
         super().__init__()
         self.net = net
         self.name = name
         self.feature_dim = int(getattr(net, "head_hidden_size", None) or net.num_features)
+        self.temporal_shift = check_fraction(temporal_shift)
+        if self.temporal_shift:  # ResNet blocks only (a clear error for the others)
+            add_temporal_shift(self.blocks(), self.temporal_shift, f"timm model {name!r}")
 
     def blocks(self) -> list[nn.Module]:
         found = find_blocks(self.net)
@@ -166,6 +170,7 @@ def timm_backbone(
     dynamic_img_size: bool = True,
     drop_path_rate: float = 0.0,
     kwargs: Mapping[str, Any] | None = None,
+    temporal_shift: float = 0.0,
 ) -> TimmBackbone:
     """timm model ``name`` as a per-frame backbone.
 
@@ -175,6 +180,7 @@ def timm_backbone(
     the option, and when ``kwargs`` fixes ``img_size``). ``drop_path_rate``: stochastic depth
     (the recipe's drop-path), drawn per frame, since the backbone sees a clip's frames as a batch
     of images. ``kwargs``: more ``timm.create_model`` arguments (``depth``, ``embed_dim``, ...).
+    ``temporal_shift``: TSM's residual shift in every block, as for ``resnet`` (timm ResNets only).
     """
     timm = _timm()
     if not name:
@@ -189,13 +195,14 @@ def timm_backbone(
         raise ValueError(f"model.backbone.drop_path_rate must be in [0, 1), got {drop_path_rate}")
     if drop_path_rate:
         kwargs["drop_path_rate"] = drop_path_rate
+    check_fraction(temporal_shift)  # before any download
     base = name.split(".", 1)[0]
     if not timm.is_model(base):
         close = timm.list_models(f"*{base[:6]}*")[:8]
         raise ValueError(f"model.backbone.name={name!r} is not a timm model"
                          + (f" (similar: {', '.join(close)})" if close else ""))
     if not pretrained:
-        return TimmBackbone(_create(timm, name, False, kwargs, dynamic_img_size), name)
+        return TimmBackbone(_create(timm, name, False, kwargs, dynamic_img_size), name, temporal_shift)
     full = name
     if pretrained is not True and str(pretrained) not in ("DEFAULT", "true", "True"):
         full = f"{base}.{pretrained}"  # a pretrained tag
@@ -214,4 +221,4 @@ def timm_backbone(
             f"(.safetensors or .pth) elsewhere and set model.pretrained=null "
             f"model.pretrained_path=FILE, or set model.pretrained=null to train from scratch."
         ) from err
-    return TimmBackbone(net, full)
+    return TimmBackbone(net, full, temporal_shift)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from videotrain.memory.base import mixes_frames, set_clip_length
 from videotrain.metrics.live_bytes import LiveStorageBytes
 
 GIB = 2**30
@@ -207,15 +208,16 @@ def no_grad_peak(backbone: nn.Module, frames: int, frame_shape: tuple[int, ...],
 
 def frames_within(backbone: nn.Module, frame_shape: tuple[int, ...], budget: float,
                   most: int, autocast_dtype: torch.dtype | None = None,
-                  in_fake_mode: bool = False) -> int:
+                  in_fake_mode: bool = False, per: int = 1) -> int:
     """The most frames (1 to ``most``) a ``no_grad`` forward of ``backbone`` may take at once
     to stay within ``budget`` bytes, by binary search over the peak counted on fake tensors.
     Searched, not extrapolated: the peak is the largest of the layers' (fixed + per-frame)
     costs, so which layer sets it changes with the number of frames (in bf16 autocast's weight
     copies set it for a few frames, the first activations for many). Nothing runs on the device.
-    ``in_fake_mode``: the caller has entered a ``FakeTensorMode`` (and its model is fake)."""
+    ``in_fake_mode``: the caller has entered a ``FakeTensorMode`` (and its model is fake).
+    ``per``: count in units of ``per`` frames (whole clips, for a backbone that mixes frames)."""
     def fits(n: int) -> bool:
-        return no_grad_peak(backbone, n, frame_shape, autocast_dtype) <= budget
+        return no_grad_peak(backbone, n * per, frame_shape, autocast_dtype) <= budget
 
     with contextlib.nullcontext() if in_fake_mode else FakeTensorMode(allow_non_fake_inputs=True):
         if fits(most):
@@ -233,8 +235,10 @@ def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
     ``VideoClassifier``) over ``video_shape (B, T, C, H, W)`` to stay within ``budget`` bytes:
     what the frames cannot share (the features of all frames and the head over them, counted
     once on fake tensors) comes off the budget, and the backbone gets the rest
-    (:func:`frames_within`)."""
+    (:func:`frames_within`). A backbone that mixes frames (temporal shift) gets whole clips."""
     b, t = video_shape[:2]
+    per = t if mixes_frames(model.backbone) else 1
+    set_clip_length(model.backbone, t)
     device = next(model.parameters()).device
     with contextlib.nullcontext() if in_fake_mode else FakeTensorMode(allow_non_fake_inputs=True):
         with LiveStorageBytes() as live, torch.no_grad(), _autocast(autocast_dtype, device.type):
@@ -243,5 +247,5 @@ def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
             positions = torch.arange(t, device=device).expand(b, t)  # (B, T)
             model.head(feats, positions)
             shared = live.peak - base
-        return frames_within(model.backbone, tuple(video_shape[2:]), budget - shared, b * t,
-                             autocast_dtype, in_fake_mode=True)  # in the mode entered above
+        return per * frames_within(model.backbone, tuple(video_shape[2:]), budget - shared,
+                                   b * t // per, autocast_dtype, in_fake_mode=True, per=per)

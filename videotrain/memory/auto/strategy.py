@@ -49,7 +49,7 @@ from videotrain.memory.auto.candidates import (
 )
 from videotrain.memory.auto.choice import INFEASIBLE, choose, choose_predicted
 from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
-from videotrain.memory.base import FrameFeatures, MemoryStrategy
+from videotrain.memory.base import FrameFeatures, MemoryStrategy, mixes_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute.planner import InfeasibleBudget
@@ -112,6 +112,15 @@ def checkpoint_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[floa
             "segments": len(chain), "planner_peak_mb": report["predicted_peak_bytes"] / MB,
         })
     return plans
+
+
+def skip_frame_sbp(cands: list[Candidate], backbone: nn.Module) -> None:
+    """A backbone that mixes frames (TSM's temporal shift) cannot train with frame-level SBP
+    (``StochasticBackprop.prepare`` refuses it): its candidates are skipped, saying why."""
+    if mixes_frames(backbone):
+        for c in cands:
+            if c.kind in ("sbp", "sbp_checkpoint") and not c.skip:
+                c.skip = "sbp at frame granularity: the backbone's temporal shift mixes frames"
 
 
 def _mb(x: float | None) -> float | None:
@@ -251,6 +260,7 @@ class AutoStrategy:
                 plans = checkpoint_plans(probe.model.backbone, probe.frames(),
                                          self.checkpoint_fracs, self.lower_set_cap)
             self.candidates = build_candidates(profile, plans, self.options)
+            skip_frame_sbp(self.candidates, probe.model.backbone)
             # NoPlanFits carries the table in its message
             chosen = choose(self.candidates, self.budget, lambda c: self._measure(probe, c),
                             verify=self.verify, max_profiles=self.max_profiles)
@@ -286,6 +296,7 @@ class AutoStrategy:
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.backbone.modules())
         self.candidates = predicted_candidates(num_frames, has_bn, self.checkpoint_fracs, self.options,
                                                self.lower_set_cap)
+        skip_frame_sbp(self.candidates, self.backbone)
         def run(c: Candidate) -> StepMemory | None:
             try:
                 mem = predict(memory_node(c))

@@ -50,7 +50,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from videotrain.memory.base import FrameFeatures, StatelessStrategy, all_positions
+from videotrain.memory.base import FrameFeatures, StatelessStrategy, all_positions, set_clip_length
 from videotrain.memory.recompute.execute import CheckpointedSegment, wrap_forward
 from videotrain.memory.recompute.graph import Graph, trace
 from videotrain.memory.recompute.planner import Plan, evaluate, family, plan, sqrt_plan
@@ -177,6 +177,7 @@ class Recompute(StatelessStrategy):
         """``video (B, T, C, H, W) -> features (B, T, D)`` at positions ``(B, T)``."""
         b, t = video.shape[:2]
         frames = video.flatten(0, 1)  # (B*T, C, H, W)
+        set_clip_length(backbone, t)  # kept until the recompute in backward (temporal shift)
         if self.policy == "blocks":
             feats = backbone(frames)
         else:

@@ -22,6 +22,10 @@ blocks by attribute names (duck typing), not by torchvision class:
   that forward.
 * Any block defining ``sbp_forward(x, branch)`` (the extension point for new backbones).
 
+A block with TSM's temporal shift (``block.temporal_shift``, set by
+``videotrain.models.temporal_shift``) has its branch input shifted over all frames first:
+``skip(x) + branch(residual, shift(x))``, so the split branch itself stays per-frame.
+
 Wrapping patches ``forward`` on the block *instance*: parameters and ``state_dict`` keys do
 not change, and outside an SBP step (eval, ``no_grad``, or not inside ``encode``) the block
 runs its original forward unchanged.
@@ -230,8 +234,11 @@ class BlockSplitter:
             )
         keep, drop = rows
         needs_stats = has_train_batchnorm(patch.norms)
+        shift = getattr(block, "temporal_shift", None)  # TSM (videotrain.models.temporal_shift)
 
         def branch(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+            if shift is not None:  # every frame, with autograd, before the per-frame split
+                z = shift(z)  # (N, C, H, W)
             return split_forward(fn, z, keep, drop, self.norm, needs_stats, self.chunk, self.scale)
 
         return patch.adapter(block, x, branch)

@@ -16,7 +16,12 @@ with the dropped frames held constant (for BN-free backbones: e2e with the dropp
 ``block`` (graph model): inside each selected residual block (default: the first 2/3 of
 ``backbone.blocks()``), the residual *branch* runs with autograd for a per-block random subset
 of frames and under ``no_grad`` for the rest, while the skip path carries gradient for every
-frame. See ``videotrain.memory.sbp.blocks`` for how branches are found. Savings are smaller
+frame. With TSM's temporal shift (``model.backbone.temporal_shift``) the shift
+runs on the block input of *all* frames with autograd (it stores nothing) before the branch is
+split, so the branch stays per-frame and the kept frames' gradient reaches their neighbours.
+Frame granularity is refused there: the shift makes frames depend on each other inside the
+backbone, and the dropped frames' activations would be needed for the kept frames' gradient.
+See ``videotrain.memory.sbp.blocks`` for how branches are found. Savings are smaller
 than at frame granularity: the skip path's tensors (a ResNet block's final ReLU output) stay
 for every frame, and each split branch saves its own copy of the kept input rows where e2e
 shares the block input with the previous layer (docs/benchmarks.md has the measured ratios).
@@ -86,6 +91,7 @@ from videotrain.memory.base import (
     all_positions,
     autocast_without_cache,
     encode_all_frames,
+    mixes_frames,
 )
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.recompute.strategy import Recompute
@@ -167,7 +173,15 @@ class StochasticBackprop(SamplerStateMixin):
 
     # ------------------------------------------------------------------ setup
     def prepare(self, backbone: nn.Module) -> nn.Module:
-        """Patch BN layers (``full_batch``) and wrap the selected blocks (``block``), in place."""
+        """Patch BN layers (``full_batch``) and wrap the selected blocks (``block``), in place.
+        Refuses frame granularity on a backbone that mixes frames (temporal shift)."""
+        if self.granularity == "frame" and mixes_frames(backbone):
+            raise ValueError(
+                "memory.granularity=frame does not work with model.backbone.temporal_shift > 0: "
+                "the shift mixes neighbouring frames inside the backbone, so a kept frame's "
+                "gradient would need the dropped frames' activations, which frame-level SBP never "
+                "stores. Use memory.granularity=block (each block shifts all frames, then splits "
+                "its residual branch by frame)")
         if self.bn_policy == "full_batch":
             self.norm.patch(backbone)
         if self.recompute is not None:

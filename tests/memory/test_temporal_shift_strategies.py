@@ -1,0 +1,61 @@
+"""Frame dropout, ``memory=auto`` and the fake-tensor step simulation with TSM's temporal shift.
+(SBP: tests/memory/sbp/test_sbp_temporal_shift.py; checkpoint: tests/memory/recompute/.)"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from videotrain.engine.optim import build_optimizer
+from videotrain.engine.precision import Precision
+from videotrain.memory.auto.profile import StepProbe
+from videotrain.memory.auto.strategy import AutoStrategy
+from videotrain.memory.base import encode_all_frames
+from videotrain.memory.frame_dropout import FrameDropout, gather_frames
+from videotrain.models.backbones import resnet
+from videotrain.models.heads import TConvHead
+from videotrain.models.video import VideoClassifier
+from videotrain.simulate.step import simulate_step
+
+CPU = torch.device("cpu")
+
+
+def _model(strategy=None) -> VideoClassifier:
+    torch.manual_seed(0)
+    bb = resnet(layers=[1, 1, 1, 1], temporal_shift=0.25)
+    return VideoClassifier(bb, TConvHead(bb.feature_dim, 4, hidden_dim=16), strategy)
+
+
+def test_frame_dropout_shifts_over_the_kept_frames_in_time_order(kit) -> None:
+    strategy = FrameDropout(keep_ratio=0.5, seed=0, rank=0)
+    model = _model(strategy).train()
+    plain = copy.deepcopy(model.backbone)
+    x = kit.video()
+    feats = strategy.encode(model.backbone, x)
+    idx = strategy.last_keep  # (B, 4), sorted
+    assert torch.equal(feats.positions, idx) and bool((idx.diff(dim=1) > 0).all())
+    # the same as the backbone over the kept frames taken as a clip of their own
+    want = encode_all_frames(plain, gather_frames(x, idx)).features
+    torch.testing.assert_close(feats.features, want, rtol=1e-5, atol=1e-5)
+    kit.step(model, x)
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in model.parameters())
+
+
+def test_auto_plans_without_frame_sbp_and_trains(kit) -> None:
+    strategy = AutoStrategy(budget_mb=1e6, seed=0, rank=0, checkpoint_fracs=[0.5], max_profiles=4)
+    model = _model(strategy).train()
+    probe = StepProbe(model, lambda m: build_optimizer(m, "adamw", 1e-3, 0.05), Precision("32", CPU),
+                      CPU, (2, 4, 3, 32, 32), num_classes=4, grad_clip=1.0)
+    report = strategy.plan(probe)
+    sbp = [c for c in strategy.candidates if c.kind in ("sbp", "sbp_checkpoint")]
+    assert sbp and all("temporal shift" in c.skip for c in sbp)
+    assert report["chosen"] == "e2e"  # fits a huge budget
+    kit.step(model, kit.video())
+
+
+def test_fake_step_simulation_with_the_shift_and_auto_eval_chunks() -> None:
+    mem = simulate_step(lambda: _model(FrameDropout(0.5)), lambda m: torch.optim.AdamW(m.parameters()),
+                        (2, 6, 3, 32, 32), 4, grad_clip=1.0, eval_video_shape=(4, 6, 3, 32, 32),
+                        eval_frame_chunk="auto")
+    assert mem.fwd_bwd_peak > mem.held and mem.eval_peak is not None

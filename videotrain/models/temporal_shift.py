@@ -1,0 +1,129 @@
+"""TSM's temporal shift (Lin et al., ICCV 2019, "TSM: Temporal Shift Module for Efficient Video
+Understanding") inside the residual blocks of a per-frame ResNet.
+
+Why: a per-frame 2D backbone never lets the frames of a clip meet before the temporal head, so on
+tasks where time matters (direction of rotation, order of events) it learns appearance and barely
+learns time. The shift lets every residual block see its neighbours at no cost: no parameters and
+no FLOPs, only a copy of the block input.
+
+What (TSM's *residual* shift): in each residual block, the branch's input is the block input with
+``fold = int(C * fraction)`` channels taken from the *next* frame (channels ``[0, fold)``) and
+``fold`` channels from the *previous* frame (``[fold, 2*fold)``), zero-padded at the clip ends; the
+other channels and the identity path are unshifted. ``fraction`` is TSM's ``1 / n_div`` (1/8).
+
+The backbone sees frames flattened to ``(N = B*T, C, H, W)``, so the shift needs ``T``: the memory
+strategies set it before every backbone call (``FrameBackbone.set_clip_length``, through
+``videotrain.memory.base.set_clip_length``), to the frames the backbone actually sees (frame
+dropout: the kept ones, in time order). It is kept on the :class:`TemporalShift` modules until the
+next call, so recomputation in backward (``memory=checkpoint``) shifts with the same ``T``; fx
+traces keep the module as a leaf (:class:`FrameTracer`), so a traced graph reads ``T`` when it
+runs, not when it was traced.
+
+Blocks are re-expressed through SBP's block adapters (``videotrain.memory.sbp.blocks``), which
+know where a block's residual branch is: the shifted forward is the adapter with a branch that
+shifts its input. Block-level SBP shifts all frames first and then splits the branch by frame.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from videotrain.memory.sbp.blocks import (
+    block_adapter,
+    resnet_block_forward,
+    timm_resnet_block_forward,
+)
+
+# ResNet blocks (torchvision, timm): a convolutional branch on (N, C, H, W)
+_SHIFTABLE = (resnet_block_forward, timm_resnet_block_forward)
+
+
+def temporal_shift(x: torch.Tensor, num_frames: int, fraction: float) -> torch.Tensor:
+    """Shift ``fraction`` of the channels of ``x (N = B*T, C, ...)`` one frame backward in time
+    (frame ``t`` gets frame ``t+1``'s channels ``[0, fold)``) and as many one frame forward
+    (frame ``t`` gets frame ``t-1``'s channels ``[fold, 2*fold)``), zeros at the clip ends."""
+    n, c = x.shape[:2]
+    fold = int(c * fraction)
+    if fold == 0:
+        return x
+    if num_frames < 1 or n % num_frames:
+        raise ValueError(f"temporal shift: {n} frames are not whole clips of {num_frames} frames "
+                         "(the backbone must see every frame of each clip, in time order)")
+    clip = x.unflatten(0, (-1, num_frames))  # (B, T, C, ...)
+    out = torch.zeros_like(clip)
+    out[:, :-1, :fold] = clip[:, 1:, :fold]  # from the next frame
+    out[:, 1:, fold:2 * fold] = clip[:, :-1, fold:2 * fold]  # from the previous frame
+    out[:, :, 2 * fold:] = clip[:, :, 2 * fold:]
+    return out.flatten(0, 1)  # (N, C, ...)
+
+
+class TemporalShift(nn.Module):
+    """The shift of one residual block; ``num_frames`` is the clip length of the current call."""
+
+    def __init__(self, fraction: float) -> None:
+        super().__init__()
+        self.fraction = float(fraction)
+        self.num_frames: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, C, H, W) -> (N, C, H, W)
+        if self.num_frames is None:
+            raise RuntimeError("temporal shift: the clip length is not set; call "
+                               "backbone.set_clip_length(T) before calling the backbone on frames "
+                               "(the memory strategies and encode_all_frames do)")
+        return temporal_shift(x, self.num_frames, self.fraction)
+
+    def extra_repr(self) -> str:
+        return f"fraction={self.fraction}, num_frames={self.num_frames}"
+
+
+class ShiftedForward:
+    """Replaces ``forward`` on one block instance: ``skip(x) + branch(shift(x))``. A plain object
+    (like SBP's ``PatchedBlock``), so parameters and ``state_dict`` keys do not change and the
+    model still pickles."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.adapter = block_adapter(block)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shift = self.block.temporal_shift
+        return self.adapter(self.block, x, lambda fn, z: fn(shift(z)))
+
+
+def check_fraction(fraction: float) -> float:
+    if isinstance(fraction, bool) or not 0.0 <= float(fraction) <= 0.5:
+        raise ValueError(f"model.backbone.temporal_shift must be a fraction in [0, 0.5] of the "
+                         f"channels shifted each way (TSM: 0.125; 0 = off), got {fraction!r}")
+    return float(fraction)
+
+
+def add_temporal_shift(blocks: list[nn.Module], fraction: float, model: str) -> None:
+    """Give every block in ``blocks`` (ResNet blocks, torchvision or timm) a residual shift of
+    ``fraction``; anything else raises a ``ValueError`` naming ``model``."""
+    for blk in blocks:
+        try:
+            ok = block_adapter(blk) in _SHIFTABLE
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"model.backbone.temporal_shift: {model} has {type(blk).__name__} "
+                             "blocks; the temporal shift is implemented for ResNet blocks only "
+                             "(resnet10/18/50, timm ResNets); set model.backbone.temporal_shift=0")
+    for blk in blocks:
+        blk.temporal_shift = TemporalShift(fraction)
+        blk.forward = ShiftedForward(blk)
+
+
+def set_num_frames(module: nn.Module, num_frames: int) -> None:
+    """Set the clip length on every temporal shift in ``module``."""
+    for m in module.modules():
+        if isinstance(m, TemporalShift):
+            m.num_frames = int(num_frames)
+
+
+class FrameTracer(fx.Tracer):
+    """The backbones' ``torch.fx`` tracer: a temporal shift stays one ``call_module`` node."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, TemporalShift) or super().is_leaf_module(m, module_qualified_name)
