@@ -35,6 +35,12 @@ def test_task_name_is_checked_and_the_default_keeps_its_folder() -> None:
     assert SyntheticSpec().digest() != SyntheticSpec(task="order").digest()
 
 
+def test_a_new_drawing_of_a_task_is_a_new_cache_folder(monkeypatch) -> None:
+    before = SyntheticSpec(task="speed").digest()
+    monkeypatch.setitem(TASKS, "speed", TASKS["speed"]._replace(version=TASKS["speed"].version + 1))
+    assert SyntheticSpec(task="speed").digest() != before  # not the old videos under a new renderer
+
+
 def test_task_dataset_names_its_classes(tmp_path) -> None:
     root = ensure_synthetic(tmp_path, task="rotation", train_per_class=1, val_per_class=1,
                             num_frames=4, size=32)

@@ -60,9 +60,11 @@ class SyntheticSpec:
         return CLASSES if self.task == "two_strokes" else TASKS[self.task].classes
 
     def digest(self) -> str:
-        fields = asdict(self)
+        fields: dict = asdict(self)
         if fields["task"] == "two_strokes":  # the default task keeps the folder name it had
             del fields["task"]
+        else:  # a task's drawing changes with its version, not with the spec's fields
+            fields["task_version"] = TASKS[self.task].version
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()[:10]
 

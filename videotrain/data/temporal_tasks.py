@@ -181,14 +181,18 @@ def render_speed(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> n
 class Task(NamedTuple):
     classes: tuple[str, ...]
     render: Callable[[SyntheticSpec, int, np.random.Generator], np.ndarray]
+    # part of the cache folder's name: bump it whenever the renderer draws differently, or a
+    # cached dataset of the old drawing is reused (the spec's fields alone did not change)
+    version: int = 1
 
 
 TASKS: dict[str, Task] = {
     "direction": Task(("right_then_down", "right_then_up", "left_then_down", "left_then_up"),
-                      render_direction),
+                      render_direction, version=2),
     "rotation": Task(("clockwise_then_zoom_in", "clockwise_then_zoom_out",
                       "counterclockwise_then_zoom_in", "counterclockwise_then_zoom_out"),
                      render_rotation),
-    "order": Task(tuple("_".join(("red", "green", "blue")[k] for k in o) for o in ORDERS), render_order),
-    "speed": Task(("right_slow", "right_fast", "left_slow", "left_fast"), render_speed),
+    "order": Task(tuple("_".join(("red", "green", "blue")[k] for k in o) for o in ORDERS), render_order,
+                  version=2),
+    "speed": Task(("right_slow", "right_fast", "left_slow", "left_fast"), render_speed, version=2),
 }
