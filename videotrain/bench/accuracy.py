@@ -10,7 +10,8 @@ interval over seeds (per task) and over every (task, seed) pair (the average ove
 Stored activations, the memory a row saves, are counted for one training forward of the
 row's model (``metrics.saved``), relative to ``e2e``.
 
-A finished run (its ``results.json``) is not run again: an interrupted suite goes on where it
+The runs live in ``--runs-dir`` (default ``outputs/bench_accuracy``, with their checkpoints);
+a finished run (its ``results.json``) is not run again: an interrupted suite goes on where it
 stopped. Results: ``accuracy.json`` (every run), ``accuracy.md`` (the tables) and
 ``accuracy.png`` (accuracy against stored activations) in ``--out``.
 """
@@ -32,6 +33,7 @@ from typing import Any
 TASKS = ("direction", "rotation", "order", "speed")
 SEEDS = (0, 1, 2)
 RESULTS = "docs/results/bench_accuracy"
+RUNS = "outputs/bench_accuracy"
 # the generated tasks: 16 source frames, so the default clip (8 frames at rate 2) spans the video;
 # validation once, at the end, on 32 videos per class; the CPU peak meter on as few steps as it takes
 TASK_DATA = ("data.synthetic.num_frames=16", "data.synthetic.val_per_class=32",
@@ -232,7 +234,8 @@ def plot(summary: dict[str, Any], stored: dict[str, float], path: Path) -> None:
 def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None,
                        seeds: list[int] | None = None, only: list[str] | None = None,
                        extra: list[str] | None = None, jobs: int = 2, timeout: float = 1800,
-                       train: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+                       train: bool = True, runs_dir: str | Path = RUNS,
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run (or resume) the suite and write its results; returns (runs, summary, markdown).
     ``train=False`` reports the finished runs and trains nothing."""
     import fnmatch
@@ -247,7 +250,7 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
 
     def one(item: tuple[str, Row, int]) -> dict[str, Any]:
         t, r, s = item
-        res = train_one(out / "runs" / t / r.name / f"seed{s}", run_overrides(t, r, s, extra), threads,
+        res = train_one(Path(runs_dir) / t / r.name / f"seed{s}", run_overrides(t, r, s, extra), threads,
                         timeout, train)
         print(f"{t} {r.name} seed {s}: " + (f"val top-1 {res['val_top1']:.3f}" if "val_top1" in res
                                               else res["error"]), flush=True)

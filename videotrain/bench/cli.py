@@ -324,6 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", help="accuracy suite: comma-separated tasks (default: all four)")
     p.add_argument("--seeds", help="accuracy suite: comma-separated seeds (default 0,1,2)")
     p.add_argument("--jobs", type=int, default=2, help="accuracy suite: training runs at a time")
+    p.add_argument("--runs-dir", default="outputs/bench_accuracy",
+                   help="accuracy suite: where the training runs go (default outputs/bench_accuracy)")
     p.add_argument("--report-only", action="store_true",
                    help="accuracy suite: tabulate the finished runs in --out, train nothing")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             out=args.out or RESULTS, tasks=args.tasks.split(",") if args.tasks else None,
             seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
             extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
-            train=not args.report_only)
+            train=not args.report_only, runs_dir=args.runs_dir)
         print(table, end="")
         failed = [f"{r['task']}/{r['row']}/seed{r['seed']}" for r in runs if r.get("error")]
         if failed:
