@@ -67,6 +67,16 @@ def model_pair(backbone: str, strategy, head: str = "tconv") -> tuple[VideoClass
     return ref.train(), VideoClassifier(bb, hd, strategy).train()
 
 
+def shifted_pair(strategy) -> tuple[VideoClassifier, VideoClassifier]:
+    """(e2e model, model with ``strategy``), both ResNets with a temporal shift of 1/4 of the
+    channels each way (``model.backbone.temporal_shift``)."""
+    torch.manual_seed(0)
+    bb = resnet(layers=[1, 1, 1, 1], temporal_shift=0.25)
+    head = make_head(bb.feature_dim)
+    ref = VideoClassifier(copy.deepcopy(bb), copy.deepcopy(head))
+    return ref.train(), VideoClassifier(bb, head, strategy).train()
+
+
 def video(seed: int = 0, requires_grad: bool = False) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, T, 3, PX, PX, generator=g).requires_grad_(requires_grad)  # (B,T,C,H,W)

@@ -3,8 +3,6 @@ length of its forward, so gradients, logits and BN statistics equal e2e's for ev
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -20,17 +18,9 @@ def step(model: VideoClassifier, x: torch.Tensor) -> torch.Tensor:
     return logits.detach()
 
 
-def shifted_pair(kit, strategy) -> tuple[VideoClassifier, VideoClassifier]:
-    torch.manual_seed(0)
-    bb = resnet(layers=[1, 1, 1, 1], temporal_shift=0.25)
-    head = kit.make_head(bb.feature_dim)
-    ref = VideoClassifier(copy.deepcopy(bb), copy.deepcopy(head))
-    return ref.train(), VideoClassifier(bb, head, strategy).train()
-
-
 @pytest.mark.parametrize("policy", ["blocks", "sqrt", "optimal"])
 def test_checkpoint_with_the_shift_equals_e2e(kit, policy: str) -> None:
-    ref, model = shifted_pair(kit, Recompute(policy))
+    ref, model = kit.shifted_pair(Recompute(policy))
     # the second shape has the same number of frames (16) in clips of 4: a plan cached for
     # (16, C, H, W) must shift over 4 frames now, in its forward and in its recompute
     for shape in ((2, 8), (4, 4)):

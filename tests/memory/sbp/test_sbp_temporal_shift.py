@@ -4,25 +4,12 @@ e2e's with the dropped branches detached); frame granularity is refused."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from videotrain.memory import StochasticBackprop
 from videotrain.memory.sampling import keep_mask
 from videotrain.memory.sbp.blocks import branch_norms
-from videotrain.models.backbones import resnet
-from videotrain.models.video import VideoClassifier
-
-
-def shifted_pair(kit, strategy) -> tuple[VideoClassifier, VideoClassifier]:
-    """(e2e model, model with ``strategy``), both with a shift of 1/4 of the channels each way."""
-    torch.manual_seed(0)
-    bb = resnet(layers=[1, 1, 1, 1], temporal_shift=0.25)
-    head = kit.make_head(bb.feature_dim)
-    ref = VideoClassifier(copy.deepcopy(bb), copy.deepcopy(head))
-    return ref.train(), VideoClassifier(bb, head, strategy).train()
 
 
 def sbp(**kw) -> StochasticBackprop:
@@ -32,11 +19,11 @@ def sbp(**kw) -> StochasticBackprop:
 @pytest.mark.parametrize("kw", [{}, {"checkpoint": "blocks"}], ids=["frame", "frame+checkpoint"])
 def test_frame_granularity_is_refused_naming_the_key(kit, kw) -> None:
     with pytest.raises(ValueError, match="memory.granularity=frame .*memory.granularity=block"):
-        shifted_pair(kit, sbp(granularity="frame", **kw))
+        kit.shifted_pair(sbp(granularity="frame", **kw))
 
 
 def test_block_sbp_at_keep_one_equals_e2e_with_the_shift(kit) -> None:
-    ref, model = shifted_pair(kit, sbp(keep_ratio=1.0, blocks=1.0))
+    ref, model = kit.shifted_pair(sbp(keep_ratio=1.0, blocks=1.0))
     x = kit.video()
     torch.testing.assert_close(kit.step(model, x), kit.step(ref, x), rtol=0, atol=0)
     kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=0, atol=0)
@@ -44,7 +31,7 @@ def test_block_sbp_at_keep_one_equals_e2e_with_the_shift(kit) -> None:
 
 def test_block_sbp_forward_equals_e2e_and_every_parameter_gets_a_gradient(kit) -> None:
     """The forward covers every frame (shifted from all of them), so it is e2e's at any keep."""
-    ref, model = shifted_pair(kit, sbp(keep_ratio=0.5, blocks=1.0))
+    ref, model = kit.shifted_pair(sbp(keep_ratio=0.5, blocks=1.0))
     x = kit.video()
     torch.testing.assert_close(kit.step(model, x), kit.step(ref, x), rtol=1e-5, atol=1e-5)
     got = kit.grads(model)
@@ -57,7 +44,7 @@ def test_block_sbp_gradients_are_e2e_with_dropped_branches_detached(kit) -> None
     (and their rows at the branch's BN inputs) are constants. The kept frames' branch gradient
     flows through the shift into their neighbours' block inputs, as in e2e."""
     strategy = sbp(keep_ratio=0.375, blocks=1.0)
-    ref, model = shifted_pair(kit, strategy)
+    ref, model = kit.shifted_pair(strategy)
     x = kit.video()
     logits = kit.step(model, x)
     hooks = []
