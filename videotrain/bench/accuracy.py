@@ -261,7 +261,9 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     e2e_bytes = stored_activation_bytes(list(extra))
     stored = {r.name: stored_activation_bytes([*r.overrides, *extra]) / e2e_bytes for r in rows}
     summary = summarize(runs, rows)
-    meta = {"command": "python -m videotrain.bench --suite accuracy " + " ".join(extra),
+    flags = ([f"--tasks {','.join(tasks)}"] if tasks != list(TASKS) else []) + (
+        [f"--seeds {','.join(map(str, seeds))}"] if seeds != list(SEEDS) else [])
+    meta = {"command": " ".join(["python -m videotrain.bench --suite accuracy", *flags, *extra]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {jobs} runs at a time",
             "seeds": seeds, "tasks": tasks, "extra_overrides": extra, "stored_frac": stored}
     table = render(summary, stored, meta)
