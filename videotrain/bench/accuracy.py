@@ -86,15 +86,10 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
 def rows_for(overrides: list[str]) -> list[Row]:
     """The suite's rows for a model: frame-granularity SBP where the backbone treats frames
     independently, block granularity where it mixes them (``model.backbone.temporal_shift``)."""
-    mixing = any(o.startswith("model.backbone.temporal_shift=") and float(o.split("=", 1)[1]) > 0
-                 for o in overrides) or _default_shift() > 0
-    return [r for r in ROWS if r.frame_mixing is None or r.frame_mixing == mixing]
-
-
-def _default_shift() -> float:
     from videotrain.build import compose_cfg
 
-    return float(compose_cfg([]).model.backbone.get("temporal_shift", 0) or 0)
+    mixing = float(compose_cfg(overrides).model.backbone.get("temporal_shift") or 0) > 0
+    return [r for r in ROWS if r.frame_mixing is None or r.frame_mixing == mixing]
 
 
 def run_overrides(task: str, row: Row, seed: int, extra: list[str]) -> list[str]:
@@ -217,7 +212,7 @@ def plot(summary: dict[str, Any], stored: dict[str, float], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for o in summary["overall"]:
         x = stored.get(o["row"], math.nan)
-        ax.errorbar([x], [o["mean"]], yerr=[[0.0], [0.0]], fmt="o")
+        ax.plot([x], [o["mean"]], "o")
         ax.annotate(o["row"], (x, o["mean"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     for t in dict.fromkeys(p["task"] for p in summary["per_task"]):
         pts = sorted((stored.get(p["row"], math.nan), p["mean"]) for p in summary["per_task"] if p["task"] == t)

@@ -53,20 +53,15 @@ def texture(rng: np.random.Generator, size: int, noise: float = 12.0) -> np.ndar
     return np.clip(tex, 0, 255)
 
 
-def _paint(frame: np.ndarray, mask: np.ndarray, colour: np.ndarray) -> None:
-    frame[mask] = colour
-
-
 def _square(size: int, x: float, y: float, side: int, wrap: bool = False) -> np.ndarray:
     """Boolean (H, W) mask of a ``side`` square with top-left corner (x, y); ``wrap``: x is
     taken modulo the width, so the square leaves on one side and enters on the other."""
-    cols = np.arange(size)
     x0 = int(round(x))
     xs = (np.arange(x0, x0 + side) % size) if wrap else np.arange(max(x0, 0), min(x0 + side, size))
     y0 = int(round(y))
     mask = np.zeros((size, size), dtype=bool)
     rows = np.arange(max(y0, 0), min(y0 + side, size))
-    mask[np.ix_(rows, np.intersect1d(cols, xs))] = True
+    mask[np.ix_(rows, xs)] = True
     return mask
 
 
@@ -93,15 +88,15 @@ def render_direction(spec: SyntheticSpec, label: int, rng: np.random.Generator) 
         frame = background + rng.normal(0, 8, size=background.shape).astype(np.float32)
         for (dx, dy), colour in decoys:  # jitters in place: no direction
             jx, jy = rng.uniform(-2, 2, 2)
-            _paint(frame, _square(size, dx + jx, dy + jy, obj), colour)
+            frame[_square(size, dx + jx, dy + jy, obj)] = colour
         if t < half:
             s = t / max(half - 1, 1)
             x = lo_r + (s if horiz > 0 else 1 - s) * travel
-            _paint(frame, _square(size, x, across_r, obj), RED)
+            frame[_square(size, x, across_r, obj)] = RED
         else:
             s = (t - half) / max(T - half - 1, 1)
             y = lo_b + (s if vert > 0 else 1 - s) * travel
-            _paint(frame, _square(size, across_b, y, obj), BLUE)
+            frame[_square(size, across_b, y, obj)] = BLUE
         frames[t] = np.clip(frame, 0, 255).astype(np.uint8)
     return frames
 
@@ -129,11 +124,11 @@ def render_rotation(spec: SyntheticSpec, label: int, rng: np.random.Generator) -
             u, v = np.cos(angle), np.sin(angle)
             along = (xx - cx) * u + (yy - cy) * v
             across = -(xx - cx) * v + (yy - cy) * u
-            _paint(frame, (np.abs(along) <= length) & (np.abs(across) <= width / 2), RED)
+            frame[(np.abs(along) <= length) & (np.abs(across) <= width / 2)] = RED
         else:
             s = (t - half) / max(T - half - 1, 1)
             r = r_small + (s if zoom_in else 1 - s) * (r_big - r_small)
-            _paint(frame, (xx - dx) ** 2 + (yy - dy) ** 2 <= r * r, BLUE)
+            frame[(xx - dx) ** 2 + (yy - dy) ** 2 <= r * r] = BLUE
         frames[t] = frame.astype(np.uint8)
     return frames
 
@@ -173,7 +168,7 @@ def render_speed(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> n
     for t in range(T):
         frame = background.copy()
         x = (x0 + sign * laps * size * t / T) % size
-        _paint(frame, _square(size, x, y, obj, wrap=True), RED)
+        frame[_square(size, x, y, obj, wrap=True)] = RED
         frames[t] = frame.astype(np.uint8)
     return frames
 
