@@ -313,6 +313,12 @@ def build_data(
         log.warning("%s: evaluating the %d of %d listed videos that are there", val_index.source,
                     len(val_index), val_listed)
     flip_labels = flip_label_indices(hflip_label_map, train_index.class_names) if hflip_label_map else None
+    for a, b in (flip_labels or {}).items():
+        if (a in drop) != (b in drop):  # a flipped clip would train on a class the run leaves out
+            kept, dropped = (a, b) if b in drop else (b, a)
+            raise ValueError(f"data.hflip_label_map mirrors {train_index.class_names[kept]!r} into "
+                             f"{train_index.class_names[dropped]!r}, which data.drop_classes leaves out: "
+                             "drop both or neither")
     if flip_labels is not None and not hflip:
         raise ValueError("data.hflip_label_map is set but data.hflip=false: set data.hflip=true "
                          "to flip with relabelling, or data.hflip_label_map=null")
