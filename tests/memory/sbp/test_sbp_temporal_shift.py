@@ -22,6 +22,22 @@ def test_frame_granularity_is_refused_naming_the_key(kit, kw) -> None:
         kit.shifted_pair(sbp(granularity="frame", **kw))
 
 
+def test_auto_granularity_is_block_with_the_shift_and_frame_without(kit) -> None:
+    """``granularity=auto`` (the config default) follows the backbone: the default resnet10 has
+    the shift, so ``memory=sbp`` alone must not be refused there, nor change a per-frame one."""
+    shifted = sbp(granularity="auto")
+    kit.shifted_pair(shifted)
+    assert shifted.granularity == "block" and shifted.describe()["granularity"] == "block"
+    plain = sbp(granularity="auto")
+    kit.model_pair("resnet", plain)
+    assert plain.granularity == "frame"
+
+
+def test_auto_granularity_with_checkpoint_is_refused_with_the_shift(kit) -> None:
+    with pytest.raises(ValueError, match="memory.checkpoint .*temporal_shift"):
+        kit.shifted_pair(sbp(granularity="auto", checkpoint="blocks"))
+
+
 def test_block_sbp_at_keep_one_equals_e2e_with_the_shift(kit) -> None:
     ref, model = kit.shifted_pair(sbp(keep_ratio=1.0, blocks=1.0))
     x = kit.video()

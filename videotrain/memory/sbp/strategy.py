@@ -6,6 +6,9 @@ other frames are never stored. Training memory for the backbone therefore scales
 
 Granularity
 -----------
+``auto`` (default): ``block`` on a backbone that mixes frames (TSM's temporal shift, on in the
+default ResNet-10), ``frame`` otherwise; resolved by ``prepare``.
+
 ``frame`` (tree model): kept frames run through the backbone with autograd, dropped frames
 under ``no_grad`` (in chunks of ``nograd_chunk`` frames when no BN statistics are needed), and
 both are scattered into one ``(B, T, D)`` tensor; positions are all frames. No recompute in
@@ -107,7 +110,7 @@ from videotrain.memory.sbp.split import (
     split_forward,
 )
 
-GRANULARITIES = ("frame", "block")
+GRANULARITIES = ("auto", "frame", "block")
 GRAD_SCALES = ("none", "inverse_keep")
 
 
@@ -120,7 +123,7 @@ class StochasticBackprop(SamplerStateMixin):
         self,
         keep_ratio: float = 0.5,
         sampler: str = "uniform",
-        granularity: str = "frame",
+        granularity: str = "auto",
         nograd_chunk: int = 8,
         grad_scale: str = "none",
         blocks: float | list[int] | None = None,
@@ -144,7 +147,7 @@ class StochasticBackprop(SamplerStateMixin):
             raise ValueError(f"memory.lockstep must be true or false, got {lockstep!r}")
         if nograd_chunk < 1:
             raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
-        if checkpoint is not None and granularity != "frame":
+        if checkpoint is not None and granularity == "block":
             raise ValueError("memory.checkpoint composes with memory.granularity=frame only "
                              f"(got granularity={granularity!r})")
         if checkpoint_budget_frac is not None and checkpoint != "optimal":
@@ -174,7 +177,16 @@ class StochasticBackprop(SamplerStateMixin):
     # ------------------------------------------------------------------ setup
     def prepare(self, backbone: nn.Module) -> nn.Module:
         """Patch BN layers (``full_batch``) and wrap the selected blocks (``block``), in place.
-        Refuses frame granularity on a backbone that mixes frames (temporal shift)."""
+        ``granularity=auto`` becomes ``block`` on a backbone that mixes frames (temporal shift),
+        ``frame`` otherwise. Refuses frame granularity on a backbone that mixes frames."""
+        if self.granularity == "auto":
+            if self.recompute is not None and mixes_frames(backbone):
+                raise ValueError(
+                    "memory.checkpoint composes with frame-granularity SBP only, and "
+                    "model.backbone.temporal_shift > 0 needs block granularity (the shift mixes "
+                    "frames inside the backbone): set memory.checkpoint=null, or "
+                    "model.backbone.temporal_shift=0")
+            self.granularity = "block" if mixes_frames(backbone) else "frame"
         if self.granularity == "frame" and mixes_frames(backbone):
             raise ValueError(
                 "memory.granularity=frame does not work with model.backbone.temporal_shift > 0: "
