@@ -8,7 +8,7 @@ a model that compares frames in time order can solve the task. Per-frame appeara
 label. The kinds of temporal evidence differ between tasks:
 
 * ``direction``: motion direction, the default task made harder (a small square over a busy,
-  flickering texture, with a decoy square of each colour that jitters in place);
+  flickering texture, with a red decoy square that jitters in place);
 * ``rotation``: direction of rotation of a bar (clockwise or not), then of zoom of a disc (in or out);
 * ``order``: order of events: a small, half-transparent square takes three colours one after
   another; the class is the
@@ -72,14 +72,15 @@ def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def render_direction(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np.ndarray:
     """Two strokes as in the default task (red: right/left, then blue: down/up; the same class
-    order), with a smaller object, a shorter travel, a flickering texture and two decoys."""
+    order), with a smaller object, a flickering texture and a red decoy that jitters in place
+    (with a blue decoy too, the default model stayed at chance within 4 epochs)."""
     horiz = 1 if label in (0, 1) else -1
     vert = 1 if label in (0, 2) else -1
     size, obj, T = spec.size, max(5 * spec.object_size // 6, 3), spec.num_frames
     travel = spec.travel * size
     half = T // 2
     background = texture(rng, size, noise=0.0)
-    decoys = [(rng.uniform(0, size - obj, 2), colour) for colour in (RED, BLUE)]
+    decoys = [(rng.uniform(0, size - obj, 2), colour) for colour in (RED,)]
     lo_r = rng.uniform(0, size - obj - travel)
     lo_b = rng.uniform(0, size - obj - travel)
     across_r, across_b = rng.uniform(0, size - obj, 2)
@@ -161,7 +162,8 @@ def render_speed(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> n
     (labels 0, 2) or twice per clip, from a random phase."""
     sign = 1 if label in (0, 1) else -1
     laps = 1.0 if label in (0, 2) else 2.0
-    size, obj, T = spec.size, max(5 * spec.object_size // 6, 3), spec.num_frames
+    # 7 px at the default object_size 12: at 8 px the default model reached 0.99, at 6 px 0.37
+    size, obj, T = spec.size, max(7 * spec.object_size // 12, 3), spec.num_frames
     background = texture(rng, size)
     x0, y = rng.uniform(0, size), rng.uniform(0, size - obj)
     frames = np.empty((T, size, size, 3), dtype=np.uint8)
@@ -183,11 +185,11 @@ class Task(NamedTuple):
 
 TASKS: dict[str, Task] = {
     "direction": Task(("right_then_down", "right_then_up", "left_then_down", "left_then_up"),
-                      render_direction, version=2),
+                      render_direction, version=3),
     "rotation": Task(("clockwise_then_zoom_in", "clockwise_then_zoom_out",
                       "counterclockwise_then_zoom_in", "counterclockwise_then_zoom_out"),
                      render_rotation),
     "order": Task(tuple("_".join(("red", "green", "blue")[k] for k in o) for o in ORDERS), render_order,
                   version=2),
-    "speed": Task(("right_slow", "right_fast", "left_slow", "left_fast"), render_speed, version=2),
+    "speed": Task(("right_slow", "right_fast", "left_slow", "left_fast"), render_speed, version=3),
 }
