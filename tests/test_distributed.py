@@ -67,7 +67,8 @@ def test_torchrun_two_ranks_cli(tiny_synthetic_overrides, shrink_overrides, tiny
 # global RNG matters too; 16 videos / (2 per rank x 2 ranks) = 4 steps, checkpoints every 2.
 DDP_RUN = ["trainer.max_epochs=1", "trainer.checkpoint_every_n_steps=2", "data.batch_size=2",
            "trainer.log_every_n_steps=1"]
-SBP = ["model/backbone=resnet10", "memory=sbp", "memory.keep_ratio=0.5", "model.head.dropout=0.5"]
+SBP = ["model/backbone=resnet10", "model.backbone.temporal_shift=0", "memory=sbp", "memory.keep_ratio=0.5",
+       "model.head.dropout=0.5"]
 STRATEGIES = {
     "frame_dropout": ["memory=frame_dropout", "memory.keep_ratio=0.5", "trainer.max_steps=2"],
     "sbp_block": ["model/backbone=resnet10", "memory=sbp", "memory.granularity=block",

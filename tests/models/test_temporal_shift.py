@@ -134,9 +134,9 @@ def _cfg(*overrides: str):
 
 
 @pytest.mark.parametrize("backbone", ["resnet10", "resnet18", "resnet50", "timm"])
-def test_configs_have_the_key_off_by_default(backbone: str) -> None:
+def test_the_default_resnet10_shifts_and_the_other_configs_do_not(backbone: str) -> None:
     cfg = _cfg(f"model/backbone={backbone}")
-    assert cfg.model.backbone.temporal_shift == 0.0
+    assert cfg.model.backbone.temporal_shift == (0.125 if backbone == "resnet10" else 0.0)
 
 
 def test_config_values_are_checked(capsys) -> None:

@@ -278,6 +278,11 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
         ovs = merge_overrides(base, spec["overrides"], extra)
         if _value(ovs, "model/backbone") != "timm":  # a timm row moved to another backbone
             ovs = [o for o in ovs if override_key(o) != "model.backbone.name" or o in extra]
+        if (_value(ovs, "model/backbone") or "resnet10") == "resnet10" and \
+                _value(ovs, "model.backbone.temporal_shift") is None:
+            # per-frame unless the user says otherwise: resnet10's config (alone) turns TSM's
+            # shift on, and these suites compare frame- and block-level SBP on a per-frame model
+            ovs = [*ovs, "model.backbone.temporal_shift=0"]
         key = (*sorted(ovs), *(f"{k}={spec.get(k)}" for k in CHILD_KEYS))  # not overrides
         if key in seen:
             continue
