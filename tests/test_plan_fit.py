@@ -14,8 +14,9 @@ from videotrain.plan import FIT_ROWS, fit_report
 from videotrain.plan import main as plan_main
 from videotrain.simulate.step import GIB
 
-TINY = ["model/backbone=resnet10", "model/head=tconv", "data.num_frames=8", "data.crop_size=96",
-        "data.batch_size=2", "data.val_batch_size=2", "trainer.precision=bf16"]
+TINY = ["model/backbone=resnet10", "model.backbone.temporal_shift=0", "model/head=tconv",
+        "data.num_frames=8", "data.crop_size=96", "data.batch_size=2", "data.val_batch_size=2",
+        "trainer.precision=bf16"]  # per-frame: every row applies (with the shift, see below)
 ROW_KEYS = {"strategy", "keep_ratio", "policy", "predicted_train_peak_gb", "predicted_eval_peak_gb",
             "fits", "max_batch_size", "max_num_frames"}
 
@@ -107,3 +108,17 @@ def test_fit_predicts_the_frozen_backbone_step_training_builds(report: dict) -> 
     unfrozen = next(r for r in report["rows"] if r["strategy"] == "e2e")
     assert row["predicted_train_peak_gb"] < 0.8 * unfrozen["predicted_train_peak_gb"]
     assert row["held_gb"] < unfrozen["held_gb"]
+
+
+def test_a_shifting_backbone_skips_the_frame_level_sbp_checkpoint_row(tmp_path) -> None:
+    """The default resnet10 mixes frames: SBP rows resolve to block granularity, and the
+    frame-level SBP + checkpoint row is skipped with a reason, not a failure (exit 0)."""
+    args = ["model.backbone.temporal_shift=0.125" if a.startswith("model.backbone.temporal_shift")
+            else a for a in TINY]
+    out = tmp_path / "f.json"
+    assert plan_main(["--fit", "1", "--out", str(out), *args]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    skipped = [r for r in rows if "skipped" in r]
+    assert [(r["strategy"], r["policy"]) for r in skipped] == [("sbp", "optimal")]
+    assert "temporal_shift" in skipped[0]["skipped"]
+    assert not any("error" in r for r in rows) and len(rows) == len(FIT_ROWS)
