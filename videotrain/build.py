@@ -224,6 +224,12 @@ def compose_cfg(overrides: list[str]) -> DictConfig:
         return validate(compose(config_name="config", overrides=list(overrides)))
 
 
+def config_mixes_frames(cfg: DictConfig) -> bool:
+    """Whether the configured backbone mixes frames (TSM's ``model.backbone.temporal_shift`` >
+    0), read from the config without building the model: frame-level SBP cannot train it."""
+    return float(cfg.model.backbone.get("temporal_shift") or 0) > 0
+
+
 def group_choices(overrides: list[str]) -> dict[str, str]:
     """Which option each config group resolved to (``{"model/backbone": "resnet50", ...}``)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):

@@ -54,6 +54,7 @@ from videotrain.build import (
     build_model,
     build_precision,
     compose_cfg,
+    config_mixes_frames,
     group_choices,
     plan_memory,
     resolve_device,
@@ -180,7 +181,7 @@ def fit_report(overrides: list[str], device_gb: float | None, target: str = "cud
     b, t = int(d.batch_size), int(d.num_frames)
     # SBP + checkpoint is frame-level: a backbone that mixes frames (TSM's shift, on in the
     # default resnet10) cannot use it, which is not a failure of the prediction
-    mixes = float(base.model.backbone.get("temporal_shift") or 0) > 0
+    mixes = config_mixes_frames(base)
     not_here = [(s, k, p) for s, k, p, _ in FIT_ROWS if mixes and s == "sbp" and p is not None]
     rows = [(s, k, p, [*overrides, *row_ov]) for s, k, p, row_ov in FIT_ROWS
             if (s, k, p) not in not_here]

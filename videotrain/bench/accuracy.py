@@ -86,9 +86,9 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
 def rows_for(overrides: list[str]) -> list[Row]:
     """The suite's rows for a model: frame-granularity SBP where the backbone treats frames
     independently, block granularity where it mixes them (``model.backbone.temporal_shift``)."""
-    from videotrain.build import compose_cfg
+    from videotrain.build import compose_cfg, config_mixes_frames
 
-    mixing = float(compose_cfg(overrides).model.backbone.get("temporal_shift") or 0) > 0
+    mixing = config_mixes_frames(compose_cfg(overrides))
     return [r for r in ROWS if r.frame_mixing is None or r.frame_mixing == mixing]
 
 
