@@ -80,16 +80,15 @@ def render_direction(spec: SyntheticSpec, label: int, rng: np.random.Generator) 
     travel = spec.travel * size
     half = T // 2
     background = texture(rng, size, noise=0.0)
-    decoys = [(rng.uniform(0, size - obj, 2), colour) for colour in (RED,)]
+    dx, dy = rng.uniform(0, size - obj, 2)  # the red decoy
     lo_r = rng.uniform(0, size - obj - travel)
     lo_b = rng.uniform(0, size - obj - travel)
     across_r, across_b = rng.uniform(0, size - obj, 2)
     frames = np.empty((T, size, size, 3), dtype=np.uint8)
     for t in range(T):
         frame = background + rng.normal(0, 8, size=background.shape).astype(np.float32)
-        for (dx, dy), colour in decoys:  # jitters in place: no direction
-            jx, jy = rng.uniform(-2, 2, 2)
-            frame[_square(size, dx + jx, dy + jy, obj)] = colour
+        jx, jy = rng.uniform(-2, 2, 2)  # the decoy jitters in place: no direction
+        frame[_square(size, dx + jx, dy + jy, obj)] = RED
         if t < half:
             s = t / max(half - 1, 1)
             x = lo_r + (s if horiz > 0 else 1 - s) * travel
