@@ -168,6 +168,24 @@ def run_overrides(tiny_root: Path) -> Callable[..., list[str]]:
     return _overrides
 
 
+@pytest.fixture
+def cuda() -> torch.device:
+    """The CUDA device, for tests marked ``gpu`` (deselected by default; ``pytest -m gpu``).
+    Without one they fail: a GPU check that skips would read as passed."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run pytest -m gpu on a GPU machine")
+    return torch.device("cuda")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """A test that takes ``device`` runs on the CPU, and on CUDA in the gpu-marked run
+    (``pytest -m gpu``): the CUDA twin of a CPU check, with the same assertions."""
+    if request.param == "cuda":
+        return request.getfixturevalue("cuda")
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope="session")
 def run_cli() -> Callable[..., subprocess.CompletedProcess]:
     """Run ``python -m videotrain ARGS`` as a subprocess in ``cwd``."""

@@ -94,6 +94,29 @@ def test_no_grad_peak_counted_on_fake_tensors_is_the_real_one(dtype) -> None:
         assert fake == real, (n, fake, real)
 
 
+@pytest.mark.parametrize("name", list(BACKBONES))
+def test_auto_chunk_inside_autocast_evaluates_on_the_real_weights(name: str,
+                                                                  device: torch.device) -> None:
+    """Validation in bf16 searches ``frame_chunk="auto"`` on fake tensors inside the real
+    autocast region; the fake bf16 weight copies autocast cached there were then used by the
+    real forward (a FakeTensor out, and every bf16 run failed at its first validation). The
+    logits of the chunked bf16 forward are real and equal a plain bf16 forward's."""
+    torch.manual_seed(0)
+    backbone = BACKBONES[name]()
+    model = VideoClassifier(backbone, TConvHead(backbone.feature_dim, 3, hidden_dim=8))
+    model.to(device).eval()
+    video = torch.randn(2, 6, 3, 32, 32, device=device)  # (B, T, C, H, W)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        whole = model(video)
+    model.eval_frame_chunk, model.eval_memory_budget = "auto", float(2**40)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        chunked = model(video)  # the search first, then the real forward, in one region
+        again = model(video)  # the search's result is reused: a plain forward
+    for out in (chunked, again):
+        assert type(out) is torch.Tensor and out.device.type == device.type
+        torch.testing.assert_close(out, whole)
+
+
 STRATEGIES = {"e2e": EndToEnd, "sbp_0.25": lambda: StochasticBackprop(0.25),
               "frame_dropout_0.25": lambda: FrameDropout(0.25),
               "checkpoint_optimal": lambda: Recompute("optimal")}

@@ -187,6 +187,22 @@ def simulate_step(
     return StepMemory(held, batch, fwd_bwd_peak, opt_peak, eval_peak, eval_batch)
 
 
+@contextlib.contextmanager
+def _fake_tensors(entered: bool = False) -> Iterator[None]:
+    """A ``FakeTensorMode`` for a count made from real code (none where the caller ``entered``
+    one). On exit it clears autocast's weight cache: a count inside a real autocast region
+    (evaluation's ``frame_chunk="auto"``, searched in the model's forward) caches fake bf16
+    copies of the real weights there, and the real forward after it would compute with them."""
+    if entered:
+        yield
+        return
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        torch.clear_autocast_cache()
+
+
 def no_grad_peak(backbone: nn.Module, frames: int, frame_shape: tuple[int, ...],
                  autocast_dtype: torch.dtype | None = None) -> int:
     """Peak bytes of a ``no_grad`` forward of ``backbone`` over ``frames`` frames of
@@ -219,7 +235,7 @@ def frames_within(backbone: nn.Module, frame_shape: tuple[int, ...], budget: flo
     def fits(n: int) -> bool:
         return no_grad_peak(backbone, n * per, frame_shape, autocast_dtype) <= budget
 
-    with contextlib.nullcontext() if in_fake_mode else FakeTensorMode(allow_non_fake_inputs=True):
+    with _fake_tensors(in_fake_mode):
         if fits(most):
             return most
         low, high = 1, most  # fits(low) is assumed (at least a frame), fits(high) is false
@@ -240,7 +256,7 @@ def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
     per = t if mixes_frames(model.backbone) else 1
     set_clip_length(model.backbone, t)
     device = next(model.parameters()).device
-    with contextlib.nullcontext() if in_fake_mode else FakeTensorMode(allow_non_fake_inputs=True):
+    with _fake_tensors(in_fake_mode):
         with LiveStorageBytes() as live, torch.no_grad(), _autocast(autocast_dtype, device.type):
             base = live.now()
             feats = torch.randn(b, t, model.backbone.feature_dim, device=device)  # (B, T, D)
