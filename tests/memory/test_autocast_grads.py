@@ -5,7 +5,8 @@ else in a run says so. It happened to SBP on torch releases without PyTorch's au
 (pytorch #112583): a weight cast cached under ``no_grad`` (the dropped frames) was reused by the
 kept frames' forward. This test runs one training step per strategy and backbone family in fp32
 and under bf16 and fp16 CPU autocast, and compares which parameters received a gradient; the
-floor job of ``.ci/run`` runs it on the oldest torch that pyproject accepts.
+floor job of ``.ci/run`` runs it on the oldest torch that pyproject accepts, and ``pytest -m gpu``
+runs its CUDA twin (CUDA autocast) on a GPU machine.
 """
 
 from __future__ import annotations
@@ -31,19 +32,21 @@ STRATEGIES = {
     "checkpoint_optimal": lambda: Recompute("optimal", objective="memory"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_FP32: dict[tuple[str, str], set[str]] = {}  # (backbone, strategy) -> fp32's set, run once
+_FP32: dict[tuple[str, str, str], set[str]] = {}  # (backbone, strategy, device) -> fp32's set
 
 
-def _params_with_grad(kit, backbone: str, strategy: str, dtype: torch.dtype | None) -> set[str]:
+def _params_with_grad(kit, backbone: str, strategy: str, dtype: torch.dtype | None,
+                      device: torch.device) -> set[str]:
     """One cross-entropy step of a fresh model; the names of the parameters given a gradient."""
     _, model = kit.model_pair(backbone, STRATEGIES[strategy](), head="mean")
-    x = kit.video()[:1, :4]  # (1, 4, C, H, W): bf16 convolutions are slow on some CPUs
-    ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else torch.autocast(
-        "cpu", enabled=False)
+    model.to(device)
+    x = kit.video()[:1, :4].to(device)  # (1, 4, C, H, W): bf16 convolutions are slow on some CPUs
+    ctx = torch.autocast(device.type, dtype=dtype) if dtype is not None else torch.autocast(
+        device.type, enabled=False)
     with ctx:
         logits = model(x)
     assert logits.dtype == (dtype or torch.float32)
-    nn.functional.cross_entropy(logits.float(), kit.labels()[:1]).backward()
+    nn.functional.cross_entropy(logits.float(), kit.labels()[:1].to(device)).backward()
     return {n for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -51,27 +54,28 @@ def _params_with_grad(kit, backbone: str, strategy: str, dtype: torch.dtype | No
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("backbone", ["resnet", "vit", "timm_resnet", "timm_convnext", "timm_vit"])
 def test_autocast_gives_every_parameter_its_gradient(kit, backbone: str, strategy: str,
-                                                     dtype: str) -> None:
+                                                     dtype: str, device: torch.device) -> None:
     _, model = kit.model_pair(backbone, EndToEnd(), head="mean")
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    if (backbone, strategy) not in _FP32:
-        _FP32[backbone, strategy] = _params_with_grad(kit, backbone, strategy, None)
-    fp32 = _FP32[backbone, strategy]
+    key = (backbone, strategy, device.type)
+    if key not in _FP32:
+        _FP32[key] = _params_with_grad(kit, backbone, strategy, None, device)
+    fp32 = _FP32[key]
     assert fp32 == trainable, sorted(trainable - fp32)
-    mixed = _params_with_grad(kit, backbone, strategy, DTYPES[dtype])
+    mixed = _params_with_grad(kit, backbone, strategy, DTYPES[dtype], device)
     missing = sorted(fp32 - mixed)
     assert not missing, f"{len(missing)} of {len(fp32)} parameters got no gradient: {missing[:6]}"
 
 
-def test_sbp_forward_runs_without_the_autocast_cache(kit) -> None:
+def test_sbp_forward_runs_without_the_autocast_cache(kit, device: torch.device) -> None:
     """The mechanism, on any torch: SBP's kept and dropped forwards both see the cache off, and
     the surrounding autocast region keeps its own setting."""
     seen: list[tuple[bool, bool]] = []
     _, model = kit.model_pair("vit", StochasticBackprop(keep_ratio=0.5), head="mean")
-    model.backbone.register_forward_hook(
+    model.to(device).backbone.register_forward_hook(
         lambda *_: seen.append((torch.is_grad_enabled(), torch.is_autocast_cache_enabled())))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(kit.video()[:1, :4])
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        model(kit.video()[:1, :4].to(device))
         assert torch.is_autocast_cache_enabled()
     assert {grad for grad, _ in seen} == {True, False}  # kept and dropped frames both ran
     assert not any(cache for _, cache in seen), seen

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from videotrain.memory.recompute.execute import checkpoint_call, is_wrapped
@@ -139,15 +140,21 @@ def test_memory_objective_reaches_smallest_budget(kit) -> None:
 
 
 @pytest.mark.parametrize("policy", ["blocks", "optimal"])
-def test_bf16_autocast_replays_exactly(kit, policy: str) -> None:
-    """Recompute replays the autocast state (and dropout RNG): gradients are bit-identical."""
-    ref, model = kit.model_pair("vit", Recompute(policy))
-    x = kit.video(2)
+def test_bf16_autocast_replays_exactly(kit, policy: str, device: torch.device,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recompute replays the autocast state (and dropout RNG): gradients are bit-identical.
+    On CUDA with deterministic kernels (cuDNN's, and the math attention: flash attention's
+    backward accumulates with atomics), so that a difference can only come from the replay."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    ref, model = (m.to(device) for m in kit.model_pair("vit", Recompute(policy)))
+    x, labels = kit.video(2).to(device), kit.labels().to(device)
     for m in (ref, model):
         torch.manual_seed(3)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(m(x).float(), kit.labels())
-        loss.backward()
+        with sdpa_kernel(SDPBackend.MATH):  # the backward's recompute included
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(m(x).float(), labels)
+            loss.backward()
     kit.assert_close_dicts(kit.grads(ref), kit.grads(model), rtol=0, atol=0)
 
 

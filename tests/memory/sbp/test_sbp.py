@@ -130,6 +130,30 @@ def test_full_batch_bn_on_a_float64_model_matches_the_float64_reference(kit) -> 
     kit.assert_close_dicts(ours, theirs, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_full_batch_bn_backward_meets_the_cuda_kernels_contract(kit, monkeypatch,
+                                                                granularity: str) -> None:
+    """CUDA's BN backward asserts that the saved statistics are given, in eval mode too (CPU
+    reads the running pair there and ignores them): SBP's BN backward passed none and failed
+    on every GPU ("save_mean should always be defined", found by the first GPU run,
+    docs/results/gpu/). The CPU twin of that precondition: each call hands a defined (mean,
+    invstd) pair that is the recorded statistics. The gpu-marked tests run the kernel itself."""
+    real = torch.ops.aten.native_batch_norm_backward
+    calls = []
+
+    def checked(grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask):
+        assert save_mean is not None and save_invstd is not None
+        torch.testing.assert_close(save_mean, mean)
+        torch.testing.assert_close(save_invstd, torch.rsqrt(var + eps))
+        calls.append(train)
+        return real(grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask)
+
+    monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", checked)
+    _, model = kit.model_pair("resnet", sbp(granularity=granularity))
+    kit.step(model, kit.video())
+    assert calls and not any(calls)  # every BN layer's backward, all in eval mode
+
+
 def test_grad_scale_inverse_keep_scales_backbone_grads_only(kit) -> None:
     _, plain = kit.model_pair("vit", sbp(keep_ratio=0.25))
     _, scaled = kit.model_pair("vit", sbp(keep_ratio=0.25, grad_scale="inverse_keep"))

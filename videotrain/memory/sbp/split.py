@@ -99,14 +99,16 @@ class _FullBatchStatsBN(torch.autograd.Function):
         shape = (1, -1) + (1,) * (x.dim() - 2)  # broadcast (C,) over (n, C, *)
         # eval-mode BN backward with (mean, var) as its statistics: grad_weight = sum(g * xhat),
         # grad_bias = sum(g); the weight only gives the shape when the layer has none
+        # (mean, invstd) go in as the saved statistics too: CPU reads the running pair in eval
+        # mode, CUDA the saved pair (it asserts that they are given)
         w = weight if weight is not None else torch.ones_like(mean)
+        invstd = torch.rsqrt(var + ctx.eps)  # (C,)
         _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
-            grad, x, w, mean, var, None, None, False, ctx.eps, [False, True, True])  # (C,), (C,)
+            grad, x, w, mean, var, mean, invstd, False, ctx.eps, [False, True, True])  # (C,), (C,)
         acc = mean.dtype  # the statistics' dtype: fp32, or fp64 for a float64 model
         sum_gx, sum_g = sum_gx.to(acc), sum_g.to(acc)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            invstd = torch.rsqrt(var + ctx.eps)
             scale = invstd if weight is None else invstd * weight.to(acc)  # (C,)
             gx = (x - mean.view(shape)).to(acc)  # (n, C, *) fp32 (fp64), one buffer
             gx.mul_((-scale * invstd * sum_gx / ctx.count).view(shape))
