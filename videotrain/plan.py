@@ -236,8 +236,9 @@ def render_fit(report: dict[str, Any]) -> str:
         name = r["strategy"] + (f" {r['keep_ratio']:g}" if r["keep_ratio"] else "") + (
             f" +{r['policy']}" if r["policy"] and r["strategy"] == "sbp" else
             f" {r['policy']}" if r["policy"] else "")
-        if "error" in r or "skipped" in r:
-            lines.append(f"{name:<26}" + (f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"))
+        if "error" in r or "skipped" in r:  # a row without figures: say why
+            why = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+            lines.append(f"{name:<26}{why}")
             continue
         line = f"{name:<26}{r['predicted_train_peak_gb']:>10.2f}{r['predicted_eval_peak_gb']:>10.2f}"
         if gb:
