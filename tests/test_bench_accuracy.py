@@ -68,3 +68,26 @@ def test_summary_pairs_rows_with_e2e_of_the_same_task_and_seed() -> None:
 def test_report_only_does_not_train(tmp_path: Path) -> None:
     assert train_one(tmp_path / "run", ["seed=0"], 1, 10, train=False) == {"error": "not run"}
     assert not (tmp_path / "run").exists()
+
+
+def test_threads_per_run_default_to_the_cores_shared_among_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    import videotrain.bench.accuracy as acc
+
+    seen: list[int] = []
+
+    def fake_train(run_dir: Path, overrides: list[str], threads: int, timeout: float,
+                   train: bool = True) -> dict:
+        seen.append(threads)
+        return {"error": "not run"}
+
+    monkeypatch.setattr(acc, "train_one", fake_train)
+    monkeypatch.setattr(acc, "stored_activation_bytes", lambda overrides: 1)
+    kw = {"out": tmp_path / "out", "tasks": ["order"], "seeds": [0], "only": ["e2e"],
+          "runs_dir": tmp_path / "runs"}
+    acc.run_accuracy_bench(jobs=1, threads=3, **kw)  # two suites side by side: 1 thread each, say
+    acc.run_accuracy_bench(jobs=2, **kw)
+    assert seen == [3, max(1, (os.cpu_count() or 1) // 2)]

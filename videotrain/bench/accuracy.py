@@ -229,10 +229,11 @@ def plot(summary: dict[str, Any], stored: dict[str, float], path: Path) -> None:
 def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None,
                        seeds: list[int] | None = None, only: list[str] | None = None,
                        extra: list[str] | None = None, jobs: int = 2, timeout: float = 1800,
-                       train: bool = True, runs_dir: str | Path = RUNS,
+                       train: bool = True, runs_dir: str | Path = RUNS, threads: int | None = None,
                        ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run (or resume) the suite and write its results; returns (runs, summary, markdown).
-    ``train=False`` reports the finished runs and trains nothing."""
+    ``train=False`` reports the finished runs and trains nothing. ``threads``: torch threads per
+    run (default: the cores shared among ``jobs``; two suites at once need it set)."""
     import fnmatch
     import platform
 
@@ -241,7 +242,7 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     rows = [r for r in rows_for(extra) if not only or r.name == "e2e"
             or any(fnmatch.fnmatch(r.name, g) for g in only)]
     todo = [(t, r, s) for s in seeds for t in tasks for r in rows]
-    threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
+    threads = threads or max(1, (os.cpu_count() or 1) // max(jobs, 1))
 
     def one(item: tuple[str, Row, int]) -> dict[str, Any]:
         t, r, s = item

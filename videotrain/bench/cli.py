@@ -305,7 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float,
                    help="seconds for the whole run; rows that would start later are recorded as "
                         "not run (default: none; gpu suite 570; 0: none)")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads in each row (default: torch's)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads in each row (default: torch's); "
+                   "accuracy suite: threads per training run (default: CPU cores / --jobs)")
     p.add_argument("--free-grads", action="store_true",
                    help="free parameter gradients after each step (zero_grad(set_to_none=True)), "
                    "so the step peak also counts the gradients backward allocates; by default "
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             out=args.out or RESULTS, tasks=args.tasks.split(",") if args.tasks else None,
             seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
             extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
-            train=not args.report_only, runs_dir=args.runs_dir)
+            train=not args.report_only, runs_dir=args.runs_dir, threads=args.threads)
         print(table, end="")
         failed = [f"{r['task']}/{r['row']}/seed{r['seed']}" for r in runs if r.get("error")]
         if failed:
