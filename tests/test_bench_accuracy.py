@@ -70,24 +70,52 @@ def test_report_only_does_not_train(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-def test_threads_per_run_default_to_the_cores_shared_among_jobs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import os
 
+@pytest.fixture
+def fake_suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """``run_accuracy_bench`` without training: the (row, threads) of every run it asks for."""
     import videotrain.bench.accuracy as acc
 
-    seen: list[int] = []
+    seen: list[tuple[str, int]] = []
 
     def fake_train(run_dir: Path, overrides: list[str], threads: int, timeout: float,
                    train: bool = True) -> dict:
-        seen.append(threads)
+        seen.append((run_dir.parent.name, threads))
         return {"error": "not run"}
 
     monkeypatch.setattr(acc, "train_one", fake_train)
     monkeypatch.setattr(acc, "stored_activation_bytes", lambda overrides: 1)
-    kw = {"out": tmp_path / "out", "tasks": ["order"], "seeds": [0], "only": ["e2e"],
-          "runs_dir": tmp_path / "runs"}
-    acc.run_accuracy_bench(jobs=1, threads=3, **kw)  # two suites side by side: 1 thread each, say
-    acc.run_accuracy_bench(jobs=2, **kw)
-    assert seen == [3, max(1, (os.cpu_count() or 1) // 2)]
+    return seen
+
+
+def _suite(tmp_path: Path, **kw) -> None:
+    from videotrain.bench.accuracy import run_accuracy_bench
+
+    run_accuracy_bench(out=tmp_path / "out", tasks=["order"], seeds=[0], runs_dir=tmp_path / "runs", **kw)
+
+
+def test_threads_per_run_default_to_the_cores_shared_among_jobs(
+    tmp_path: Path, fake_suite: list[tuple[str, int]]
+) -> None:
+    import os
+
+    _suite(tmp_path, only=["e2e"], jobs=1, threads=3)  # two suites side by side: 1 thread each, say
+    _suite(tmp_path, only=["e2e"], jobs=2)
+    assert fake_suite == [("e2e", 3), ("e2e", max(1, (os.cpu_count() or 1) // 2))]
+
+
+def test_sbp_settings_variants_run_only_when_named(tmp_path: Path, fake_suite: list[tuple[str, int]]) -> None:
+    from videotrain.build import compose_cfg
+
+    _suite(tmp_path, jobs=1)
+    default = [name for name, _ in fake_suite]
+    assert "sbp-block-0.5" in default and not any(n.endswith(("-random", "-inverse_keep")) for n in default)
+    fake_suite.clear()
+    _suite(tmp_path, jobs=1, only=["sbp-block-0.5-*"])
+    assert [name for name, _ in fake_suite] == ["e2e", "sbp-block-0.5-random", "sbp-block-0.5-inverse_keep"]
+    variants = {r.name: r for r in ROWS if not r.default}
+    assert len(variants) == 8  # {frame, block} x {0.5, 0.25} x {random, inverse_keep}
+    cfg = compose_cfg(list(variants["sbp-block-0.25-inverse_keep"].overrides))
+    assert cfg.memory.grad_scale == "inverse_keep" and cfg.memory.keep_ratio == 0.25
+    cfg = compose_cfg(list(variants["sbp-frame-0.5-random"].overrides))
+    assert cfg.memory.sampler == "random" and cfg.memory.granularity == "frame"

@@ -45,6 +45,7 @@ class Row:
     name: str
     overrides: tuple[str, ...]
     frame_mixing: bool | None = None  # True: only where the backbone mixes frames; False: only where not
+    default: bool = True  # False: a settings variant, run only when --only names it
 
 
 ROWS: tuple[Row, ...] = (
@@ -56,6 +57,12 @@ ROWS: tuple[Row, ...] = (
     Row("frame_dropout-0.5", ("memory=frame_dropout", "memory.keep_ratio=0.5")),
     Row("frame_dropout-0.25", ("memory=frame_dropout", "memory.keep_ratio=0.25")),
     Row("checkpoint-optimal", ("memory=checkpoint", "memory.policy=optimal")),
+    # the re-check of SBP's defaults (sampler uniform, grad_scale none): each SBP row with one
+    # setting changed, e.g. --only 'e2e,sbp-block-0.5,sbp-block-0.5-*'
+    *(Row(f"sbp-{g}-{k}-{name}", ("memory=sbp", f"memory.keep_ratio={k}", f"memory.granularity={g}", change),
+          g == "block", default=False)
+      for g in ("frame", "block") for k in ("0.5", "0.25")
+      for name, change in (("random", "memory.sampler=random"), ("inverse_keep", "memory.grad_scale=inverse_keep"))),
 )
 
 # two-sided 95% Student-t quantiles by degrees of freedom (larger df: the normal's 1.96)
@@ -239,8 +246,8 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
 
     out, extra = Path(out), list(extra or [])
     tasks, seeds = list(tasks or TASKS), list(seeds or SEEDS)
-    rows = [r for r in rows_for(extra) if not only or r.name == "e2e"
-            or any(fnmatch.fnmatch(r.name, g) for g in only)]
+    rows = [r for r in rows_for(extra) if r.name == "e2e" or (r.default if not only else
+            any(fnmatch.fnmatch(r.name, g) for g in only))]
     todo = [(t, r, s) for s in seeds for t in tasks for r in rows]
     threads = threads or max(1, (os.cpu_count() or 1) // max(jobs, 1))
 
