@@ -3,6 +3,7 @@ the report; the training runs themselves are ordinary ``python -m videotrain`` r
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -113,6 +114,8 @@ def test_sbp_settings_variants_run_only_when_named(tmp_path: Path, fake_suite: l
     fake_suite.clear()
     _suite(tmp_path, jobs=1, only=["sbp-block-0.5-*"])
     assert [name for name, _ in fake_suite] == ["e2e", "sbp-block-0.5-random", "sbp-block-0.5-inverse_keep"]
+    meta = json.loads((tmp_path / "out" / "accuracy.json").read_text())["meta"]
+    assert meta["command"] == "python -m videotrain.bench --suite accuracy --tasks order --seeds 0 --only 'sbp-block-0.5-*'"
     variants = {r.name: r for r in ROWS if not r.default}
     assert len(variants) == 8  # {frame, block} x {0.5, 0.25} x {random, inverse_keep}
     cfg = compose_cfg(list(variants["sbp-block-0.25-inverse_keep"].overrides))

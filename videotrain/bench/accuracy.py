@@ -265,7 +265,8 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     stored = {r.name: stored_activation_bytes([*r.overrides, *extra]) / e2e_bytes for r in rows}
     summary = summarize(runs, rows)
     flags = ([f"--tasks {','.join(tasks)}"] if tasks != list(TASKS) else []) + (
-        [f"--seeds {','.join(map(str, seeds))}"] if seeds != list(SEEDS) else [])
+        [f"--seeds {','.join(map(str, seeds))}"] if seeds != list(SEEDS) else []) + (
+        [f"--only '{','.join(only)}'"] if only else [])
     meta = {"command": " ".join(["python -m videotrain.bench --suite accuracy", *flags, *extra]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {jobs} runs at a time",
             "seeds": seeds, "tasks": tasks, "extra_overrides": extra, "stored_frac": stored}
