@@ -71,7 +71,6 @@ def test_report_only_does_not_train(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-
 @pytest.fixture
 def fake_suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """``run_accuracy_bench`` without training: the (row, threads) of every run it asks for."""

@@ -48,7 +48,7 @@ class Row:
     default: bool = True  # False: a settings variant, run only when --only names it
 
 
-ROWS: tuple[Row, ...] = (
+_STRATEGY_ROWS: tuple[Row, ...] = (
     Row("e2e", ("memory=e2e",)),
     Row("sbp-frame-0.5", ("memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=frame"), False),
     Row("sbp-frame-0.25", ("memory=sbp", "memory.keep_ratio=0.25", "memory.granularity=frame"), False),
@@ -57,12 +57,13 @@ ROWS: tuple[Row, ...] = (
     Row("frame_dropout-0.5", ("memory=frame_dropout", "memory.keep_ratio=0.5")),
     Row("frame_dropout-0.25", ("memory=frame_dropout", "memory.keep_ratio=0.25")),
     Row("checkpoint-optimal", ("memory=checkpoint", "memory.policy=optimal")),
-    # the re-check of SBP's defaults (sampler uniform, grad_scale none): each SBP row with one
-    # setting changed, e.g. --only 'e2e,sbp-block-0.5,sbp-block-0.5-*'
-    *(Row(f"sbp-{g}-{k}-{name}", ("memory=sbp", f"memory.keep_ratio={k}", f"memory.granularity={g}", change),
-          g == "block", default=False)
-      for g in ("frame", "block") for k in ("0.5", "0.25")
-      for name, change in (("random", "memory.sampler=random"), ("inverse_keep", "memory.grad_scale=inverse_keep"))),
+)
+# the re-check of SBP's defaults (sampler uniform, grad_scale none): each SBP row with one setting
+# changed, e.g. --only 'e2e,sbp-block-0.5,sbp-block-0.5-*'
+_SBP_SETTINGS = (("random", "memory.sampler=random"), ("inverse_keep", "memory.grad_scale=inverse_keep"))
+ROWS: tuple[Row, ...] = _STRATEGY_ROWS + tuple(
+    Row(f"{r.name}-{name}", (*r.overrides, change), r.frame_mixing, default=False)
+    for r in _STRATEGY_ROWS if r.name.startswith("sbp-") for name, change in _SBP_SETTINGS
 )
 
 # two-sided 95% Student-t quantiles by degrees of freedom (larger df: the normal's 1.96)
