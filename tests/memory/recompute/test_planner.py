@@ -171,3 +171,34 @@ def test_rounded_costs_make_a_plan_approximate_and_it_says_so() -> None:
     budget = min_peak(g, sets) * 1.2
     small, _, exact = plan(g, budget)
     assert exact and small.overhead == pytest.approx(dp(g, budget, sets).overhead)
+
+
+def test_planning_an_equal_graph_again_reuses_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory=auto plans one backbone graph at several budgets, then again per measured
+    candidate: an equal graph (a new object, same content) reuses min_peak and the budgeted
+    DP; the caller gets its own plan; a changed graph or budget is searched afresh."""
+    import videotrain.memory.recompute.planner as planner
+
+    g = random_dag(9, seed=3)
+    budget = 1.2 * min_peak(g, lower_sets(g))  # some recomputation needed
+    calls = {"min_peak": 0, "dp": 0}
+    for name in calls:
+        real = getattr(planner, name)
+
+        def counted(*a, _name=name, _real=real, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(planner, name, counted)
+    monkeypatch.setattr(planner, "_MEMO", type(planner._MEMO)())
+    first, smallest, _ = plan(g, budget)
+    first.chain.append(-1)  # a caller's edit must not reach the next caller
+    again, smallest2, _ = plan(random_dag(9, seed=3), budget)
+    assert calls == {"min_peak": 1, "dp": 1}
+    assert (again.chain, again.peak, smallest2) == (first.chain[:-1], first.peak, smallest)
+    plan(g, 1.5 * budget)  # another budget: the DP again, min_peak remembered
+    assert calls == {"min_peak": 1, "dp": 2}
+    changed = random_dag(9, seed=3)
+    changed.cost[4] += 1.0
+    plan(changed, 2 * budget)
+    assert calls == {"min_peak": 2, "dp": 3}

@@ -52,7 +52,10 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from videotrain.memory.recompute.graph import Graph, articulation_points, lower_sets
 
@@ -340,6 +343,30 @@ def min_peak(g: Graph, sets: list[int]) -> float:
     return min(peak for peak, _ in front[(g.full, 0)])
 
 
+# Answers by graph content: memory=auto plans the same backbone graph at several budgets, then
+# plans each checkpoint candidate again when it measures it, and each search takes seconds on a
+# ResNet-50's graph (pure Python). Bounded; a key is a few thousand numbers.
+_MEMO: OrderedDict[tuple, Any] = OrderedDict()
+_MEMO_SIZE = 64
+
+
+def graph_key(g: Graph) -> tuple:
+    """Everything the planner reads of ``g``, as a hashable value (equal graphs, equal keys)."""
+    return (tuple(g.names), tuple(tuple(p) for p in g.preds), tuple(g.mem), tuple(g.cost),
+            tuple(g.saved or ()), tuple(g.keeps or ()), tuple(g.work_fwd or ()),
+            tuple(g.work_bwd or ()), tuple(g.grad_alias or ()), tuple(g.saves or ()))
+
+
+def _memo(key: tuple, compute: Callable[[], Any]) -> Any:
+    if key in _MEMO:
+        _MEMO.move_to_end(key)
+        return _MEMO[key]
+    value = _MEMO[key] = compute()
+    if len(_MEMO) > _MEMO_SIZE:
+        _MEMO.popitem(last=False)
+    return value
+
+
 def plan(g: Graph, budget: float | None, objective: str = "time", cap: int = 500,
          buckets: int | None = None) -> tuple[Plan, float, bool]:
     """(plan, smallest feasible budget, exact?) for ``budget`` bytes (None: the smallest).
@@ -354,9 +381,11 @@ def plan(g: Graph, budget: float | None, objective: str = "time", cap: int = 500
     sets, exact = family(g, cap)
     buckets = buckets if buckets is not None else (None if g.n <= 16 else 5 * g.n)
     exact = exact and buckets is None
-    smallest = min_peak(g, sets)
+    gk = graph_key(g)
+    smallest = _memo(("min_peak", gk, cap), lambda: min_peak(g, sets))
     target = smallest * (1 + 1e-9) if budget is None or objective == "memory" else budget
-    best = dp(g, target, sets, buckets)
+    best = _memo(("dp", gk, cap, target, buckets), lambda: dp(g, target, sets, buckets))
+    best = None if best is None else Plan(list(best.chain), best.peak, best.overhead)  # callers' own
     if best is None:
         raise InfeasibleBudget(target, smallest)
     if objective not in ("time", "memory"):
