@@ -142,7 +142,7 @@ class SGDSchema:
 @dataclass
 class CosineSchema:
     name: str = "cosine"
-    warmup_steps: int = 10
+    warmup_steps: int = 50
     min_lr_ratio: float = 0.01
 
 
