@@ -14,6 +14,7 @@ from videotrain.build import CONFIG_DIR
 from videotrain.memory import EndToEnd, StochasticBackprop, encode_all_frames
 from videotrain.memory.sampling import keep_mask
 from videotrain.memory.sbp.blocks import branch_norms
+from videotrain.memory.sbp.split import ScaleGrad
 
 CONFIGS = Path(CONFIG_DIR)
 GRANULARITIES = ("frame", "block")
@@ -175,9 +176,11 @@ def _branch_ends(blk: nn.Module) -> list[nn.Module]:
     return [getattr(blk, "bn3", blk.bn2)]  # ResNets (torchvision and timm): the last BN
 
 
-def _detach_dropped_branches(kit, ref: nn.Module, strategy: StochasticBackprop) -> list:
+def _detach_dropped_branches(kit, ref: nn.Module, strategy: StochasticBackprop,
+                             scale: float | None = None) -> list:
     """Hooks on an e2e copy: in each wrapped block, dropped frames' residual branch outputs
-    are detached, and (full-batch BN) their rows are constants at the branch's BN inputs."""
+    are detached (and kept frames' branch gradients multiplied by ``scale``), and (full-batch
+    BN) their rows are constants at the branch's BN inputs."""
     hooks = []
     blocks = ref.backbone.blocks()
     for i, keep in strategy.last_block_keep.items():
@@ -185,7 +188,8 @@ def _detach_dropped_branches(kit, ref: nn.Module, strategy: StochasticBackprop) 
         blk = blocks[i]
 
         def out_hook(_m, _args, out, rows=rows):
-            return kit.row_detach(out, rows)
+            out = kit.row_detach(out, rows)  # only the kept rows have a gradient left
+            return out if scale is None else ScaleGrad.apply(out, scale).clone()  # (in-place adds follow)
 
         def in_hook(_m, args, rows=rows):
             return (kit.row_detach(args[0], rows),)
@@ -196,18 +200,23 @@ def _detach_dropped_branches(kit, ref: nn.Module, strategy: StochasticBackprop) 
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
-def test_block_granularity_matches_branch_detached_reference(kit, backbone: str) -> None:
-    strategy = sbp(keep_ratio=0.375, granularity="block", blocks=1.0)
+@pytest.mark.parametrize("grad_scale", ["none", "auto"])
+def test_block_granularity_matches_branch_detached_reference(kit, backbone: str, grad_scale: str) -> None:
+    """``auto`` is ``inverse_keep`` at block granularity: kept branches' gradients x T/n."""
+    strategy = sbp(keep_ratio=0.375, granularity="block", blocks=1.0, grad_scale=grad_scale)
     ref, model = kit.model_pair(backbone, strategy)
+    assert strategy.grad_scale == {"none": "none", "auto": "inverse_keep"}[grad_scale]
     x = kit.video()
     logits = kit.step(model, x)
     assert len(strategy.last_block_keep) == len(model.backbone.blocks())
-    hooks = _detach_dropped_branches(kit, ref, strategy)
+    hooks = _detach_dropped_branches(kit, ref, strategy, None if grad_scale == "none" else 8 / 3)
     ref_logits = kit.step(ref, x)
     for h in hooks:
         h.remove()
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=1e-4, atol=1e-6)
+    # scaled, the early layers' gradients grow by up to (8/3)^blocks, and their rounding with them
+    atol = 1e-6 if grad_scale == "none" else 1e-5
+    kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=1e-4, atol=atol)
 
 
 def test_block_wrapped_block_zeroes_branch_grad_keeps_skip(kit) -> None:
@@ -353,7 +362,14 @@ def test_describe_and_validation() -> None:
     d = sbp(granularity="block", sampler="uniform").describe()
     assert d["strategy"] == "sbp" and d["keep_ratio"] == 0.5
     assert (d["granularity"], d["sampler"], d["bn_policy"], d["grad_scale"]) == (
-        "block", "uniform", "full_batch", "none")
+        "block", "uniform", "full_batch", "auto")  # grad_scale resolves in prepare()
+    for granularity, resolved in (("auto", "none"), ("frame", "none"), ("block", "inverse_keep")):
+        s = sbp(granularity=granularity)
+        s.prepare(_tiny_resnet_for_validation())  # no temporal shift: auto is frame
+        assert s.describe()["grad_scale"] == resolved, granularity
+    s = sbp(granularity="block", grad_scale="none")
+    s.prepare(_tiny_resnet_for_validation())
+    assert s.grad_scale == "none"  # set explicitly: kept
     for bad in ({"keep_ratio": 0.0}, {"granularity": "layer"}, {"grad_scale": "sqrt"},
                 {"bn_policy": "split"}, {"nograd_chunk": 0}, {"sampler": "stride"}, {"lockstep": "no"}):
         with pytest.raises(ValueError):
