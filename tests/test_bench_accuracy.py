@@ -109,15 +109,35 @@ def test_sbp_settings_variants_run_only_when_named(tmp_path: Path, fake_suite: l
 
     _suite(tmp_path, jobs=1)
     default = [name for name, _ in fake_suite]
-    assert "sbp-block-0.5" in default and not any(n.endswith(("-random", "-inverse_keep")) for n in default)
+    assert "sbp-block-0.5" in default and not any(n.endswith(("-random", "-unscaled", "-inverse_keep")) for n in default)
     fake_suite.clear()
     _suite(tmp_path, jobs=1, only=["sbp-block-0.5-*"])
-    assert [name for name, _ in fake_suite] == ["e2e", "sbp-block-0.5-random", "sbp-block-0.5-inverse_keep"]
+    assert [name for name, _ in fake_suite] == ["e2e", "sbp-block-0.5-random", "sbp-block-0.5-unscaled"]
     meta = json.loads((tmp_path / "out" / "accuracy.json").read_text())["meta"]
     assert meta["command"] == "python -m videotrain.bench --suite accuracy --tasks order --seeds 0 --only 'sbp-block-0.5-*'"
     variants = {r.name: r for r in ROWS if not r.default}
-    assert len(variants) == 8  # {frame, block} x {0.5, 0.25} x {random, inverse_keep}
-    cfg = compose_cfg(list(variants["sbp-block-0.25-inverse_keep"].overrides))
-    assert cfg.memory.grad_scale == "inverse_keep" and cfg.memory.keep_ratio == 0.25
+    # {frame, block} x {0.5, 0.25} x {random, the other grad_scale}
+    assert len(variants) == 8 and "sbp-frame-0.5-inverse_keep" in variants
+    cfg = compose_cfg(list(variants["sbp-block-0.25-unscaled"].overrides))
+    assert cfg.memory.grad_scale == "none" and cfg.memory.keep_ratio == 0.25
+    assert compose_cfg(list(variants["sbp-frame-0.25-inverse_keep"].overrides)).memory.grad_scale == "inverse_keep"
     cfg = compose_cfg(list(variants["sbp-frame-0.5-random"].overrides))
     assert cfg.memory.sampler == "random" and cfg.memory.granularity == "frame"
+
+
+def test_only_or_tasks_naming_nothing_is_an_error_before_any_run(
+    tmp_path: Path, fake_suite: list[tuple[str, int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A renamed row (``sbp-block-0.5-inverse_keep`` became the default ``sbp-block-0.5``) once
+    made a queued suite run e2e only, silently."""
+    from videotrain.bench.cli import main
+
+    with pytest.raises(ValueError, match="sbp-block-0.5-inverse_keep: no such row"):
+        _suite(tmp_path, only=["e2e", "sbp-block-0.5-inverse_keep"])
+    with pytest.raises(ValueError, match="sbp-frame-0.5: no such row"):  # the shifting model
+        _suite(tmp_path, only=["sbp-frame-0.5"])
+    assert main(["--suite", "accuracy", "--tasks", "spin", "--out", str(tmp_path / "o"),
+                 "--runs-dir", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --tasks spin: no such task; tasks: direction, rotation, order, speed")
+    assert fake_suite == [] and not (tmp_path / "runs").exists()

@@ -58,12 +58,19 @@ _STRATEGY_ROWS: tuple[Row, ...] = (
     Row("frame_dropout-0.25", ("memory=frame_dropout", "memory.keep_ratio=0.25")),
     Row("checkpoint-optimal", ("memory=checkpoint", "memory.policy=optimal")),
 )
-# the re-check of SBP's defaults (sampler uniform, grad_scale none): each SBP row with one setting
-# changed, e.g. --only 'e2e,sbp-block-0.5,sbp-block-0.5-*'
-_SBP_SETTINGS = (("random", "memory.sampler=random"), ("inverse_keep", "memory.grad_scale=inverse_keep"))
+# the re-check of SBP's defaults: each SBP row with one setting changed from its default (sampler
+# uniform; grad_scale auto: inverse_keep at block granularity, none at frame), e.g.
+# --only 'e2e,sbp-block-0.5,sbp-block-0.5-*'
+def _settings(granularity: str) -> tuple[tuple[str, str], ...]:
+    grad = ("unscaled", "memory.grad_scale=none") if granularity == "block" else (
+        "inverse_keep", "memory.grad_scale=inverse_keep")
+    return ("random", "memory.sampler=random"), grad
+
+
 ROWS: tuple[Row, ...] = _STRATEGY_ROWS + tuple(
     Row(f"{r.name}-{name}", (*r.overrides, change), r.frame_mixing, default=False)
-    for r in _STRATEGY_ROWS if r.name.startswith("sbp-") for name, change in _SBP_SETTINGS
+    for r in _STRATEGY_ROWS if r.name.startswith("sbp-")
+    for name, change in _settings(r.name.split("-")[1])
 )
 
 # two-sided 95% Student-t quantiles by degrees of freedom (larger df: the normal's 1.96)
@@ -247,7 +254,15 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
 
     out, extra = Path(out), list(extra or [])
     tasks, seeds = list(tasks or TASKS), list(seeds or SEEDS)
-    rows = [r for r in rows_for(extra) if r.name == "e2e" or (r.default if not only else
+    available = rows_for(extra)
+    unmatched = [g for g in only or [] if not any(fnmatch.fnmatch(r.name, g) for r in available)]
+    if unmatched:  # a renamed or mistyped row would otherwise run nothing, silently
+        raise ValueError(f"--only {','.join(unmatched)}: no such row for this model; rows: "
+                         f"{', '.join(r.name for r in available)}")
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise ValueError(f"--tasks {','.join(unknown)}: no such task; tasks: {', '.join(TASKS)}")
+    rows = [r for r in available if r.name == "e2e" or (r.default if not only else
             any(fnmatch.fnmatch(r.name, g) for g in only))]
     todo = [(t, r, s) for s in seeds for t in tasks for r in rows]
     threads = threads or max(1, (os.cpu_count() or 1) // max(jobs, 1))

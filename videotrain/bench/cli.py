@@ -345,11 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "accuracy":
         from videotrain.bench.accuracy import RESULTS, run_accuracy_bench
 
-        runs, _, table = run_accuracy_bench(
-            out=args.out or RESULTS, tasks=args.tasks.split(",") if args.tasks else None,
-            seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
-            extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
-            train=not args.report_only, runs_dir=args.runs_dir, threads=args.threads)
+        try:
+            runs, _, table = run_accuracy_bench(
+                out=args.out or RESULTS, tasks=args.tasks.split(",") if args.tasks else None,
+                seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
+                extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
+                train=not args.report_only, runs_dir=args.runs_dir, threads=args.threads)
+        except ValueError as exc:  # --only or --tasks naming nothing: before any run starts
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         print(table, end="")
         failed = [f"{r['task']}/{r['row']}/seed{r['seed']}" for r in runs if r.get("error")]
         if failed:
