@@ -1,9 +1,9 @@
 """``StepPeakMemory`` on the CPU: the reported peak is the step's real high-water mark, in MiB.
 
-The measurements run in a fresh interpreter: the meter reads the process's resident set, and
-another test in this process may already have switched glibc to keeping freed memory
-(``keep_freed_memory``, as the trainer does after its metered steps), after which a CPU meter
-misreads by design.
+The measurements run in a fresh interpreter, whose resident set holds nothing of other tests;
+the last of them runs after ``keep_freed_memory`` (as the trainer calls it after its metered
+steps), which a later ``start`` must undo: under it, malloc keeps a freed 24 MiB block resident
+and maps a 28 MiB one beside it, and a meter would read their sum.
 
 Tolerance: 2 MiB either side of the bytes the step allocated. ``VmHWM``/``VmRSS`` count whole
 pages, and between ``start`` and ``stop`` the rest of the process moves a little (the
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,16 @@ keep = torch.ones(96 * MiB // 4)  # allocated before start: not the step's
 out["held_before_16"] = step([16], True)
 del keep
 out["small_after_big_8"] = step([8], True)  # the 80 MiB high-water mark above was reset
+
+from videotrain.metrics.memory import keep_freed_memory
+keep_freed_memory()
+meter.start()
+a = torch.ones(24 * MiB // 4)
+pin = torch.ones(1024)  # a small block after it: the 24 MiB hole cannot go back to the OS
+del a
+b = torch.ones(28 * MiB // 4)  # does not fit the hole
+del b, pin
+out["after_keep_freed_28"] = meter.stop()
 print(json.dumps(out))
 """
 
@@ -69,7 +80,8 @@ def peaks() -> dict[str, float]:
 
 
 @pytest.mark.parametrize(("key", "mib"), [("one_64", 64), ("seq_32_48", 48), ("both_32_48", 80),
-                                          ("held_before_16", 16), ("small_after_big_8", 8)])
+                                          ("held_before_16", 16), ("small_after_big_8", 8),
+                                          ("after_keep_freed_28", 28)])
 def test_cpu_peak_is_the_bytes_the_step_allocated(peaks: dict[str, float], key: str, mib: float) -> None:
     got = peaks[key]
     assert got is not None, "clear_refs not writable: the meter cannot measure here"
@@ -81,5 +93,21 @@ def test_meter_reports_none_rather_than_a_wrong_number(monkeypatch: pytest.Monke
     read as the step's: the meter says None instead."""
     monkeypatch.setattr(meter_mod, "_reset_hwm", lambda: False)
     meter = StepPeakMemory(torch.device("cpu"))
+    meter.start()
+    assert meter.stop() is None
+
+
+def test_meter_reports_none_where_the_reset_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox that accepts the write to ``clear_refs`` and keeps the old high-water mark:
+    the meter would read the process's earlier peak as the step's, so it says None."""
+
+    class IgnoredWrite(type(Path())):
+        def write_text(self, *args, **kwargs) -> int:
+            return 0
+
+    meter = StepPeakMemory(torch.device("cpu"))
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB resident, then unmapped: the mark stays above
+    del big
+    monkeypatch.setattr(meter_mod, "Path", IgnoredWrite)
     meter.start()
     assert meter.stop() is None

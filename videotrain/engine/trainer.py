@@ -365,7 +365,7 @@ class Trainer:
         peak = self.meter.stop()
         self.metered_here += 1
         if not self._meters():  # the last metered step (CPU, with a limit, no observer)
-            # glibc keeps freed memory from now on; a meter in this process would misread after
+            # glibc keeps freed memory from now on (a later meter's start() puts its setting back)
             keep_freed_memory()
             log.info("peak memory metered on the first %d steps; the rest run without the CPU "
                      "meter's allocator setting (trainer.cpu_metered_steps)", self.metered_here)

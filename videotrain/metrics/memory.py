@@ -9,8 +9,11 @@ OS when freed; ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` does that (the same as star
 process with ``MALLOC_MMAP_THRESHOLD_=65536``). Memory freed to the heap *before* that (for
 example by an earlier model in the same process) stays resident, and malloc serves large
 requests from it without the resident set growing, so ``start`` first hands free heap pages back
-(``malloc_trim(0)``). Where ``clear_refs`` is not writable the meter reports ``None`` rather than
-a wrong number.
+(``malloc_trim(0)``). ``start`` applies that setting again whenever ``keep_freed_memory`` undid it
+(the trainer does after its metered steps), so a later meter in the same process (another run,
+another test, ``memory=auto``'s probe) still reads right. Where ``clear_refs`` is not writable,
+or the write does not reset the high-water mark (it must equal the resident set just after), the
+meter reports ``None`` rather than a wrong number.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import torch
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest M_MMAP_THRESHOLD on 64-bit
-_mmap_threshold_set = False
+_TRIM_THRESHOLD_DEFAULT = 128 * 1024  # glibc's default M_TRIM_THRESHOLD
+_HWM_RESET_SLACK_KB = 1024  # VmHWM just after a reset: VmRSS, give or take pages faulted meanwhile
+_allocator = "default"  # glibc's malloc setting: "default" | "meter" | "keep_freed"
 
 
 @functools.cache  # find_library runs ldconfig: once per process, not once per step
@@ -44,23 +49,29 @@ def _libc_call(name: str, *args: int) -> None:
         fn(*args)
 
 
-def _set_mmap_threshold(nbytes: int = 65536) -> None:
-    global _mmap_threshold_set
-    if _mmap_threshold_set:
+def _meter_allocator() -> None:
+    """The meter's malloc setting: tensors of 64 KiB and more mapped and unmapped one by one, so
+    the resident set follows what is allocated. Applied again after ``keep_freed_memory``."""
+    global _allocator
+    if _allocator == "meter":
         return
-    _libc_call("mallopt", _M_MMAP_THRESHOLD, nbytes)
-    _mmap_threshold_set = True
+    if _allocator == "keep_freed":
+        _libc_call("mallopt", _M_TRIM_THRESHOLD, _TRIM_THRESHOLD_DEFAULT)
+    _libc_call("mallopt", _M_MMAP_THRESHOLD, 65536)
+    _allocator = "meter"
 
 
 def keep_freed_memory() -> None:
     """For timing, not metering: glibc keeps freed memory for reuse (mmap threshold at its
     maximum, no trimming) instead of handing every large tensor back to the OS, so a step no
     longer pays a fresh mapping and page faults for each allocation; roughly what a caching
-    allocator such as PyTorch's on CUDA does. The meter's setting stays undone for the rest of
-    the process: a CPU ``StepPeakMemory`` would misread after this, since malloc reuses the
-    kept blocks and their holes count, which reads high."""
+    allocator such as PyTorch's on CUDA does. Under this setting a CPU meter would read high
+    (malloc reuses the kept blocks, and their holes count), so the next ``StepPeakMemory.start``
+    puts the meter's setting back."""
+    global _allocator
     _libc_call("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
     _libc_call("mallopt", _M_TRIM_THRESHOLD, 2**30)
+    _allocator = "keep_freed"
 
 
 def _status_kb(field: str) -> int:
@@ -70,11 +81,14 @@ def _status_kb(field: str) -> int:
 
 
 def _reset_hwm() -> bool:
+    """Reset the resident set's high-water mark; False where that cannot be done or did not take
+    (a kernel, or a sandbox such as gVisor, that accepts the write and keeps the old mark)."""
+    before = _status_kb("VmRSS")
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        return True
     except OSError:
         return False
+    return _status_kb("VmHWM") <= max(before, _status_kb("VmRSS")) + _HWM_RESET_SLACK_KB
 
 
 class StepPeakMemory:
@@ -85,7 +99,7 @@ class StepPeakMemory:
         self._base = 0
         self._ok = True
         if device.type == "cpu":
-            _set_mmap_threshold()
+            _meter_allocator()
 
     def start(self) -> None:
         if self.device.type == "cuda":
@@ -93,6 +107,7 @@ class StepPeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            _meter_allocator()  # again, if keep_freed_memory undid it since
             _libc_call("malloc_trim", 0)  # free heap pages back: reusing them shows in RSS again
             self._ok = _reset_hwm()
             self._base = _status_kb("VmRSS") * 1024
