@@ -86,9 +86,9 @@ e2e's in expectation: the scale changes the step's size, not its direction, and 
 recipes (SGD) were tuned without it. At block granularity the gradient that reaches earlier
 layers is the skip path's (every frame) plus the kept branches': unscaled, the branches count
 ``r`` times less than in e2e, a bias in direction that compounds over the split blocks; scaled,
-the sum is e2e's in expectation. On the accuracy suite (default model, keep 0.5, 28 runs) the
-mean loss is unchanged (-5.3 against -5.4 points), more runs match e2e (20 of 28 within 2
-points, unscaled 16), and one seed learned slowly on three tasks (docs/benchmarks.md).
+the sum is e2e's in expectation. On the accuracy suite (default model, keep 0.5, 36 runs) the
+mean loss is about the same (-5.4 against -6.6 points), more runs match e2e (24 of 36 within
+2 points, unscaled 19), and a few seeds learn slowly (docs/benchmarks.md).
 """
 
 from __future__ import annotations
