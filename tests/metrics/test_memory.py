@@ -91,7 +91,7 @@ def test_cpu_peak_is_the_bytes_the_step_allocated(peaks: dict[str, float], key: 
 def test_meter_reports_none_rather_than_a_wrong_number(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the high-water mark cannot be reset, the peak since process start would be
     read as the step's: the meter says None instead."""
-    monkeypatch.setattr(meter_mod, "_reset_hwm", lambda: False)
+    monkeypatch.setattr(meter_mod, "_reset_hwm", lambda: (False, 0))
     meter = StepPeakMemory(torch.device("cpu"))
     meter.start()
     assert meter.stop() is None

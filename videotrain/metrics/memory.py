@@ -74,21 +74,28 @@ def keep_freed_memory() -> None:
     _allocator = "keep_freed"
 
 
-def _status_kb(field: str) -> int:
+def _status_kbs(*fields: str) -> list[int]:
+    """``/proc/self/status`` fields in kB, read at one instant (0 for a field not there)."""
     text = Path("/proc/self/status").read_text()
-    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(m.group(1)) if m else 0
+    found = (re.search(rf"^{f}:\s+(\d+) kB", text, re.MULTILINE) for f in fields)
+    return [int(m.group(1)) if m else 0 for m in found]
 
 
-def _reset_hwm() -> bool:
-    """Reset the resident set's high-water mark; False where that cannot be done or did not take
-    (a kernel, or a sandbox such as gVisor, that accepts the write and keeps the old mark)."""
+def _status_kb(field: str) -> int:
+    return _status_kbs(field)[0]
+
+
+def _reset_hwm() -> tuple[bool, int]:
+    """Reset the resident set's high-water mark -> (done, VmRSS in kB just after). Not done
+    where the write fails or does not take (a kernel, or a sandbox such as gVisor, that accepts
+    it and keeps the old mark)."""
     before = _status_kb("VmRSS")
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
-        return False
-    return _status_kb("VmHWM") <= max(before, _status_kb("VmRSS")) + _HWM_RESET_SLACK_KB
+        return False, before
+    hwm, rss = _status_kbs("VmHWM", "VmRSS")
+    return hwm <= max(before, rss) + _HWM_RESET_SLACK_KB, rss
 
 
 class StepPeakMemory:
@@ -109,8 +116,8 @@ class StepPeakMemory:
         else:
             _meter_allocator()  # again, if keep_freed_memory undid it since
             _libc_call("malloc_trim", 0)  # free heap pages back: reusing them shows in RSS again
-            self._ok = _reset_hwm()
-            self._base = _status_kb("VmRSS") * 1024
+            self._ok, rss_kb = _reset_hwm()
+            self._base = rss_kb * 1024
 
     def stop(self) -> float | None:
         if self.device.type == "cuda":

@@ -6,7 +6,8 @@ the heap holds large free blocks from before the meter's malloc setting took eff
 serves a step's tensors from them instead of mapping new memory, and their pages count again
 as they are touched, in whatever order the free lists give. In CI's floor job (one process
 that collects about 870 tests, 50 run before these) SBP's step read 77-80 MB against e2e's 65
-MB, where a fresh process reads 30 against 62. Counted figures (saved bytes, input bytes) and the state checks run here.
+MB, where a fresh process reads 30 against 62. Counted figures (saved bytes, input bytes) and
+the state checks run here.
 """
 
 from __future__ import annotations
