@@ -114,7 +114,11 @@ def test_sbp_settings_variants_run_only_when_named(tmp_path: Path, fake_suite: l
     _suite(tmp_path, jobs=1, only=["sbp-block-0.5-*"])
     assert [name for name, _ in fake_suite] == ["e2e", "sbp-block-0.5-random", "sbp-block-0.5-unscaled"]
     meta = json.loads((tmp_path / "out" / "accuracy.json").read_text())["meta"]
-    assert meta["command"] == "python -m videotrain.bench --suite accuracy --tasks order --seeds 0 --only 'sbp-block-0.5-*'"
+    # the header's command reproduces the run: every flag not at its default, --jobs and folders too
+    assert meta["command"] == ("python -m videotrain.bench --suite accuracy --tasks order --seeds 0 "
+                               f"--only 'sbp-block-0.5-*' --jobs 1 --runs-dir {tmp_path / 'runs'} "
+                               f"--out {tmp_path / 'out'}")
+    assert ", 1 run at a time, " in meta["machine"]
     variants = {r.name: r for r in ROWS if not r.default}
     # {frame, block} x {0.5, 0.25} x {random, the other grad_scale}
     assert len(variants) == 8 and "sbp-frame-0.5-inverse_keep" in variants
@@ -123,6 +127,18 @@ def test_sbp_settings_variants_run_only_when_named(tmp_path: Path, fake_suite: l
     assert compose_cfg(list(variants["sbp-frame-0.25-inverse_keep"].overrides)).memory.grad_scale == "inverse_keep"
     cfg = compose_cfg(list(variants["sbp-frame-0.5-random"].overrides))
     assert cfg.memory.sampler == "random" and cfg.memory.granularity == "frame"
+
+
+def test_a_suite_with_no_finished_run_plots_without_a_legend_warning(
+    tmp_path: Path, fake_suite: list[tuple[str, int]]
+) -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _suite(tmp_path, only=["e2e"], jobs=1)
+    assert (tmp_path / "out" / "accuracy.png").is_file()
+    assert not [w for w in caught if "No artists with labels" in str(w.message)]
 
 
 def test_only_or_tasks_naming_nothing_is_an_error_before_any_run(

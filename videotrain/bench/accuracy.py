@@ -234,7 +234,8 @@ def plot(summary: dict[str, Any], stored: dict[str, float], path: Path) -> None:
         ax.plot([a for a, _ in pts], [b for _, b in pts], ".", alpha=0.5, label=t)
     ax.set_xlabel("stored activations per training forward (fraction of e2e)")
     ax.set_ylabel("val top-1 (mean over seeds; large: mean over tasks)")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no task has a finished run: no legend (and no warning)
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -265,7 +266,7 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     rows = [r for r in available if r.name == "e2e" or (r.default if not only else
             any(fnmatch.fnmatch(r.name, g) for g in only))]
     todo = [(t, r, s) for s in seeds for t in tasks for r in rows]
-    threads = threads or max(1, (os.cpu_count() or 1) // max(jobs, 1))
+    threads_arg, threads = threads, threads or max(1, (os.cpu_count() or 1) // max(jobs, 1))
 
     def one(item: tuple[str, Row, int]) -> dict[str, Any]:
         t, r, s = item
@@ -280,11 +281,16 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     e2e_bytes = stored_activation_bytes(list(extra))
     stored = {r.name: stored_activation_bytes([*r.overrides, *extra]) / e2e_bytes for r in rows}
     summary = summarize(runs, rows)
+    # the command that reproduces these results: every flag whose value is not the default
     flags = ([f"--tasks {','.join(tasks)}"] if tasks != list(TASKS) else []) + (
         [f"--seeds {','.join(map(str, seeds))}"] if seeds != list(SEEDS) else []) + (
-        [f"--only '{','.join(only)}'"] if only else [])
+        [f"--only '{','.join(only)}'"] if only else []) + (
+        [f"--jobs {jobs}"] if jobs != 2 else []) + ([f"--threads {threads_arg}"] if threads_arg else []) + (
+        [f"--runs-dir {runs_dir}"] if Path(runs_dir) != Path(RUNS) else []) + (
+        [f"--out {out}"] if out != Path(RESULTS) else [])
     meta = {"command": " ".join(["python -m videotrain.bench --suite accuracy", *flags, *extra]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {jobs} runs at a time",
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {jobs} "
+                       f"run{'s' if jobs != 1 else ''} at a time, {threads} torch thread{'s' if threads != 1 else ''} each",
             "seeds": seeds, "tasks": tasks, "extra_overrides": extra, "stored_frac": stored}
     table = render(summary, stored, meta)
     out.mkdir(parents=True, exist_ok=True)
