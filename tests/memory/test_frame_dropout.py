@@ -15,7 +15,8 @@ BACKBONES = ["resnet", "vit", "timm_resnet", "timm_convnext", "timm_vit"]
 
 
 def fd(**kw) -> FrameDropout:
-    return FrameDropout(**{"keep_ratio": 0.5, "seed": 0, "rank": 0, **kw})
+    """The random sampler unless ``kw`` names one (the default is ``uniform``, as in the config)."""
+    return FrameDropout(**{"keep_ratio": 0.5, "sampler": "random", "seed": 0, "rank": 0, **kw})
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)

@@ -164,7 +164,7 @@ class Options:
     allow_frozen_bn: bool = True
     sbp_checkpoint: str | None = "blocks"  # None: no sbp+checkpoint candidates
     sbp_checkpoint_error: str | None = None  # set when StochasticBackprop rejects `checkpoint`
-    sampler: str = "random"
+    sampler: str = "uniform"  # the configs' default (configs/memory/*.yaml)
     nograd_chunk: int = 8
     seed: int = 0
 

@@ -149,7 +149,7 @@ class AutoStrategy:
         verify: bool = True,
         max_profiles: int = 16,
         recheck_tolerance: float = 0.02,
-        sampler: str = "random",
+        sampler: str = "uniform",
         nograd_chunk: int = 8,
         lower_set_cap: int = 500,
         seed: int = 0,
