@@ -34,6 +34,7 @@ TASKS = ("direction", "rotation", "order", "speed")
 SEEDS = (0, 1, 2)
 RESULTS = "docs/results/bench_accuracy"
 RUNS = "outputs/bench_accuracy"
+JOBS = 2  # training runs at a time (--jobs)
 # the generated tasks: 16 source frames, so the default clip (8 frames at rate 2) spans the video;
 # validation once, at the end, on 32 videos per class; the CPU peak meter on as few steps as it takes
 TASK_DATA = ("data.synthetic.num_frames=16", "data.synthetic.val_per_class=32",
@@ -244,7 +245,7 @@ def plot(summary: dict[str, Any], stored: dict[str, float], path: Path) -> None:
 
 def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None,
                        seeds: list[int] | None = None, only: list[str] | None = None,
-                       extra: list[str] | None = None, jobs: int = 2, timeout: float = 1800,
+                       extra: list[str] | None = None, jobs: int = JOBS, timeout: float = 1800,
                        train: bool = True, runs_dir: str | Path = RUNS, threads: int | None = None,
                        ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run (or resume) the suite and write its results; returns (runs, summary, markdown).
@@ -285,7 +286,7 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     flags = ([f"--tasks {','.join(tasks)}"] if tasks != list(TASKS) else []) + (
         [f"--seeds {','.join(map(str, seeds))}"] if seeds != list(SEEDS) else []) + (
         [f"--only '{','.join(only)}'"] if only else []) + (
-        [f"--jobs {jobs}"] if jobs != 2 else []) + ([f"--threads {threads_arg}"] if threads_arg else []) + (
+        [f"--jobs {jobs}"] if jobs != JOBS else []) + ([f"--threads {threads_arg}"] if threads_arg else []) + (
         [f"--runs-dir {runs_dir}"] if Path(runs_dir) != Path(RUNS) else []) + (
         [f"--out {out}"] if out != Path(RESULTS) else [])
     meta = {"command": " ".join(["python -m videotrain.bench --suite accuracy", *flags, *extra]),

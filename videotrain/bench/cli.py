@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from videotrain.bench import report
+from videotrain.bench.accuracy import JOBS, RESULTS, RUNS, run_accuracy_bench
 from videotrain.bench.child import step_stats
 from videotrain.bench.data import run_data_bench
 from videotrain.bench.spawn import device_name, machine_info, run_child
@@ -324,9 +325,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default 1)")
     p.add_argument("--tasks", help="accuracy suite: comma-separated tasks (default: all four)")
     p.add_argument("--seeds", help="accuracy suite: comma-separated seeds (default 0,1,2)")
-    p.add_argument("--jobs", type=int, default=2, help="accuracy suite: training runs at a time")
-    p.add_argument("--runs-dir", default="outputs/bench_accuracy",
-                   help="accuracy suite: where the training runs go (default outputs/bench_accuracy)")
+    p.add_argument("--jobs", type=int, default=JOBS, help="accuracy suite: training runs at a time")
+    p.add_argument("--runs-dir", default=RUNS,
+                   help=f"accuracy suite: where the training runs go (default {RUNS})")
     p.add_argument("--report-only", action="store_true",
                    help="accuracy suite: tabulate the finished runs in --out, train nothing")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -343,8 +344,6 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(args.child)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     if args.suite == "accuracy":
-        from videotrain.bench.accuracy import RESULTS, run_accuracy_bench
-
         try:
             runs, _, table = run_accuracy_bench(
                 out=args.out or RESULTS, tasks=args.tasks.split(",") if args.tasks else None,
