@@ -40,6 +40,43 @@ def test_rows_follow_whether_the_backbone_mixes_frames() -> None:
     assert ov.index("memory=sbp") < ov.index("optim.lr=0.002")  # the user's overrides come last
 
 
+def test_a_run_composes_with_the_suite_recipe_and_the_user_overrides_win() -> None:
+    from videotrain.build import compose_cfg
+
+    cfg = compose_cfg(run_overrides("speed", ROWS[0], 1, []))
+    assert (cfg.data.synthetic.task, cfg.data.synthetic.train_per_class, cfg.trainer.max_epochs,
+            cfg.optim.lr, cfg.seed) == ("speed", 256, 2, 3e-4, 1)
+    cfg = compose_cfg(run_overrides("speed", ROWS[0], 1, ["optim.lr=1e-3", "trainer.max_epochs=8"]))
+    assert (cfg.optim.lr, cfg.trainer.max_epochs) == (1e-3, 8)
+
+
+def _finished(run_dir: Path, overrides: list[str]) -> None:
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (run_dir / "results.json").write_text(json.dumps({"val_top1": 0.5}))
+
+
+def test_a_finished_run_of_other_overrides_stops_the_suite_before_any_run(
+    tmp_path: Path, fake_suite: list[tuple[str, int]]
+) -> None:
+    import videotrain.bench.accuracy as acc
+
+    runs = tmp_path / "runs" / "order"
+    ov = run_overrides("order", ROWS[0], 0, [])
+    # the same run, its overrides in another order and 3e-4 spelled 0.0003: reused
+    _finished(runs / "e2e" / "seed0", [o.replace("3e-4", "0.0003") for o in reversed(ov)])
+    assert acc.stale_run(runs / "e2e" / "seed0", ov) is None
+    # a run of the older recipe (the default job's 64 videos at lr 1e-3, 8 epochs)
+    sbp = ROWS[3]
+    _finished(runs / sbp.name / "seed0",
+              [o for o in run_overrides("order", sbp, 0, []) if o not in acc.SUITE_RECIPE])
+    with pytest.raises(ValueError, match=r"sbp-block-0.5/seed0 holds a finished run with other "
+                       r"overrides \(data.synthetic.train_per_class: \(not set\) -> 256; "
+                       r"optim.lr: \(not set\) -> 3e-4; trainer.max_epochs: \(not set\) -> 2\)"):
+        _suite(tmp_path)
+    assert fake_suite == []  # nothing ran
+
+
 def test_summary_pairs_rows_with_e2e_of_the_same_task_and_seed() -> None:
     runs = []
     for task, base in (("order", 0.90), ("speed", 0.70)):
