@@ -103,6 +103,15 @@ def test_summary_pairs_rows_with_e2e_of_the_same_task_and_seed() -> None:
     assert "| sbp-frame-0.5 | 0.55 |" in table and "-2.0 ±" in table and "weights identical to e2e" in table
 
 
+def test_one_seed_is_reported_without_a_spread() -> None:
+    runs = [{"task": "order", "row": row, "seed": 0, "val_top1": acc}
+            for row, acc in (("e2e", 0.9), ("sbp-block-0.5", 0.85))]
+    summary = summarize(runs, [r for r in ROWS if r.name in ("e2e", "sbp-block-0.5")])
+    table = render(summary, {"e2e": 1.0, "sbp-block-0.5": 0.86}, {"command": "x", "machine": "m", "seeds": [0]})
+    assert "nan" not in table
+    assert "| sbp-block-0.5 | 0.86 | 0.850 (Δ -5.0) | 0.850 | -5.0 (n=1) |" in table
+
+
 def test_report_only_does_not_train(tmp_path: Path) -> None:
     assert train_one(tmp_path / "run", ["seed=0"], 1, 10, train=False) == {"error": "not run"}
     assert not (tmp_path / "run").exists()

@@ -225,6 +225,11 @@ def _pct(x: float) -> str:
     return "–" if math.isnan(x) else f"{100 * x:+.1f}"
 
 
+def _pm(x: float, fmt: str) -> str:
+    """`` ± x`` in ``fmt``, or nothing where one value has no spread (one seed, one pair)."""
+    return "" if math.isnan(x) else f" ± {x:{fmt}}"
+
+
 def render(summary: dict[str, Any], stored: dict[str, float], meta: dict[str, Any]) -> str:
     tasks = list(dict.fromkeys(p["task"] for p in summary["per_task"]))
     lines = [f"# Accuracy suite: {meta['command']}", "",
@@ -242,11 +247,11 @@ def render(summary: dict[str, Any], stored: dict[str, float], meta: dict[str, An
             if p is None:
                 cells.append("–")
                 continue
-            cell = f"{p['mean']:.3f} ± {p['std']:.3f}"
+            cell = f"{p['mean']:.3f}{_pm(p['std'], '.3f')}"
             if o["row"] != "e2e":
-                cell += f" (Δ {_pct(p['diff'])} ± {100 * p['diff_ci95']:.1f})"
+                cell += f" (Δ {_pct(p['diff'])}{_pm(100 * p['diff_ci95'], '.1f')})"
             cells.append(cell)
-        delta = "" if o["row"] == "e2e" else f"{_pct(o['diff'])} ± {100 * o['diff_ci95']:.1f} (n={o['pairs']})"
+        delta = "" if o["row"] == "e2e" else f"{_pct(o['diff'])}{_pm(100 * o['diff_ci95'], '.1f')} (n={o['pairs']})"
         if o["row"] != "e2e" and o["weights_equal_e2e"]:
             delta += "; weights identical to e2e"
         lines.append(f"| {o['row']} | {stored.get(o['row'], math.nan):.2f} | " + " | ".join(cells)
