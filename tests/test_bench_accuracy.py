@@ -203,3 +203,20 @@ def test_only_or_tasks_naming_nothing_is_an_error_before_any_run(
     assert capsys.readouterr().err.strip() == (
         "error: --tasks spin: no such task; tasks: direction, rotation, order, speed")
     assert fake_suite == [] and not (tmp_path / "runs").exists()
+
+
+def test_report_only_lists_runs_not_run_yet_and_exits_0(
+    tmp_path: Path, fake_suite: list[tuple[str, int]], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--report-only`` of a partial suite: the runs still to do are not failures."""
+    import videotrain.bench.accuracy as acc
+    from videotrain.bench.cli import main
+
+    args = ["--suite", "accuracy", "--tasks", "order", "--seeds", "0", "--only", "e2e",
+            "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r")]
+    assert main([*args, "--report-only"]) == 0
+    assert "1 run(s) not run yet: order/e2e/seed0" in capsys.readouterr().err
+    monkeypatch.setattr(acc, "train_one", lambda *a, **k: {"error": "exit 1: boom"})
+    assert main(args) == 1  # a run that ended without results: a failure
+    assert "1 run(s) failed: order/e2e/seed0" in capsys.readouterr().err

@@ -350,11 +350,15 @@ def main(argv: list[str] | None = None) -> int:
                 seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
                 extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
                 train=not args.report_only, runs_dir=args.runs_dir, threads=args.threads)
-        except ValueError as exc:  # --only or --tasks naming nothing: before any run starts
+        except ValueError as exc:  # --only or --tasks naming nothing, a stale run: before any run starts
             print(f"error: {exc}", file=sys.stderr)
             return 2
         print(table, end="")
-        failed = [f"{r['task']}/{r['row']}/seed{r['seed']}" for r in runs if r.get("error")]
+        name = "{task}/{row}/seed{seed}".format
+        missing = [name(**r) for r in runs if r.get("error") == "not run"]  # --report-only
+        failed = [name(**r) for r in runs if r.get("error") and r["error"] != "not run"]
+        if missing:
+            print(f"{len(missing)} run(s) not run yet: {', '.join(missing)}", file=sys.stderr)
         if failed:
             print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1 if failed else 0
