@@ -4,9 +4,10 @@ costs in accuracy, on temporal tasks that the default model does not saturate.
 Every (task, row, seed) is one ordinary training run, ``python -m videotrain`` in a fresh
 subprocess on a generated task of ``videotrain/data/temporal_tasks.py`` (four classes each,
 an order-blind model at chance), with the default model, the suite's recipe (``SUITE_RECIPE``:
-more videos, a lower learning rate) and the row's ``memory`` overrides. Runs of one seed share the model initialisation and the data order, so each row is
-compared with ``e2e`` of the same task and seed: the paired difference, with a 95% Student-t
-interval over seeds (per task) and over every (task, seed) pair (the average over the tasks).
+more videos, a lower learning rate) and the row's ``memory`` overrides. Runs of one seed share
+the model initialisation and the data order, so each row is compared with ``e2e`` of the same
+task and seed: the paired difference, with a 95% Student-t interval over seeds (per task) and
+over every (task, seed) pair (the average over the tasks).
 Stored activations, the memory a row saves, are counted for one training forward of the
 row's model (``metrics.saved``), relative to ``e2e``.
 
@@ -36,6 +37,7 @@ SEEDS = (0, 1, 2)
 RESULTS = "docs/results/bench_accuracy"
 RUNS = "outputs/bench_accuracy"
 JOBS = 2  # training runs at a time (--jobs)
+NOT_RUN = "not run"  # the error of a run --report-only found unfinished (not a failure)
 # the generated tasks: 16 source frames, so the default clip (8 frames at rate 2) spans the video;
 # validation once, at the end, on 32 videos per class; the CPU peak meter on as few steps as it takes
 TASK_DATA = ("data.synthetic.num_frames=16", "data.synthetic.val_per_class=32",
@@ -156,7 +158,7 @@ def train_one(run_dir: Path, overrides: list[str], threads: int, timeout: float,
     if done.exists():
         return json.loads(done.read_text())
     if not train:
-        return {"error": "not run"}
+        return {"error": NOT_RUN}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "videotrain", *overrides, f"hydra.run.dir={run_dir}"]
     start = time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from videotrain.bench import report
-from videotrain.bench.accuracy import JOBS, RESULTS, RUNS, run_accuracy_bench
+from videotrain.bench.accuracy import JOBS, NOT_RUN, RESULTS, RUNS, run_accuracy_bench
 from videotrain.bench.child import step_stats
 from videotrain.bench.data import run_data_bench
 from videotrain.bench.spawn import device_name, machine_info, run_child
@@ -355,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(table, end="")
         name = "{task}/{row}/seed{seed}".format
-        missing = [name(**r) for r in runs if r.get("error") == "not run"]  # --report-only
-        failed = [name(**r) for r in runs if r.get("error") and r["error"] != "not run"]
+        missing = [name(**r) for r in runs if r.get("error") == NOT_RUN]  # --report-only
+        failed = [name(**r) for r in runs if r.get("error") and r["error"] != NOT_RUN]
         if missing:
             print(f"{len(missing)} run(s) not run yet: {', '.join(missing)}", file=sys.stderr)
         if failed:
