@@ -11,6 +11,7 @@ import pytest
 
 from videotrain.bench.accuracy import (
     ROWS,
+    figure,
     mean_ci,
     render,
     rows_for,
@@ -110,6 +111,43 @@ def test_one_seed_is_reported_without_a_spread() -> None:
     table = render(summary, {"e2e": 1.0, "sbp-block-0.5": 0.86}, {"command": "x", "machine": "m", "seeds": [0]})
     assert "nan" not in table
     assert "| sbp-block-0.5 | 0.86 | 0.850 (Δ -5.0) | 0.850 | -5.0 (n=1) |" in table
+
+
+def test_val_loss_is_paired_like_top1_and_tabled_below_it() -> None:
+    # top-1 saturated at 1.000 on both rows: only the loss tells them apart
+    runs = [{"task": "order", "row": row, "seed": seed, "val_top1": 1.0, "val_loss": loss}
+            for seed in (0, 1, 2) for row, loss in (("e2e", 0.02 + 0.01 * seed), ("sbp-block-0.5", 0.05 + 0.01 * seed))]
+    runs.append({"task": "speed", "row": "e2e", "seed": 0, "val_top1": 1.0})  # older than val_loss
+    runs.append({"task": "speed", "row": "sbp-block-0.5", "seed": 0, "val_top1": 1.0, "val_loss": float("nan")})
+    rows = [r for r in ROWS if r.name in ("e2e", "sbp-block-0.5")]
+    top1, loss = summarize(runs, rows), summarize(runs, rows, "val_loss")
+    assert {o["row"]: o["diff"] for o in top1["overall"]} == {"e2e": 0.0, "sbp-block-0.5": 0.0}
+    sbp = next(o for o in loss["overall"] if o["row"] == "sbp-block-0.5")
+    assert sbp["pairs"] == 3 and sbp["diff"] == pytest.approx(0.03) and sbp["mean"] == pytest.approx(0.06)
+    assert {p["task"] for p in loss["per_task"]} == {"order"}  # no loss on speed: left out, not zero
+    meta = {"command": "x", "machine": "m", "seeds": [0, 1, 2]}
+    table = render(top1, {"e2e": 1.0, "sbp-block-0.5": 0.86}, meta, loss)
+    top1_part, loss_part = table.split("Val loss")
+    assert "| sbp-block-0.5 | 0.86 | 1.000 ± 0.000 (Δ +0.0 ± 0.0) |" in top1_part
+    assert "| row | order | mean | Δ mean (95% CI) |" in loss_part
+    assert "| sbp-block-0.5 | 0.060 ± 0.010 (Δ +0.030 ± 0.000) | 0.060 | +0.030 ± 0.000 (n=3) |" in loss_part
+    assert "Val loss" not in render(top1, {"e2e": 1.0}, meta)
+
+
+def test_the_plot_spans_chance_to_one_when_every_row_saturates() -> None:
+    import matplotlib.pyplot as plt
+
+    runs = [{"task": "order", "row": row, "seed": 0, "val_top1": acc}
+            for row, acc in (("e2e", 1.0), ("sbp-block-0.5", 0.9922))]
+    summary = summarize(runs, [r for r in ROWS if r.name in ("e2e", "sbp-block-0.5")])
+    fig = figure(summary, {"e2e": 1.0, "sbp-block-0.5": 0.86})
+    assert fig.axes[0].get_ylim() == pytest.approx((0.2, 1.02))  # not 0.99-1.0: one video is small
+    plt.close(fig)
+    runs.append({"task": "order", "row": "frame_dropout-0.25", "seed": 0, "val_top1": 0.1})
+    summary = summarize(runs, [r for r in ROWS if r.name in ("e2e", "frame_dropout-0.25")])
+    fig = figure(summary, {"e2e": 1.0, "frame_dropout-0.25": 0.26})
+    assert fig.axes[0].get_ylim()[0] == pytest.approx(0.05)  # below chance: the axis goes down to it
+    plt.close(fig)
 
 
 def test_report_only_does_not_train(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ SEEDS = (0, 1, 2)
 RESULTS = "docs/results/bench_accuracy"
 RUNS = "outputs/bench_accuracy"
 JOBS = 2  # training runs at a time (--jobs)
+CHANCE = 0.25  # every task has 4 classes
 NOT_RUN = "not run"  # the error of a run --report-only found unfinished (not a failure)
 # the generated tasks: 16 source frames, so the default clip (8 frames at rate 2) spans the video;
 # validation once, at the end, on 32 videos per class; the CPU peak meter on as few steps as it takes
@@ -191,10 +192,12 @@ def stored_activation_bytes(overrides: list[str]) -> int:
     return saved_activation_bytes(model, video)
 
 
-def summarize(runs: list[dict[str, Any]], rows: list[Row]) -> dict[str, Any]:
-    """Per (task, row): mean/std over seeds and the paired difference to e2e with its interval;
-    per row: the same over every (task, seed) pair."""
-    acc = {(r["task"], r["row"], r["seed"]): r["val_top1"] for r in runs if "val_top1" in r}
+def summarize(runs: list[dict[str, Any]], rows: list[Row], metric: str = "val_top1") -> dict[str, Any]:
+    """Per (task, row): mean/std of ``metric`` over seeds and the paired difference to e2e with
+    its interval; per row: the same over every (task, seed) pair. A run without the metric (not
+    finished, or older than it) is left out, not counted as zero."""
+    acc = {(r["task"], r["row"], r["seed"]): float(r[metric]) for r in runs
+           if isinstance(r.get(metric), (int, float)) and not math.isnan(r[metric])}
     digests = {(r["task"], r["row"], r["seed"]): r.get("param_digests") for r in runs if "val_top1" in r}
     per_task, overall = [], []
     tasks = sorted({r["task"] for r in runs}, key=lambda t: TASKS.index(t) if t in TASKS else 99)
@@ -232,15 +235,21 @@ def _pm(x: float, fmt: str) -> str:
     return "" if math.isnan(x) else f" ± {x:{fmt}}"
 
 
-def render(summary: dict[str, Any], stored: dict[str, float], meta: dict[str, Any]) -> str:
-    tasks = list(dict.fromkeys(p["task"] for p in summary["per_task"]))
-    lines = [f"# Accuracy suite: {meta['command']}", "",
-             f"{meta['machine']}; {len(meta['seeds'])} seeds ({', '.join(map(str, meta['seeds']))}); "
-             "val top-1 on 128 videos per task (32 per class); mean ± std over seeds; Δ: the paired "
-             "difference to e2e of the same task and seed, in points, ± the 95% t interval's "
-             "half-width. Stored: activations one training forward keeps, relative to e2e.", "",
-             "| row | stored | " + " | ".join(tasks) + " | mean | Δ mean (95% CI) |",
-             "|---|---|" + "---|" * len(tasks) + "---|---|"]
+def _diff_top1(d: float, ci: float) -> str:
+    return f"{_pct(d)}{_pm(100 * ci, '.1f')}"  # in points
+
+
+def _diff_loss(d: float, ci: float) -> str:
+    return f"{'–' if math.isnan(d) else f'{d:+.3f}'}{_pm(ci, '.3f')}"
+
+
+def _table(summary: dict[str, Any], tasks: list[str], stored: dict[str, float] | None,
+           diff: Any) -> list[str]:
+    """One markdown table: a line per row, a column per task (mean ± std over seeds, with the
+    paired Δ to e2e), the mean over tasks and the pooled Δ; ``stored`` adds that column."""
+    head = "| row | " + ("stored | " if stored is not None else "")
+    lines = [head + " | ".join(tasks) + " | mean | Δ mean (95% CI) |",
+             "|---|" + ("---|" if stored is not None else "") + "---|" * len(tasks) + "---|---|"]
     by = {(p["task"], p["row"]): p for p in summary["per_task"]}
     for o in summary["overall"]:
         cells = []
@@ -251,17 +260,47 @@ def render(summary: dict[str, Any], stored: dict[str, float], meta: dict[str, An
                 continue
             cell = f"{p['mean']:.3f}{_pm(p['std'], '.3f')}"
             if o["row"] != "e2e":
-                cell += f" (Δ {_pct(p['diff'])}{_pm(100 * p['diff_ci95'], '.1f')})"
+                cell += f" (Δ {diff(p['diff'], p['diff_ci95'])})"
             cells.append(cell)
-        delta = "" if o["row"] == "e2e" else f"{_pct(o['diff'])}{_pm(100 * o['diff_ci95'], '.1f')} (n={o['pairs']})"
+        delta = "" if o["row"] == "e2e" else f"{diff(o['diff'], o['diff_ci95'])} (n={o['pairs']})"
         if o["row"] != "e2e" and o["weights_equal_e2e"]:
             delta += "; weights identical to e2e"
-        lines.append(f"| {o['row']} | {stored.get(o['row'], math.nan):.2f} | " + " | ".join(cells)
-                     + f" | {o['mean']:.3f} | {delta} |")
+        col = f"{stored.get(o['row'], math.nan):.2f} | " if stored is not None else ""
+        lines.append(f"| {o['row']} | {col}" + " | ".join(cells) + f" | {o['mean']:.3f} | {delta} |")
+    return lines
+
+
+def render(summary: dict[str, Any], stored: dict[str, float], meta: dict[str, Any],
+           loss: dict[str, Any] | None = None) -> str:
+    """The report: val top-1 with stored activations, then (``loss``: ``summarize`` of
+    ``val_loss``) the same for the val loss, which still tells rows apart where top-1 saturates."""
+    tasks = list(dict.fromkeys(p["task"] for p in summary["per_task"]))
+    lines = [f"# Accuracy suite: {meta['command']}", "",
+             f"{meta['machine']}; {len(meta['seeds'])} seeds ({', '.join(map(str, meta['seeds']))}); "
+             "val top-1 on 128 videos per task (32 per class); mean ± std over seeds; Δ: the paired "
+             "difference to e2e of the same task and seed, in points, ± the 95% t interval's "
+             "half-width. Stored: activations one training forward keeps, relative to e2e.", "",
+             *_table(summary, tasks, stored, _diff_top1)]
+    if loss and loss["overall"]:
+        lines += ["", "Val loss (cross-entropy on the same videos; lower is better, ln 4 = 1.386 is a "
+                  "uniform guess): where top-1 saturates at 1.000 the loss still shows how far each row "
+                  "got. Δ in loss units.", "",
+                  *_table(loss, [t for t in tasks if any(p["task"] == t for p in loss["per_task"])],
+                          None, _diff_loss)]
     return "\n".join(lines) + "\n"
 
 
 def plot(summary: dict[str, Any], stored: dict[str, float], path: Path) -> None:
+    """``path``: accuracy against stored activations, per task and the mean over tasks."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(summary, stored)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(summary: dict[str, Any], stored: dict[str, float]) -> Any:
+    """The plot's matplotlib figure (Agg: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,14 +314,20 @@ def plot(summary: dict[str, Any], stored: dict[str, float], path: Path) -> None:
     for t in dict.fromkeys(p["task"] for p in summary["per_task"]):
         pts = sorted((stored.get(p["row"], math.nan), p["mean"]) for p in summary["per_task"] if p["task"] == t)
         ax.plot([a for a, _ in pts], [b for _, b in pts], ".", alpha=0.5, label=t)
+    # a fixed axis from below chance (every task has 4 classes) to 1: a one-video difference
+    # between saturated rows must not fill the plot
+    low = min([0.2, *(p["mean"] - 0.05 for p in summary["per_task"])])
+    ax.axhline(CHANCE, color="grey", linestyle=":", linewidth=1)
+    ax.annotate("chance", (0.0, CHANCE), xycoords=("axes fraction", "data"), xytext=(3, 3),
+                textcoords="offset points", fontsize=7, color="grey")
+    ax.set_ylim(low, 1.02)
     ax.set_xlabel("stored activations per training forward (fraction of e2e)")
     ax.set_ylabel("val top-1 (mean over seeds; large: mean over tasks)")
     if ax.get_legend_handles_labels()[0]:  # no task has a finished run: no legend (and no warning)
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None,
@@ -321,15 +366,16 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
         t, r, s = item
         res = train_one(Path(runs_dir) / t / r.name / f"seed{s}", run_overrides(t, r, s, extra), threads,
                         timeout, train)
-        print(f"{t} {r.name} seed {s}: " + (f"val top-1 {res['val_top1']:.3f}" if "val_top1" in res
-                                              else res["error"]), flush=True)
+        print(f"{t} {r.name} seed {s}: " + (f"val top-1 {res['val_top1']:.3f}" + (
+            f", loss {res['val_loss']:.3f}" if isinstance(res.get("val_loss"), (int, float)) else "")
+            if "val_top1" in res else res["error"]), flush=True)
         return {"task": t, "row": r.name, "seed": s, **res}
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         runs = list(pool.map(one, todo))
     e2e_bytes = stored_activation_bytes(list(extra))
     stored = {r.name: stored_activation_bytes([*r.overrides, *extra]) / e2e_bytes for r in rows}
-    summary = summarize(runs, rows)
+    summary, loss = summarize(runs, rows), summarize(runs, rows, "val_loss")
     # the command that reproduces these results: every flag whose value is not the default
     flags = ([f"--tasks {','.join(tasks)}"] if tasks != list(TASKS) else []) + (
         [f"--seeds {','.join(map(str, seeds))}"] if seeds != list(SEEDS) else []) + (
@@ -341,10 +387,11 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {jobs} "
                        f"run{'s' if jobs != 1 else ''} at a time, {threads} torch thread{'s' if threads != 1 else ''} each",
             "seeds": seeds, "tasks": tasks, "extra_overrides": extra, "stored_frac": stored}
-    table = render(summary, stored, meta)
+    table = render(summary, stored, meta, loss)
     out.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k not in ("param_digests", "class_names", "skipped_paths")} for r in runs]
-    (out / "accuracy.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": slim}, indent=2))
+    (out / "accuracy.json").write_text(json.dumps({"meta": meta, "summary": summary, "summary_val_loss": loss,
+                                                       "runs": slim}, indent=2))
     (out / "accuracy.md").write_text(table)
     plot(summary, stored, out / "accuracy.png")
     return runs, summary, table
