@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,7 +245,7 @@ def _diff_loss(d: float, ci: float) -> str:
 
 
 def _table(summary: dict[str, Any], tasks: list[str], stored: dict[str, float] | None,
-           diff: Any) -> list[str]:
+           diff: Callable[[float, float], str]) -> list[str]:
     """One markdown table: a line per row, a column per task (mean ± std over seeds, with the
     paired Δ to e2e), the mean over tasks and the pooled Δ; ``stored`` adds that column."""
     head = "| row | " + ("stored | " if stored is not None else "")
