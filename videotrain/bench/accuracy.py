@@ -244,10 +244,12 @@ def _diff_loss(d: float, ci: float) -> str:
     return f"{'–' if math.isnan(d) else f'{d:+.3f}'}{_pm(ci, '.3f')}"
 
 
-def _table(summary: dict[str, Any], tasks: list[str], stored: dict[str, float] | None,
+def _table(summary: dict[str, Any], stored: dict[str, float] | None,
            diff: Callable[[float, float], str]) -> list[str]:
-    """One markdown table: a line per row, a column per task (mean ± std over seeds, with the
-    paired Δ to e2e), the mean over tasks and the pooled Δ; ``stored`` adds that column."""
+    """One markdown table: a line per row, a column per task that has a value (mean ± std over
+    seeds, with the paired Δ to e2e), the mean over tasks and the pooled Δ; ``stored`` adds that
+    column."""
+    tasks = list(dict.fromkeys(p["task"] for p in summary["per_task"]))
     head = "| row | " + ("stored | " if stored is not None else "")
     lines = [head + " | ".join(tasks) + " | mean | Δ mean (95% CI) |",
              "|---|" + ("---|" if stored is not None else "") + "---|" * len(tasks) + "---|---|"]
@@ -275,19 +277,17 @@ def render(summary: dict[str, Any], stored: dict[str, float], meta: dict[str, An
            loss: dict[str, Any] | None = None) -> str:
     """The report: val top-1 with stored activations, then (``loss``: ``summarize`` of
     ``val_loss``) the same for the val loss, which still tells rows apart where top-1 saturates."""
-    tasks = list(dict.fromkeys(p["task"] for p in summary["per_task"]))
     lines = [f"# Accuracy suite: {meta['command']}", "",
              f"{meta['machine']}; {len(meta['seeds'])} seeds ({', '.join(map(str, meta['seeds']))}); "
              "val top-1 on 128 videos per task (32 per class); mean ± std over seeds; Δ: the paired "
              "difference to e2e of the same task and seed, in points, ± the 95% t interval's "
              "half-width. Stored: activations one training forward keeps, relative to e2e.", "",
-             *_table(summary, tasks, stored, _diff_top1)]
+             *_table(summary, stored, _diff_top1)]
     if loss and loss["overall"]:
         lines += ["", "Val loss (cross-entropy on the same videos; lower is better, ln 4 = 1.386 is a "
                   "uniform guess): where top-1 saturates at 1.000 the loss still shows how far each row "
                   "got. Δ in loss units.", "",
-                  *_table(loss, [t for t in tasks if any(p["task"] == t for p in loss["per_task"])],
-                          None, _diff_loss)]
+                  *_table(loss, None, _diff_loss)]
     return "\n".join(lines) + "\n"
 
 
