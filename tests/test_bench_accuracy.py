@@ -155,6 +155,31 @@ def test_report_only_does_not_train(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_finished_run_drops_its_checkpoints_a_failed_one_keeps_them_for_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    import subprocess
+
+    import videotrain.bench.accuracy as acc
+
+    def fake_run(cmd: list[str], returncode: int) -> subprocess.CompletedProcess:
+        run_dir = Path(next(a for a in cmd if a.startswith("hydra.run.dir=")).partition("=")[2])
+        (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / "checkpoints" / "step-00000256.ckpt").write_bytes(b"weights")
+        if returncode == 0:
+            (run_dir / "results.json").write_text(json.dumps({"val_top1": 0.5}))
+        return subprocess.CompletedProcess(cmd, returncode, "", "boom")
+
+    monkeypatch.setattr(acc.subprocess, "run", lambda cmd, **kw: fake_run(cmd, 0))
+    res = train_one(tmp_path / "done", ["seed=0"], 1, 10, keep_checkpoints=keep)
+    assert res["val_top1"] == 0.5 and (tmp_path / "done" / "results.json").exists()
+    assert (tmp_path / "done" / "checkpoints" / "step-00000256.ckpt").exists() is keep
+    monkeypatch.setattr(acc.subprocess, "run", lambda cmd, **kw: fake_run(cmd, 1))
+    assert train_one(tmp_path / "failed", ["seed=0"], 1, 10, keep_checkpoints=keep) == {"error": "exit 1: boom"}
+    assert (tmp_path / "failed" / "checkpoints" / "step-00000256.ckpt").exists()  # resumed from
+
+
 @pytest.fixture
 def fake_suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """``run_accuracy_bench`` without training: the (row, threads) of every run it asks for."""
@@ -163,7 +188,7 @@ def fake_suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[st
     seen: list[tuple[str, int]] = []
 
     def fake_train(run_dir: Path, overrides: list[str], threads: int, timeout: float,
-                   train: bool = True) -> dict:
+                   train: bool = True, keep_checkpoints: bool = False) -> dict:
         seen.append((run_dir.parent.name, threads))
         return {"error": "not run"}
 

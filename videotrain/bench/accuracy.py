@@ -11,9 +11,10 @@ over every (task, seed) pair (the average over the tasks).
 Stored activations, the memory a row saves, are counted for one training forward of the
 row's model (``metrics.saved``), relative to ``e2e``.
 
-The runs live in ``--runs-dir`` (default ``outputs/bench_accuracy``, with their checkpoints);
-a finished run (its ``results.json``) is not run again: an interrupted suite goes on where it
-stopped. A finished run made with other overrides (an older recipe) stops the suite before it
+The runs live in ``--runs-dir`` (default ``outputs/bench_accuracy``); a finished run (its
+``results.json``) is not run again: an interrupted suite goes on where it stopped, from the
+checkpoints of the run it stopped in. A finished run's checkpoints are deleted (about 150 MB a
+run, 11 GB for the whole suite, and the report needs none of them) unless ``--keep-checkpoints``. A finished run made with other overrides (an older recipe) stops the suite before it
 starts, naming the keys. Results: ``accuracy.json`` (every run), ``accuracy.md`` (the tables) and
 ``accuracy.png`` (accuracy against stored activations) in ``--out``.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -153,9 +155,11 @@ def stale_run(run_dir: Path, overrides: list[str]) -> str | None:
 
 
 def train_one(run_dir: Path, overrides: list[str], threads: int, timeout: float,
-              train: bool = True) -> dict[str, Any]:
+              train: bool = True, keep_checkpoints: bool = False) -> dict[str, Any]:
     """One training run in a fresh interpreter; its results.json, or the error it ended with.
-    ``train=False``: only what a finished run left (the report of a partial suite)."""
+    ``train=False``: only what a finished run left (the report of a partial suite). The
+    checkpoints of a run that finished are deleted unless ``keep_checkpoints``; those of a run
+    that failed or timed out stay, for its resume."""
     done = run_dir / "results.json"
     if done.exists():
         return json.loads(done.read_text())
@@ -174,6 +178,8 @@ def train_one(run_dir: Path, overrides: list[str], threads: int, timeout: float,
     result = json.loads(done.read_text())
     result["wall_s"] = time.perf_counter() - start
     done.write_text(json.dumps(result, indent=2))
+    if not keep_checkpoints:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return result
 
 
@@ -335,10 +341,12 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
                        seeds: list[int] | None = None, only: list[str] | None = None,
                        extra: list[str] | None = None, jobs: int = JOBS, timeout: float = 1800,
                        train: bool = True, runs_dir: str | Path = RUNS, threads: int | None = None,
+                       keep_checkpoints: bool = False,
                        ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run (or resume) the suite and write its results; returns (runs, summary, markdown).
     ``train=False`` reports the finished runs and trains nothing. ``threads``: torch threads per
-    run (default: the cores shared among ``jobs``; two suites at once need it set)."""
+    run (default: the cores shared among ``jobs``; two suites at once need it set).
+    ``keep_checkpoints``: keep each finished run's checkpoints (deleted by default)."""
     import fnmatch
     import platform
 
@@ -366,7 +374,7 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     def one(item: tuple[str, Row, int]) -> dict[str, Any]:
         t, r, s = item
         res = train_one(Path(runs_dir) / t / r.name / f"seed{s}", run_overrides(t, r, s, extra), threads,
-                        timeout, train)
+                        timeout, train, keep_checkpoints)
         print(f"{t} {r.name} seed {s}: " + (f"val top-1 {res['val_top1']:.3f}" + (
             f", loss {res['val_loss']:.3f}" if isinstance(res.get("val_loss"), (int, float)) else "")
             if "val_top1" in res else res["error"]), flush=True)

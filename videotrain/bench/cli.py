@@ -328,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=JOBS, help="accuracy suite: training runs at a time")
     p.add_argument("--runs-dir", default=RUNS,
                    help=f"accuracy suite: where the training runs go (default {RUNS})")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="accuracy suite: keep each finished run's checkpoints (about 150 MB a run; "
+                        "by default deleted once its results.json is written)")
     p.add_argument("--report-only", action="store_true",
                    help="accuracy suite: tabulate the finished runs in --out, train nothing")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -349,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                 out=args.out or RESULTS, tasks=args.tasks.split(",") if args.tasks else None,
                 seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
                 extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
-                train=not args.report_only, runs_dir=args.runs_dir, threads=args.threads)
+                train=not args.report_only, runs_dir=args.runs_dir, threads=args.threads,
+                keep_checkpoints=args.keep_checkpoints)
         except ValueError as exc:  # --only or --tasks naming nothing, a stale run: before any run starts
             print(f"error: {exc}", file=sys.stderr)
             return 2
