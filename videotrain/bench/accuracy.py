@@ -14,8 +14,9 @@ row's model (``metrics.saved``), relative to ``e2e``.
 The runs live in ``--runs-dir`` (default ``outputs/bench_accuracy``); a finished run (its
 ``results.json``) is not run again: an interrupted suite goes on where it stopped, from the
 checkpoints of the run it stopped in. A finished run's checkpoints are deleted (about 150 MB a
-run, 11 GB for the whole suite, and the report needs none of them) unless ``--keep-checkpoints``. A finished run made with other overrides (an older recipe) stops the suite before it
-starts, naming the keys. Results: ``accuracy.json`` (every run), ``accuracy.md`` (the tables) and
+run, 11 GB for the whole suite, and the report needs none of them) unless
+``--keep-checkpoints``. A finished run made with other overrides (an older recipe) stops the
+suite before it starts, naming the keys. Results: ``accuracy.json`` (every run), ``accuracy.md`` (the tables) and
 ``accuracy.png`` (accuracy against stored activations) in ``--out``.
 """
 
