@@ -16,8 +16,9 @@ The runs live in ``--runs-dir`` (default ``outputs/bench_accuracy``); a finished
 checkpoints of the run it stopped in. A finished run's checkpoints are deleted (about 150 MB a
 run, 11 GB for the whole suite, and the report needs none of them) unless
 ``--keep-checkpoints``. A finished run made with other overrides (an older recipe) stops the
-suite before it starts, naming the keys. Results: ``accuracy.json`` (every run), ``accuracy.md`` (the tables) and
-``accuracy.png`` (accuracy against stored activations) in ``--out``.
+suite before it starts, naming the keys. Results: ``accuracy.json`` (every run),
+``accuracy.md`` (the tables) and ``accuracy.png`` (accuracy against stored activations) in
+``--out``.
 """
 
 from __future__ import annotations
