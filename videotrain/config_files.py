@@ -41,6 +41,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from videotrain import schema
 from videotrain.build import CONFIG_DIR
+from videotrain.untrusted import plain_tree_problem, read_text, shown
+
+MAX_CONFIG_BYTES = 4 << 20  # a run's config.yaml is a few KB
+MAX_CONFIG_NODES = 20_000  # and a few hundred values
 
 TRUSTED_RUN_HINT = (
     "If you trust this run, rebuild the model from this command line's config groups and load "
@@ -113,6 +117,8 @@ def shipped_targets(config_dir: str = CONFIG_DIR) -> dict[str, frozenset[str]]:
         text = path.read_text()
         prefix = _package(text, "" if group == "." else group)
         for key, target in _target_nodes(yaml.safe_load(text) or {}, prefix):
+            if key.split(".")[0] == "hydra":  # Hydra's own callbacks: never in a run's config
+                continue
             found.setdefault(key, set()).update(_aliases(target))
     return {key: frozenset(targets) for key, targets in found.items()}
 
@@ -194,7 +200,7 @@ def _check_targets(cfg: DictConfig, source: str, config_dir: str) -> None:
     allowed = shipped_targets(config_dir)
     for path, node in _walk(cfg):  # first: nothing below may resolve one
         if path and node._is_interpolation():
-            raise _refuse(cfg, source, f"{path} is an interpolation ({node._value()}); videotrain "
+            raise _refuse(cfg, source, f"{shown(path)} is an interpolation ({shown(node._value())}); videotrain "
                           "writes its configs resolved, and resolving one may run code", config_dir)
     for path, node in _walk(cfg):
         if not isinstance(node, DictConfig) or node._is_interpolation() or node._is_none() \
@@ -203,10 +209,10 @@ def _check_targets(cfg: DictConfig, source: str, config_dir: str) -> None:
         target = node._get_node("_target_")._value()
         key = f"{path}._target_" if path else "_target_"
         if path not in allowed:
-            raise _refuse(cfg, source, f"{key}={target} is refused: a _target_ where the schema has "
+            raise _refuse(cfg, source, f"{shown(key)}={shown(target)} is refused: a _target_ where the schema has "
                           f"none (only {', '.join(sorted(allowed))} take one)", config_dir)
         if str(target) not in allowed[path]:
-            raise _refuse(cfg, source, f"{key}={target} is refused: no shipped config of {path} "
+            raise _refuse(cfg, source, f"{shown(key)}={shown(target)} is refused: no shipped config of {shown(path)} "
                           f"builds it (they build {', '.join(sorted(allowed[path]))})", config_dir)
 
 
@@ -263,10 +269,10 @@ def _check_schema(cfg: DictConfig, source: str, config_dir: str) -> None:
         schema.check_keys(OmegaConf.merge(template, cfg))
     except OmegaConfBaseException as err:
         where = f"{err.full_key}: " if getattr(err, "full_key", None) else ""
-        raise _refuse(cfg, source, f"does not fit videotrain's config schema: {where}"
-                      f"{str(err).splitlines()[0]}", config_dir) from None
+        raise _refuse(cfg, source, f"does not fit videotrain's config schema: {shown(where, 200)}"
+                      f"{shown(str(err).splitlines()[0], 200)}", config_dir) from None
     except schema.UnknownConfigKey as err:
-        raise _refuse(cfg, source, f"does not fit videotrain's config schema: {err}",
+        raise _refuse(cfg, source, f"does not fit videotrain's config schema: {shown(str(err), 300)}",
                       config_dir) from None
 
 
@@ -278,11 +284,15 @@ def checked_config(data: Mapping[str, Any] | DictConfig, source: str,
     if isinstance(data, DictConfig):
         cfg = data
     elif isinstance(data, Mapping):
+        problem = plain_tree_problem(data)  # bounded, before OmegaConf expands anything
+        if problem:
+            raise RefusedConfig(f"{source}: not a config of plain values: {problem}; nothing of "
+                                "it was read further")
         try:
             cfg = OmegaConf.create(dict(data))
         except OmegaConfBaseException as err:
             raise RefusedConfig(f"{source}: not a config of plain values: "
-                                f"{str(err).splitlines()[0]}") from None
+                                f"{shown(str(err).splitlines()[0], 200)}") from None
     else:
         raise RefusedConfig(f"{source}: not a config (a {type(data).__name__}, not a mapping)")
     _check_targets(cfg, source, config_dir)
@@ -290,13 +300,43 @@ def checked_config(data: Mapping[str, Any] | DictConfig, source: str,
     return cfg
 
 
-def read_config_file(path: str | Path, config_dir: str = CONFIG_DIR) -> DictConfig:
-    """A YAML config file (a run folder's ``config.yaml``), read as plain data (OmegaConf's
-    loader, YAML's safe one) and passed through :func:`checked_config`."""
-    p = Path(path)
+def load_yaml(text: str, source: str) -> Any:
+    """``text`` parsed as plain YAML data (YAML's safe loader: no Python tags), refusing
+    anchors and aliases before anything is composed (a 2 KB alias bomb expands to gigabytes;
+    videotrain never writes either). An error names the file, the line and the problem, never
+    the text."""
     try:
-        data = OmegaConf.load(p)  # a subclass of yaml.SafeLoader: no Python tags
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as err:
-        raise RefusedConfig(f"{p}: cannot be read as a YAML config: "
-                            f"{str(err).splitlines()[0]}") from None
-    return checked_config(data, str(p), config_dir)
+        for count, event in enumerate(yaml.parse(text, Loader=yaml.SafeLoader)):
+            if count > 4 * MAX_CONFIG_NODES:  # a key and a value are one event each
+                raise RefusedConfig(f"{source}: more than {MAX_CONFIG_NODES} values; a config "
+                                    "has a few hundred")
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                line = event.start_mark.line + 1 if event.start_mark else "?"
+                raise RefusedConfig(f"{source}:{line}: a YAML anchor or alias (&name / *name); "
+                                    "configs read from files may not use them (videotrain writes "
+                                    "none), nothing of it was composed")
+        # OmegaConf's loader (YAML's safe one, with YAML 1.2 floats), as OmegaConf.load reads
+        data = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else {}
+    except OmegaConfBaseException as err:
+        raise RefusedConfig(f"{source}: not a config of plain values "
+                            f"({shown(str(err).splitlines()[0])})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise RefusedConfig(f"{source}{where}: cannot be read as a YAML config "
+                            f"({shown(problem)})") from None
+    return data
+
+
+def read_config_file(path: str | Path, config_dir: str = CONFIG_DIR) -> DictConfig:
+    """A YAML config file (a run folder's ``config.yaml``): a regular file of at most
+    ``MAX_CONFIG_BYTES`` (no link, FIFO or device: ``untrusted.read_text``), parsed as plain
+    data without anchors or aliases (:func:`load_yaml`), bounded
+    (``untrusted.plain_tree_problem``) and passed through :func:`checked_config`."""
+    p = Path(path)
+    text = read_text(p, MAX_CONFIG_BYTES, "config file")
+    data = load_yaml(text, shown(p))
+    if not isinstance(data, dict):
+        raise RefusedConfig(f"{shown(p)}: not a config (a YAML {type(data).__name__}, not a mapping)")
+    return checked_config(data, shown(p), config_dir)

@@ -42,6 +42,7 @@ from videotrain.engine.trainer import Trainer, plan_steps
 from videotrain.memory.base import SelfPlanning
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.simulate.config_run import ConfigPredictor
+from videotrain.untrusted import check_run_folder, write_text
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ def name_the_rank(err: Exception, ctx: DistContext, worker_timeout: float) -> Ex
 
 def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     check_values(cfg)  # every value, before any data is read
+    # a shared folder resumed from: links out of it, FIFOs, devices refused before any write
+    check_run_folder(out_dir, "write into")
     comm = Comm(ctx)
     device = resolve_device(cfg.device, ctx)
     settings = trainer_settings(cfg)  # validate cheap settings before generating data
@@ -134,7 +137,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
                           logger, device, comm=comm, preflight_bad=bad, recipe=recipe)
         if ctx.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))  # no link followed
             log.info("training %s on %s x %d process(es): %d steps (%d per epoch), global batch %d "
                      "(%d per process x %d accumulated x %d), lr %g (optim.lr_scaling=%s), output in %s",
                      trainer.strategy.describe(), device, ctx.world_size, trainer.total_steps,
@@ -162,7 +165,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
             results.update({f"test_{k}": test[k] for k in
                             ("video_top1", "video_top5", "clip_top1", "mean_class_acc")})
         if ctx.is_main:
-            (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+            write_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
         logger.finish(results)
         comm.barrier()  # nobody leaves (and tears the group down) before rank 0 has written
         return results

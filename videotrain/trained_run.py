@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,13 @@ from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.class_order import saved_class_names
 from videotrain.models.finetune import trained_state
 from videotrain.models.video import VideoClassifier
+from videotrain.untrusted import check_run_folder, is_regular, read_text, shown
 
 log = logging.getLogger(__name__)
 
 E2E = {"_target_": "videotrain.memory.e2e.EndToEnd"}
+MAX_RESULTS_BYTES = 64 << 20  # results.json, read for its class names
+MAX_CLASSES = 1_000_000  # a head with more rows is not a video classifier's
 
 
 # ---------------------------------------------------------------------- the checkpoint
@@ -54,22 +58,52 @@ def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict[str, Any]]:
     if not cfg.get("checkpoint"):
         raise ValueError("checkpoint=PATH is required (e.g. checkpoint=outputs/.../checkpoints/last.ckpt)")
     path = Path(str(cfg.checkpoint)).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint: file not found: {path}")
-    blob = ckpt.load(path, map_location="cpu")
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"checkpoint: file not found: {shown(path)}")
+    run_dir = run_folder(path)
+    if run_dir is not None:  # a shared run folder: its own files only, before reading any
+        check_run_folder(run_dir, "read from")
+    blob = ckpt.load(path, map_location="cpu")  # a regular file only, no FIFO or device
     if not isinstance(blob, dict):
-        raise ValueError(f"checkpoint {path} holds a {type(blob).__name__}, not a state dict or "
-                         "a videotrain checkpoint")
+        raise ValueError(f"checkpoint {shown(path)} holds a {type(blob).__name__}, not a state "
+                         "dict or a videotrain checkpoint")
     return path, blob
 
 
 # ---------------------------------------------------------------------- the run's config
 def find_run_config(checkpoint: Path) -> Path | None:
-    """``config.yaml`` of the training run a checkpoint belongs to (``RUN/checkpoints/x``)."""
+    """``config.yaml`` of the training run a checkpoint belongs to (``RUN/checkpoints/x``).
+    A ``config.yaml`` that is a link, FIFO or device is returned too, and refused when read
+    (never silently passed over for the checkpoint's stored config)."""
     for folder in (checkpoint.parent, checkpoint.parent.parent):
-        if (folder / "config.yaml").is_file():
+        if os.path.lexists(folder / "config.yaml"):
             return folder / "config.yaml"
     return None
+
+
+def run_folder(checkpoint: Path) -> Path | None:
+    """The run folder a checkpoint sits in (the folder of its ``config.yaml``), or None."""
+    found = find_run_config(checkpoint)
+    return found.parent if found is not None else None
+
+
+def _synthetic_root_from_file(base: DictConfig, composed: DictConfig,
+                              overrides: list[str]) -> None:
+    """A config read from a file does not choose where data is generated: for synthetic data
+    its ``data.root`` is replaced by this command line's (null: the user's own cache,
+    ``$VIDEOTRAIN_CACHE``), unless the command line sets ``data.root`` itself."""
+    data = base.get("data")
+    if not isinstance(data, DictConfig) or data.get("name") != "synthetic":
+        return
+    if any(o.split("=", 1)[0].lstrip("+~") == "data.root" for o in overrides):
+        return  # apply_overrides takes the user's value
+    mine = OmegaConf.select(composed, "data.root", default=None) \
+        if OmegaConf.select(composed, "data.name", default=None) == "synthetic" else None
+    if data.get("root") not in (None, mine):
+        log.info("data.root of the run's config (%s) is not used: synthetic data is generated "
+                 "into this command line's data.root or the cache", shown(data.get("root")))
+    with open_dict(base):
+        base.data.root = mine
 
 
 def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = (),
@@ -94,12 +128,13 @@ def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()
                      saved or f"the config stored in {path}")
         return cfg, run_dir
     if saved is not None:
-        source, base = str(saved), read_config_file(saved)
+        source, base = shown(saved), read_config_file(saved)
     elif stored is not None:
-        source = f"the config stored in {path}"
+        source = f"the config stored in {shown(path)}"
         base = checked_config(stored, source)
     else:
         return cfg, run_dir
+    _synthetic_root_from_file(base, cfg, overrides)
     log.info("model and data settings from %s (overridden by the command line)", source)
     return apply_overrides(base, cfg, overrides, keep), run_dir
 
@@ -152,8 +187,12 @@ def model_state(blob: dict[str, Any]) -> dict[str, Any]:
 def checkpoint_classes(state: dict[str, Any], path: Path) -> int:
     """The number of classes the checkpoint's head scores (rows of ``head.fc.weight``)."""
     weight = state.get("head.fc.weight")  # every head ends in a Linear `fc`: (K, D)
-    if weight is None or weight.dim() != 2:
-        raise ValueError(f"checkpoint {path}: cannot tell the number of classes (no head.fc.weight)")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"checkpoint {shown(path)}: cannot tell the number of classes (no "
+                         "head.fc.weight of 2 dimensions)")
+    if not 0 < weight.shape[0] <= MAX_CLASSES:  # checkpoint.load checked it stores its values
+        raise ValueError(f"checkpoint {shown(path)}: head.fc.weight has {weight.shape[0]} rows; "
+                         f"a head scores 1 to {MAX_CLASSES} classes")
     return int(weight.shape[0])
 
 
@@ -169,8 +208,9 @@ def load_trained_weights(model: VideoClassifier, blob: dict[str, Any], path: Pat
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
-        raise ValueError(f"checkpoint {path} does not fit the configured model (model/backbone, "
-                         f"model/head and the number of classes must match training): {err}") from err
+        raise ValueError(f"checkpoint {shown(path)} does not fit the configured model "
+                         "(model/backbone, model/head and the number of classes must match "
+                         f"training): {shown(str(err), 600)}") from err
 
 
 def trained_model(cfg: DictConfig, blob: dict[str, Any], path: Path, device: torch.device,
@@ -196,12 +236,19 @@ def class_names_of(cfg: DictConfig, run_dir: Path | None, num_classes: int,
     dataset's (for an HMDB51 checkpoint from before checkpoints recorded them, in the order it
     was trained with), else placeholders."""
     saved = (blob or {}).get("class_names")
-    if isinstance(saved, list) and len(saved) == num_classes:
-        return [str(n) for n in saved]
-    if run_dir is not None and (run_dir / "results.json").is_file():
-        names = json.loads((run_dir / "results.json").read_text()).get("class_names")
-        if isinstance(names, list) and len(names) == num_classes:
-            return [str(n) for n in names]
+    if _names(saved, num_classes):
+        return list(saved)
+    results = run_dir / "results.json" if run_dir is not None else None
+    if results is not None and is_regular(results):
+        try:
+            found = json.loads(read_text(results, MAX_RESULTS_BYTES, "results.json"))
+        except ValueError as err:  # never echoes the file: names it and the line
+            where = f":{err.lineno}" if hasattr(err, "lineno") else ""
+            raise ValueError(f"{shown(results)}{where}: not a results.json (JSON) videotrain "
+                             "wrote") from None
+        names = found.get("class_names") if isinstance(found, dict) else None
+        if _names(names, num_classes):
+            return list(names)
     try:
         d = cfg.data
         root = resolve_root(d.name, d.get("root"), OmegaConf.to_container(d.get("synthetic")) if
@@ -214,8 +261,16 @@ def class_names_of(cfg: DictConfig, run_dir: Path | None, num_classes: int,
         log.warning("the dataset has %d classes, the checkpoint %d", len(names), num_classes)
     except Exception as err:  # noqa: BLE001 - the dataset may not be on this machine
         log.warning("class names unknown (no results.json next to the checkpoint, and the "
-                    "dataset's annotations could not be read: %s); using class_<i>", err)
+                    "dataset's annotations could not be read: %s); using class_<i>",
+                    shown(str(err), 300))
     return [f"class_{i}" for i in range(num_classes)]
+
+
+def _names(names: Any, num_classes: int) -> bool:
+    """``names`` is a list of ``num_classes`` strings (what a checkpoint or results.json
+    records); they are shown escaped wherever they are printed (``untrusted.shown``)."""
+    return (isinstance(names, list) and len(names) == num_classes
+            and all(isinstance(n, str) for n in names))
 
 
 # ---------------------------------------------------------------------- all of it

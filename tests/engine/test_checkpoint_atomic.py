@@ -154,8 +154,9 @@ def test_unsafe_file_is_refused_and_runs_nothing(tmp_path: Path, writer: str) ->
     assert str(err.value).startswith(f"{evil} is not a safe videotrain checkpoint: it needs "
                                      "arbitrary unpickling (")
     assert "refusing to load it" in str(err.value)
-    if writer == "torch.save":
-        assert "GLOBAL io.open" in str(err.value) or "builtins.open" in str(err.value)
+    if writer == "torch.save":  # the global refused, read from the pickle on every torch
+        assert "unsupported global io.open" in str(err.value)
+    assert "weights_only=False" not in str(err.value) and "set to `False`" not in str(err.value)
     assert isinstance(err.value, ValueError) and not marker.exists()
 
 

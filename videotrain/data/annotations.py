@@ -16,6 +16,8 @@ from pathlib import Path, PurePosixPath
 
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
+from videotrain.untrusted import read_bytes, shown
+
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".webm", ".mov")
 SPLITS = ("train", "val")
 
@@ -45,6 +47,7 @@ class VideoIndex:
 _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
               (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
 BOM = "\ufeff"
+MAX_ANNOTATION_BYTES = 256 << 20  # the largest official list (Kinetics-700 train) is ~30 MB
 
 
 def read_text(path: str | Path) -> str:
@@ -54,30 +57,31 @@ def read_text(path: str | Path) -> str:
     of those, as Excel's "Unicode Text" writes), bytes that are not UTF-8, and a BOM inside the
     file (files with BOMs concatenated) are errors naming the file and line, and the BOM as a
     BOM."""
-    data = Path(path).read_bytes()
+    # a regular file (behind links, as datasets often are), never a FIFO or device, bounded
+    data = read_bytes(path, MAX_ANNOTATION_BYTES, "annotation file", follow=True)
     for mark, encoding in _WIDE_BOMS:
         if data.startswith(mark):
             raise AnnotationError(
-                f"{path}: starts with a {encoding} byte-order mark (BOM): the file is {encoding} "
+                f"{shown(path)}: starts with a {encoding} byte-order mark (BOM): the file is {encoding} "
                 "text (as Excel's 'Unicode Text' saves it); save it as UTF-8 (Excel: 'CSV UTF-8')")
     try:
         text = data.decode("utf-8-sig")  # drops one leading UTF-8 BOM
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         raise AnnotationError(
-            f"{path}:{line}: byte 0x{data[err.start]:02x} is not UTF-8 (saved as Latin-1 or "
+            f"{shown(path)}:{line}: byte 0x{data[err.start]:02x} is not UTF-8 (saved as Latin-1 or "
             "Windows-1252?); save the file as UTF-8") from None
     if BOM in text:
         line = text.count("\n", 0, text.index(BOM)) + 1
         raise AnnotationError(
-            f"{path}:{line}: a byte-order mark (BOM, U+FEFF) inside the file, not at its start "
+            f"{shown(path)}:{line}: a byte-order mark (BOM, U+FEFF) inside the file, not at its start "
             "(were files re-saved by Excel concatenated?); delete it")
     return text
 
 
 def check_split(split: str) -> None:
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise ValueError(f"split must be one of {SPLITS}, got {shown(split)}")
 
 
 def under(root: Path, rel: str | None) -> Path:
@@ -92,13 +96,13 @@ def check_class_count(names: list[str], num_classes: int | None, source: str,
                       verb: str = "lists") -> None:
     """A set ``data.num_classes`` must agree with the classes the dataset's own files name."""
     if num_classes and num_classes != len(names):
-        raise AnnotationError(f"{source} {verb} {len(names)} classes, but "
+        raise AnnotationError(f"{shown(source)} {verb} {len(names)} classes, but "
                               f"data.num_classes={num_classes}")
 
 
 def require_file(path: Path, key: str) -> Path:
     if not path.is_file():
-        raise FileNotFoundError(f"{key}: annotation file not found: {path}")
+        raise FileNotFoundError(f"{key}: annotation file not found: {shown(path)}")
     return path
 
 
@@ -110,23 +114,28 @@ def read_class_names(path: Path) -> list[str]:
         except json.JSONDecodeError as err:
             raise json_error(path, err, text) from None
         if not isinstance(mapping, dict):
-            raise AnnotationError(f"{path}: expected a JSON object {{class name: index}}")
+            raise AnnotationError(f"{shown(path)}: expected a JSON object {{class name: index}}")
         by_index = {}
         for name, idx in mapping.items():
             try:
                 by_index[int(idx)] = name
             except (TypeError, ValueError):
-                raise AnnotationError(f"{path}: index {idx!r} of {name!r} is not an integer") from None
+                raise AnnotationError(f"{shown(path)}: the index of entry {len(by_index) + 1} "
+                                      "is not an integer (expected {class name: index})") from None
         if sorted(by_index) != list(range(len(mapping))):
-            raise AnnotationError(f"{path}: indices must be 0..{len(mapping) - 1}, each once")
+            raise AnnotationError(f"{shown(path)}: indices must be 0..{len(mapping) - 1}, each once")
         names = [by_index[i] for i in range(len(mapping))]
     else:
         names = [line.strip() for line in read_text(path).splitlines() if line.strip()]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise AnnotationError(f"{path}: duplicate class names ({dup!r})")
+    if len(set(names)) != len(names):  # which, by position: the file's text is never echoed
+        first: dict[str, int] = {}
+        for k, name in enumerate(names, 1):
+            if name in first:
+                raise AnnotationError(f"{shown(path)}: duplicate class names (names {first[name]} "
+                                      f"and {k} are the same; one name per line, each once)")
+            first[name] = k
     if not names:
-        raise AnnotationError(f"{path}: no class names")
+        raise AnnotationError(f"{shown(path)}: no class names")
     return names
 
 
@@ -134,10 +143,10 @@ def json_error(path: Path, err: json.JSONDecodeError, text: str) -> AnnotationEr
     """``file:line:col: invalid JSON (...)``; a file that ends inside a value is called
     truncated (an interrupted download), since that is what to fix."""
     if err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string"):
-        return AnnotationError(f"{path}:{err.lineno}:{err.colno}: the JSON ends early: the file "
+        return AnnotationError(f"{shown(path)}:{err.lineno}:{err.colno}: the JSON ends early: the file "
                                f"is truncated ({len(text.encode())} bytes; an interrupted download "
                                "or copy?); fetch it again")
-    return AnnotationError(f"{path}:{err.lineno}:{err.colno}: invalid JSON ({err.msg})")
+    return AnnotationError(f"{shown(path)}:{err.lineno}:{err.colno}: invalid JSON ({err.msg})")
 
 
 RELEASE_COLUMNS = ("youtube_id", "time_start", "time_end")
@@ -149,16 +158,17 @@ def release_csv_hint(path: Path, lineno: int, line: str) -> None:
     fields = [f.strip().strip('"').lower() for f in line.split(",")]
     if all(c in fields for c in RELEASE_COLUMNS):
         raise AnnotationError(
-            f"{path}:{lineno}: this is an official Kinetics release CSV ({line.strip()}); "
-            "data=kinetics reads 'path label' lists: convert it first with python -m "
-            f"videotrain.prepare kinetics --csv {path} --videos VIDEO_DIR --out DIR, then "
+            f"{shown(path)}:{lineno}: this is an official Kinetics release CSV (its header names "
+            "youtube_id, time_start, time_end); data=kinetics reads 'path label' lists: convert "
+            "it first with python -m "
+            f"videotrain.prepare kinetics --csv {shown(path)} --videos VIDEO_DIR --out DIR, then "
             "data.root=DIR")
 
 
 def parse_label_csv(path: Path) -> list[tuple[str, int]]:
     """Parse ``relative/path.mp4 label`` (or ``path,label``) lines; blank and ``#`` lines skip."""
     if not path.exists():
-        raise FileNotFoundError(f"annotation file not found: {path}")
+        raise FileNotFoundError(f"annotation file not found: {shown(path)}")
     items = []
     for lineno, raw in enumerate(read_text(path).splitlines(), start=1):
         line = raw.strip()
@@ -168,19 +178,20 @@ def parse_label_csv(path: Path) -> list[tuple[str, int]]:
             release_csv_hint(path, lineno, line)
         parts = line.rsplit(",", 1) if "," in line else line.rsplit(None, 1)
         if len(parts) != 2:
-            raise AnnotationError(f"{path}:{lineno}: expected 'path label', got {raw!r}")
+            raise AnnotationError(f"{shown(path)}:{lineno}: expected 'path label' (a video path "
+                                  "and an integer label, split by a comma or spaces)")
         rel, label = parts[0].strip(), parts[1].strip()
         try:
             value = int(label)
         except ValueError:
-            raise AnnotationError(
-                f"{path}:{lineno}: label {label!r} is not an integer in line {raw!r}"
-            ) from None
+            raise AnnotationError(f"{shown(path)}:{lineno}: expected 'path label': the label "
+                                  "(the last field) is not an integer") from None
         if value < 0 or not rel:
-            raise AnnotationError(f"{path}:{lineno}: bad path or negative label in line {raw!r}")
+            raise AnnotationError(f"{shown(path)}:{lineno}: expected 'path label': an empty path "
+                                  "or a negative label")
         items.append((rel, value))
     if not items:
-        raise AnnotationError(f"{path}: no annotation lines")
+        raise AnnotationError(f"{shown(path)}: no annotation lines")
     return items
 
 
@@ -226,15 +237,16 @@ def kinetics_index(
     names = read_class_names(names_file) if names_file.is_file() else None
     inferred = max(label for _, label in items) + 1
     n = num_classes or (len(names) if names else inferred)
-    for rel, label in items:
+    for k, (_, label) in enumerate(items, 1):
         if label >= n:
-            raise AnnotationError(f"{csv}: label {label} of {rel!r} is outside num_classes={n}")
+            raise AnnotationError(f"{shown(csv)}: label {label} of annotation {k} is outside "
+                                  f"num_classes={n}")
     names = names or folder_class_names(items, n) or [str(i) for i in range(n)]
     if len(names) != n:
-        raise AnnotationError(f"{names_file}: lists {len(names)} classes, expected {n}")
+        raise AnnotationError(f"{shown(names_file)}: lists {len(names)} classes, expected {n}")
     prefix = under(root, path_prefix)
     if not prefix.is_dir():
-        raise FileNotFoundError(f"data.path_prefix: video folder not found: {prefix}")
+        raise FileNotFoundError(f"data.path_prefix: video folder not found: {shown(prefix)}")
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(csv))
 
 
@@ -243,10 +255,10 @@ def folder_index(root: str | Path, split: str) -> VideoIndex:
     check_split(split)
     base = Path(root) / split
     if not base.is_dir():
-        raise FileNotFoundError(f"data.root: split folder not found: {base}")
+        raise FileNotFoundError(f"data.root: split folder not found: {shown(base)}")
     names = sorted(d.name for d in base.iterdir() if d.is_dir())
     if not names:
-        raise AnnotationError(f"{base}: no class folders")
+        raise AnnotationError(f"{shown(base)}: no class folders")
     items = [
         (str(p), label)
         for label, name in enumerate(names)
@@ -254,5 +266,5 @@ def folder_index(root: str | Path, split: str) -> VideoIndex:
         if p.suffix.lower() in VIDEO_EXTENSIONS
     ]
     if not items:
-        raise AnnotationError(f"{base}: no video files ({', '.join(VIDEO_EXTENSIONS)})")
+        raise AnnotationError(f"{shown(base)}: no video files ({', '.join(VIDEO_EXTENSIONS)})")
     return VideoIndex(LabeledVideoPaths(items), names, str(base))

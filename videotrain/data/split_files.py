@@ -32,6 +32,7 @@ from videotrain.data.annotations import (
     require_file,
     under,
 )
+from videotrain.untrusted import quoted, shown
 
 FOLDS = (1, 2, 3)
 HMDB_IDS = {"train": 1, "val": 2}  # 0 marks videos used in neither split of a fold
@@ -39,7 +40,7 @@ HMDB_IDS = {"train": 1, "val": 2}  # 0 marks videos used in neither split of a f
 
 def check_fold(fold: int) -> int:
     if fold not in FOLDS:
-        raise ValueError(f"data.fold must be one of {FOLDS}, got {fold!r}")
+        raise ValueError(f"data.fold must be one of {FOLDS}, got {shown(fold)}")
     return int(fold)
 
 
@@ -63,7 +64,7 @@ def _parent_name(rel: str) -> str:
 def _video_dir(root: Path, video_dir: str | None) -> Path:
     path = under(root, video_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"data.video_dir: video folder not found: {path}")
+        raise FileNotFoundError(f"data.video_dir: video folder not found: {shown(path)}")
     return path
 
 
@@ -73,15 +74,17 @@ def ucf101_class_index(path: Path) -> list[str]:
     for lineno, line in _lines(require_file(path, "data.split_dir")):
         parts = line.split()
         if len(parts) != 2 or not parts[0].isdigit():
-            raise AnnotationError(f"{path}:{lineno}: expected 'index ClassName', got {line!r}")
+            raise AnnotationError(f"{shown(path)}:{lineno}: expected 'index ClassName' (a "
+                                  "1-based index and a name without spaces)")
         if int(parts[0]) != len(names) + 1:
-            raise AnnotationError(f"{path}:{lineno}: index {parts[0]} out of order "
+            raise AnnotationError(f"{shown(path)}:{lineno}: index {shown(parts[0])} out of order "
                                   f"(expected {len(names) + 1})")
         if parts[1] in names:
-            raise AnnotationError(f"{path}:{lineno}: duplicate class {parts[1]!r}")
+            raise AnnotationError(f"{shown(path)}:{lineno}: duplicate class (line "
+                                  f"{lineno} repeats class {names.index(parts[1]) + 1})")
         names.append(parts[1])
     if not names:
-        raise AnnotationError(f"{path}: no classes")
+        raise AnnotationError(f"{shown(path)}: no classes")
     return names
 
 
@@ -106,24 +109,27 @@ def ucf101_index(
     for lineno, line in _lines(path):
         parts = line.split()
         if len(parts) not in (1, 2):
-            raise AnnotationError(f"{path}:{lineno}: expected 'Class/video.avi [label]', got {line!r}")
+            raise AnnotationError(f"{shown(path)}:{lineno}: expected 'Class/video.avi [label]'")
         rel = parts[0]
         folder = _parent_name(rel)
         if folder not in by_name:
-            raise AnnotationError(f"{path}:{lineno}: class folder {folder!r} of {rel!r} is not "
-                                  f"in {lists / 'classInd.txt'}")
+            raise AnnotationError(f"{shown(path)}:{lineno}: expected 'Class/video.avi [label]' "
+                                  f"with a Class of {shown(lists / 'classInd.txt')}: its class "
+                                  "folder is not there")
         label = by_name[folder]
         if len(parts) == 2:  # trainlists carry the 1-based label; it must agree with the folder
             if not parts[1].isdigit():
-                raise AnnotationError(f"{path}:{lineno}: label {parts[1]!r} is not an integer")
+                raise AnnotationError(f"{shown(path)}:{lineno}: expected 'Class/video.avi "
+                                      "label': the label is not an integer")
             value = int(parts[1])
             if value - 1 != label:
                 which = names[value - 1] if 1 <= value <= len(names) else "not in classInd.txt"
-                raise AnnotationError(f"{path}:{lineno}: label {value} ({which}) disagrees with "
-                                      f"the folder {folder!r} of {rel!r}")
+                raise AnnotationError(f"{shown(path)}:{lineno}: label {value} ({shown(which)}) "
+                                      f"disagrees with the video's class folder ({shown(folder)}, "
+                                      f"class {label + 1} of classInd.txt)")
         items.append((rel, label))
     if not items:
-        raise AnnotationError(f"{path}: no videos")
+        raise AnnotationError(f"{shown(path)}: no videos")
     check_class_count(names, num_classes, str(lists / "classInd.txt"))
     prefix = _video_dir(root, video_dir)
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(path))
@@ -155,11 +161,11 @@ def hmdb51_index(
     fold, root = check_fold(fold), Path(root)
     lists = under(root, split_dir)
     if not lists.is_dir():
-        raise FileNotFoundError(f"data.split_dir: split folder not found: {lists}")
+        raise FileNotFoundError(f"data.split_dir: split folder not found: {shown(lists)}")
     by_name = {m["name"]: p for p in lists.iterdir()
                if (m := _HMDB_FILE.match(p.name)) and int(m["fold"]) == fold}
     if not by_name:
-        raise AnnotationError(f"{lists}: no *_test_split{fold}.txt files")
+        raise AnnotationError(f"{shown(lists)}: no *_test_split{fold}.txt files")
     names = sorted(by_name)  # by class name, not file name (see hmdb51_legacy_order)
     wanted = HMDB_IDS[split]
     items: list[tuple[str, int]] = []
@@ -169,15 +175,15 @@ def hmdb51_index(
             lines += 1
             parts = line.rsplit(None, 1)
             if len(parts) != 2 or parts[1] not in ("0", "1", "2"):
-                raise AnnotationError(f"{path}:{lineno}: expected 'video.avi 0|1|2', got {line!r}")
+                raise AnnotationError(f"{shown(path)}:{lineno}: expected 'video.avi 0|1|2'")
             if int(parts[1]) == wanted:
                 items.append((f"{name}/{parts[0]}", label))
         if not lines:
-            raise AnnotationError(f"{path}: empty split file: class {name!r} would have no "
+            raise AnnotationError(f"{shown(path)}: empty split file: class {quoted(name)} would have no "
                                   "videos (an interrupted extraction? extract "
                                   "test_train_splits.rar again)")
     if not items:
-        raise AnnotationError(f"{lists}: no videos marked {wanted} ({split}) in the "
+        raise AnnotationError(f"{shown(lists)}: no videos marked {wanted} ({split}) in the "
                               f"*_test_split{fold}.txt files")
     check_class_count(names, num_classes, f"{lists}: split files", verb="name")
     source = str(lists / f"*_test_split{fold}.txt")

@@ -36,6 +36,7 @@ from videotrain.data.annotations import (
     require_file,
     under,
 )
+from videotrain.untrusted import shown
 
 VIDEO_EXTS = ("webm", "mp4")
 # the data keys of the three files, and their names in older releases
@@ -70,7 +71,7 @@ def json_array_lines(path: Path) -> list[tuple[int, Any]]:
 
     i = skip(0)
     if i >= len(text) or text[i] != "[":
-        raise AnnotationError(f"{path}:1: expected a JSON array of videos")
+        raise AnnotationError(f"{shown(path)}:1: expected a JSON array of videos")
     out: list[tuple[int, Any]] = []
     i = skip(i + 1)
     if i < len(text) and text[i] == "]":
@@ -87,14 +88,14 @@ def json_array_lines(path: Path) -> list[tuple[int, Any]]:
             continue
         if i < len(text) and text[i] == "]":
             if skip(i + 1) != len(text):
-                raise AnnotationError(f"{path}:{line_at(i)}: data after the array")
+                raise AnnotationError(f"{shown(path)}:{line_at(i)}: data after the array")
             return out
         line = line_at(i)
         if i >= len(text):  # cut right after an entry: the ']' never came
-            raise AnnotationError(f"{path}:{line}: the JSON ends early, after the entry on line "
+            raise AnnotationError(f"{shown(path)}:{line}: the JSON ends early, after the entry on line "
                                   f"{out[-1][0]}: the file is truncated (an interrupted download "
                                   "or copy?); fetch it again")
-        raise AnnotationError(f"{path}:{line}: expected ',' or ']' after the entry on line {out[-1][0]}")
+        raise AnnotationError(f"{shown(path)}:{line}: expected ',' or ']' after the entry on line {out[-1][0]}")
 
 
 def json_array_entries(path: Path) -> tuple[list[Any], Callable[[int], int]]:
@@ -128,18 +129,20 @@ def read_labels(path: Path) -> list[str]:
     except json.JSONDecodeError as err:
         raise _decode_error(path, err) from None
     if not isinstance(mapping, dict) or not mapping:
-        raise AnnotationError(f"{path}: expected a JSON object {{template: index}}")
+        raise AnnotationError(f"{shown(path)}: expected a JSON object {{template: index}}")
     names: dict[int, str] = {}
     for name, idx in mapping.items():
         try:
             value = int(idx)
         except (TypeError, ValueError):
-            raise AnnotationError(f"{path}: index {idx!r} of {name!r} is not an integer") from None
+            raise AnnotationError(f"{shown(path)}: the index of entry {len(names) + 1} is not an "
+                                  "integer (expected {template: index})") from None
         if value in names:
-            raise AnnotationError(f"{path}: index {value} is used by {names[value]!r} and {name!r}")
+            raise AnnotationError(f"{shown(path)}: index {value} is used twice (expected each "
+                                  "index once)")
         names[value] = name
     if sorted(names) != list(range(len(names))):
-        raise AnnotationError(f"{path}: indices must be 0..{len(names) - 1}")
+        raise AnnotationError(f"{shown(path)}: indices must be 0..{len(names) - 1}")
     return [names[i] for i in range(len(names))]
 
 
@@ -158,9 +161,9 @@ def require_json(root: Path, rel: str, key: str) -> Path:
     old = "something-something-v2-{labels,train,validation}.json"
     if found:
         settings = " ".join(f"{FILE_KEYS[part]}={_rel(p, root)}" for part, p in found.items())
-        raise FileNotFoundError(f"{key}: annotation file not found: {path}; the older SSv2 release "
+        raise FileNotFoundError(f"{key}: annotation file not found: {shown(path)}; the older SSv2 release "
                                 f"names its files {old}, and they are there: set {settings}")
-    raise FileNotFoundError(f"{key}: annotation file not found: {path} (older SSv2 releases name "
+    raise FileNotFoundError(f"{key}: annotation file not found: {shown(path)} (older SSv2 releases name "
                             f"the files {old}: point data.labels_file, data.train_file and "
                             "data.val_file at them)")
 
@@ -192,7 +195,7 @@ def ssv2_index(
     when it exists, else ``.mp4``)."""
     check_split(split)
     if video_ext not in (*VIDEO_EXTS, "auto"):
-        raise ValueError(f"data.video_ext must be one of webm, mp4, auto; got {video_ext!r}")
+        raise ValueError(f"data.video_ext must be one of webm, mp4, auto; got {shown(video_ext)}")
     root = Path(root)
     names = read_labels(require_json(root, labels_file, "data.labels_file"))
     index = {n: i for i, n in enumerate(names)}
@@ -200,24 +203,24 @@ def ssv2_index(
     path = require_json(root, train_file if split == "train" else val_file, key)
     videos = under(root, video_dir)
     if not videos.is_dir():
-        raise FileNotFoundError(f"data.video_dir: video folder not found: {videos}")
+        raise FileNotFoundError(f"data.video_dir: video folder not found: {shown(videos)}")
     # one listing of the folder, not a stat per video (220,847 files in the full release)
     present = set(os.listdir(videos)) if video_ext == "auto" else set()
     items: list[tuple[str, int]] = []
     entries, line_of = json_array_entries(path)
     for k, entry in enumerate(entries):
         if not isinstance(entry, dict) or "id" not in entry or "template" not in entry:
-            raise AnnotationError(f"{path}:{line_of(k)}: expected an object with 'id' and 'template', "
-                                  f"got {json.dumps(entry)[:120]}")
+            raise AnnotationError(f"{shown(path)}:{line_of(k)}: expected an object with 'id' and "
+                                  f"'template' (entry {k + 1} of the array)")
         label = index.get(template_key(str(entry["template"])))
         if label is None:
-            raise AnnotationError(f"{path}:{line_of(k)}: template {entry['template']!r} of video "
-                                  f"{entry['id']!r} is not in {under(root, labels_file)}")
+            raise AnnotationError(f"{shown(path)}:{line_of(k)}: expected a template listed in "
+                                  f"{shown(under(root, labels_file))} (entry {k + 1}'s is not)")
         ext = video_ext
         if ext == "auto":
             ext = next((e for e in VIDEO_EXTS if f"{entry['id']}.{e}" in present), "webm")
         items.append((f"{entry['id']}.{ext}", label))
     if not items:
-        raise AnnotationError(f"{path}: no videos")
+        raise AnnotationError(f"{shown(path)}: no videos")
     check_class_count(names, num_classes, str(under(root, labels_file)))
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(videos)), names, str(path))

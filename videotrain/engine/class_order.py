@@ -22,6 +22,7 @@ from typing import Any
 
 from videotrain.data.split_files import hmdb51_legacy_order
 from videotrain.engine.checkpoint import CheckpointError
+from videotrain.untrusted import quoted, shown
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +47,24 @@ def saved_class_names(blob: dict[str, Any], current: list[str],
     classes); ``(None, False)`` when they are unknown."""
     names = blob.get("class_names")
     if isinstance(names, (list, tuple)):
-        return [str(n) for n in names], False
+        return [n if isinstance(n, str) else shown(n) for n in names], False  # bounded
     if layout == "hmdb51" and recorded_layout(blob) == "hmdb51":
         return hmdb51_legacy_order(list(current)), True
     return None, False
 
 
 def _moves(saved: list[str], current: list[str]) -> str:
-    moved = [f"{name!r} is label {saved.index(name)} in the checkpoint, {k} here"
-             for k, name in enumerate(current) if name in saved and saved.index(name) != k]
+    where = {name: i for i, name in reversed(list(enumerate(saved)))}  # first index of each
+    moved = [f"{quoted(name)} is label {where[name]} in the checkpoint, {k} here"
+             for k, name in enumerate(current) if name in where and where[name] != k]
     more = f"; {len(moved) - _SHOW} more" if len(moved) > _SHOW else ""
     return "; ".join(moved[:_SHOW]) + more
+
+
+def _listed(names: list[str]) -> str:
+    """The first few of ``names``, each escaped and cut: they may come from someone's file."""
+    more = f", ... ({len(names)} in all)" if len(names) > _SHOW else ""
+    return "[" + ", ".join(quoted(n) for n in names[:_SHOW]) + more + "]"
 
 
 def class_order_problem(blob: dict[str, Any], path: str | Path, current: list[str],
@@ -85,7 +93,7 @@ def class_order_problem(blob: dict[str, Any], path: str | Path, current: list[st
         extra = sorted(set(saved) - set(current))
         lacking = sorted(set(current) - set(saved))
         what = (f"other classes ({len(saved)} in the checkpoint, {len(current)} here; "
-                f"only in the checkpoint: {extra[:_SHOW]}, only here: {lacking[:_SHOW]})")
+                f"only in the checkpoint: {_listed(extra)}, only here: {_listed(lacking)})")
     return (f"cannot {use} {path}: its classes and this dataset's differ: {what}, so its scores "
             "would go to the wrong classes. Use the dataset (and data.* settings) it was trained "
             "with")

@@ -29,6 +29,7 @@ from videotrain.data.dataset import VideoClipDataset
 from videotrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
 from videotrain.engine.precision import Precision
 from videotrain.metrics.accuracy import aggregate_views
+from videotrain.untrusted import shown
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,14 @@ def top_classes(scores: torch.Tensor, class_names: Sequence[str], k: int) -> lis
 
 
 def format_prediction(video: str, top: list[dict[str, Any]]) -> str:
-    width = max(len(t["class"]) for t in top)
-    lines = [video] + [f"  {i}. {t['class']:<{width}}  {t['prob']:.4f}" for i, t in enumerate(top, 1)]
+    """The lines predict prints for one video. Class names come from a checkpoint or a run's
+    results.json, which a stranger may have written: they are shown escaped and cut
+    (``untrusted.shown``), so a name cannot clear the screen, forge lines or write the
+    clipboard (OSC 52) on the terminal."""
+    names = [shown(t["class"]) for t in top]
+    width = max(len(n) for n in names)
+    lines = [shown(video, 400)] + [f"  {i}. {n:<{width}}  {t['prob']:.4f}"
+                                   for i, (n, t) in enumerate(zip(names, top, strict=True), 1)]
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from videotrain.engine.class_order import class_order_problem
+from videotrain.untrusted import plain_tree_problem, shown
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +100,22 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def show(value: Any) -> str:
+    """A config value as the resume messages show it: escaped and cut (``untrusted.shown``),
+    since a checkpoint's stored config may come from someone else and is logged."""
     if value is ABSENT:
         return "(not set)"
     if value is None:
         return "null"
-    return str(value) if isinstance(value, str) else repr(value)
+    return shown(value)
 
 
-def describe_diffs(diffs: list[tuple[str, Any, Any]]) -> str:
-    return "\n".join(f"  {key}: {show(a)} -> {show(b)}" for key, a, b in diffs)
+def describe_diffs(diffs: list[tuple[str, Any, Any]], limit: int = 50) -> str:
+    """One line per differing key (at most ``limit``, then a count), every key and value
+    escaped and cut."""
+    lines = [f"  {shown(key)}: {show(a)} -> {show(b)}" for key, a, b in diffs[:limit]]
+    if len(diffs) > limit:
+        lines.append(f"  ... and {len(diffs) - limit} more keys")
+    return "\n".join(lines)
 
 
 def world_size_problem(saved: int, current: int, consumed: int, path: str) -> str | None:
@@ -137,7 +145,15 @@ def refusal(blob: dict[str, Any], path: str | Path, config: dict | None, world_s
         if why:
             return (f"{why}; or start over in this folder with trainer.resume=false "
                     "(trainer.resume=force does not apply to this)")
+    stored = blob.get("config")
+    problem = None if stored is None else (
+        plain_tree_problem(stored) or (None if isinstance(stored, dict) else "not a mapping"))
+    if problem:  # compared key by key below: a shared-reference bomb would expand there
+        return (f"cannot resume from {path}: the config stored in it is not a config of plain "
+                f"values ({problem}); trainer.resume=false starts over in this folder")
     saved_world = blob.get("world_size", 1)
+    if not isinstance(saved_world, int) or not isinstance(blob.get("consumed"), int):
+        return f"cannot resume from {path}: its world_size or consumed is not an integer"
     hard = world_size_problem(saved_world, world_size, blob["consumed"], str(path))
     if hard:
         return hard
@@ -156,7 +172,7 @@ def refusal(blob: dict[str, Any], path: str | Path, config: dict | None, world_s
         log.warning("trainer.resume=force: resuming from %s although these settings that change "
                     "training differ from the checkpoint's:\n%s", path, describe_diffs(diffs))
         return None
-    keys = ", ".join(k for k, _, _ in diffs)
+    keys = shown(", ".join(str(k) for k, _, _ in diffs), 300)
     return (f"cannot resume from {path}: the config differs from the one it was written with "
             f"in what changes training: {keys}\n{describe_diffs(diffs)}\n"
             "Resume with the checkpoint's values, pass trainer.resume=force to continue with the "

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from videotrain.untrusted import write_bytes, write_text
 
 EVAL_JSON, PER_CLASS_CSV, CONFUSION_PNG = "eval.json", "per_class.csv", "confusion.png"
 # above this many classes the tick labels would overlap: the axes show indices instead
@@ -35,12 +38,13 @@ def per_class_rows(confusion: torch.Tensor, class_names: list[str]) -> list[dict
 
 
 def write_per_class_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["class_index"])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: ("" if v is None else f"{v:.4f}" if isinstance(v, float) else v)
-                             for k, v in r.items()})
+    f = io.StringIO(newline="")  # built in memory, then written without following a link
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["class_index"])
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: ("" if v is None else f"{v:.4f}" if isinstance(v, float) else v)
+                         for k, v in r.items()})
+    write_text(path, f.getvalue())
 
 
 def plot_confusion(path: Path, confusion: torch.Tensor, class_names: list[str], title: str) -> None:
@@ -69,7 +73,9 @@ def plot_confusion(path: Path, confusion: torch.Tensor, class_names: list[str], 
     ax.set_ylabel("true class")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    write_bytes(path, png.getvalue())  # never through a link at path
     plt.close(fig)
 
 
@@ -85,5 +91,5 @@ def write_eval_report(out_dir: str | Path, summary: dict[str, Any], confusion: t
              f"{summary['mean_class_acc']:.3f} ({summary['videos']} videos, {summary['clips']} clips "
              f"x {summary['crops']} crops, {summary['aggregate']} of softmax)")
     plot_confusion(out_dir / CONFUSION_PNG, confusion, class_names, title)
-    (out_dir / EVAL_JSON).write_text(json.dumps({**summary, "files": files}, indent=2) + "\n")
+    write_text(out_dir / EVAL_JSON, json.dumps({**summary, "files": files}, indent=2) + "\n")
     return files

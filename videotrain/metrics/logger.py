@@ -13,9 +13,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from videotrain.untrusted import open_append, read_text, write_text
+
 log = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online", "disabled")
+MAX_METRICS_BYTES = 1 << 30  # metrics.jsonl read back on resume: at most 1 GiB
 
 
 def _clean(value: Any) -> Any:
@@ -47,8 +50,11 @@ class MetricsLogger:
             import wandb  # imported lazily: it is slow to import and optional at run time
 
             id_file = self.out_dir / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-            id_file.write_text(run_id)
+            run_id = (read_text(id_file, 1024, "wandb_run_id").strip() if id_file.exists()
+                      else uuid.uuid4().hex[:12])
+            if not run_id.isalnum():
+                raise ValueError(f"{id_file}: not a wandb run id (letters and digits)")
+            write_text(id_file, run_id)
             self._wandb = wandb.init(
                 project=wandb_project, mode=wandb_mode, dir=str(self.out_dir), name=run_name,
                 id=run_id, resume="allow", config=config, reinit="finish_previous",
@@ -58,14 +64,28 @@ class MetricsLogger:
         """Drop lines with ``step > step`` (written after the checkpoint we resume from)."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
+        kept = []
+        text = read_text(self.path, MAX_METRICS_BYTES, "metrics.jsonl")  # a regular file only
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+                row_step = row.get("step", 0) if isinstance(row, dict) else None
+            except ValueError:
+                row_step = None
+            if not isinstance(row_step, int):  # never echoed: the file may be someone else's
+                raise ValueError(f"{self.path}:{lineno}: expected a JSON object with an integer "
+                                 "'step' (a metrics.jsonl line)")
+            if row_step <= step:
+                kept.append(line)
+        write_text(self.path, "".join(ln + "\n" for ln in kept))  # replaces a link, never follows
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
+        with open_append(self.path) as f:  # O_NOFOLLOW: a link there is refused
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
