@@ -41,6 +41,7 @@ from videotrain.engine.inference import (
     export_model,
 )
 from videotrain.trained_run import load_trained
+from videotrain.untrusted import write_text
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def export(cfg: DictConfig, overrides: list[str] | None = None,
         log.info("exported model vs eager: max abs difference of the logits %.3g", diff)
     meta = export_metadata(settings.format, t, size, trained.class_names, str(trained.path),
                            settings.dynamic_batch, settings.batch_size, diff)
-    Path(f"{out}.json").write_text(json.dumps(meta, indent=2))
+    write_text(Path(f"{out}.json"), json.dumps(meta, indent=2))  # replaces a link, never follows
     print(f"wrote {out} ({settings.format}; input video (B, {t}, 3, {size}, {size}) -> logits "
           f"(B, {len(trained.class_names)}))", flush=True)
     return {**meta, "path": str(out)}

@@ -42,6 +42,7 @@ from videotrain.engine.inference import (
     top_classes,
 )
 from videotrain.trained_run import load_trained
+from videotrain.untrusted import write_text
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, An
     if settings.out:
         out = Path(settings.out).expanduser()
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=2))
+        write_text(out, json.dumps(summary, indent=2))  # replaces a link there, never follows it
         log.info("predictions written to %s", out)
     if not predictions:
         raise BadVideo(f"video: none of the {len(videos)} videos under {source} could be read")

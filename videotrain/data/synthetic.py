@@ -32,6 +32,16 @@ import av
 import numpy as np
 
 from videotrain.data.temporal_tasks import BLUE, RED, TASKS, texture
+from videotrain.untrusted import shown
+
+# each setting's range (what the synthetic tasks use is far inside), and the raw pixels of the
+# whole set: the default is 0.08 GiB, the accuracy suite's 0.3 GiB
+SYNTHETIC_LIMITS: dict[str, tuple[float, float]] = {
+    "train_per_class": (1, 100_000), "val_per_class": (1, 100_000), "num_frames": (2, 1_000),
+    "size": (8, 1_024), "object_size": (1, 1_024), "travel": (0.0, 1.0), "fps": (1, 1_000),
+    "seed": (0, 2**63 - 1),
+}
+MAX_SYNTHETIC_BYTES = 16 << 30
 
 CLASSES: tuple[str, ...] = ("right_then_down", "right_then_up", "left_then_down", "left_then_up")
 TASK_NAMES: tuple[str, ...] = ("two_strokes", *TASKS)
@@ -53,7 +63,21 @@ class SyntheticSpec:
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
-            raise ValueError(f"data.synthetic.task must be one of {', '.join(TASK_NAMES)}, got {self.task!r}")
+            raise ValueError(f"data.synthetic.task must be one of {', '.join(TASK_NAMES)}, got "
+                             f"{shown(self.task)}")
+        for key, (low, high) in SYNTHETIC_LIMITS.items():
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"data.synthetic.{key} must be a number in [{low}, {high}], got "
+                                 f"{shown(value)} (the generator's sizes are bounded: a config "
+                                 "could otherwise render for hours and fill the disk)")
+        frames = (self.train_per_class + self.val_per_class) * len(self.classes) * self.num_frames
+        if frames * self.size * self.size * 3 > MAX_SYNTHETIC_BYTES:
+            raise ValueError(
+                f"data.synthetic: {frames} frames of {self.size}x{self.size} px are "
+                f"{frames * self.size * self.size * 3 / 2**30:.1f} GiB of pixels to render, more "
+                f"than the generator's bound of {MAX_SYNTHETIC_BYTES / 2**30:.0f} GiB; lower "
+                "data.synthetic.train_per_class, val_per_class, num_frames or size")
 
     @property
     def classes(self) -> tuple[str, ...]:

@@ -240,9 +240,16 @@ def _unpickling_reason(err: Exception, f: IO[bytes]) -> str:
     return shown(" ".join(found.group(1).split())) if found else "a value weights_only refuses"
 
 
-def _open_checkpoint(path: Path) -> IO[bytes]:
+def _open_checkpoint(path: Path, follow: bool = False) -> IO[bytes]:
     """``path`` opened if it is a regular file; ``last.ckpt``, a symbolic link to a step file
-    beside it, is followed to that file, and no other link is (nor a FIFO or device)."""
+    beside it, is followed to that file, and no other link is (nor a FIFO or device).
+    ``follow``: a weights file the user names (``model.init_from``), which may sit behind links
+    (a model cache); it must still be a regular file."""
+    if follow:
+        try:
+            return open_regular(path, what="checkpoint", follow=True)
+        except UnsafeFileError as err:
+            raise UnsafeCheckpointError(str(err)) from None
     if path.is_symlink():
         target = os.readlink(path)
         if "/" in target or target in (".", ".."):
@@ -316,7 +323,7 @@ def check_tensors(obj: Any, path: Path, max_nodes: int = MAX_NODES) -> None:
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node))
 
 
-def load(path: str | Path, map_location: str | torch.device = "cpu") -> Any:
+def load(path: str | Path, map_location: str | torch.device = "cpu", follow: bool = False) -> Any:
     """The one way videotrain reads a checkpoint: ``torch.load(weights_only=True)`` of a
     regular file (``_open_checkpoint``: no FIFO, device, or link out of its folder) whose zip
     records are stored uncompressed (``_check_records``), then ``check_tensors``.
@@ -326,7 +333,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> Any:
     ``CorruptCheckpointError`` for a truncated or unreadable one; both name the file.
     """
     path = Path(path)
-    with _open_checkpoint(path) as f:
+    with _open_checkpoint(path, follow) as f:
         _check_records(f, path)
         try:
             with warnings.catch_warnings():  # torch's note on plain pickle files, refused anyway

@@ -29,6 +29,7 @@ from torch import nn
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.class_order import check_class_order
 from videotrain.models.weights import key_mismatches, read_state_dict, tensors_of
+from videotrain.untrusted import PATH_CHARS, quoted, shown
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +59,16 @@ def read_init_state(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
 def _read_init(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
     """``read_init_state``, with the file's whole contents first ({} for safetensors)."""
     p = Path(str(path)).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"model.init_from: file not found: {p}")
-    if p.suffix == ".safetensors":
-        return {}, read_state_dict(p), "state dict"
-    try:
-        blob = ckpt.load(p, map_location="cpu")  # weights_only=True; refuses pickled code
+    if not p.exists():
+        raise FileNotFoundError(f"model.init_from: file not found: {shown(p)}")
+    if p.suffix == ".safetensors":  # its errors name model.init_from, not pretrained_path
+        return {}, read_state_dict(p, "model.init_from"), "state dict"
+    try:  # weights_only=True; refuses pickled code, FIFOs, inflating records
+        blob = ckpt.load(p, map_location="cpu", follow=True)
     except ckpt.CheckpointError as err:
         raise type(err)(f"model.init_from: {err}") from err
     if not isinstance(blob, dict):
-        raise ValueError(f"model.init_from={str(p)!r} holds a {type(blob).__name__}, not a state "
+        raise ValueError(f"model.init_from={quoted(str(p), PATH_CHARS)} holds a {type(blob).__name__}, not a state "
                          "dict or a videotrain checkpoint")
     state, kind = trained_state(blob)
     return blob, tensors_of(state), kind
@@ -78,7 +79,7 @@ def _part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor
 
 
 def _listing(keys: list[str]) -> str:
-    return ", ".join(keys[:_SHOW]) + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")
+    return ", ".join(shown(k) for k in keys[:_SHOW]) + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")
 
 
 def init_from(model: nn.Module, path: str | Path, class_names: list[str] | None = None,
@@ -89,12 +90,12 @@ def init_from(model: nn.Module, path: str | Path, class_names: list[str] | None 
     blob, state, kind = _read_init(path)
     backbone, head = _part(state, "backbone."), _part(state, "head.")
     if not backbone:
-        raise InitFromMismatch(f"model.init_from={str(path)!r} has no backbone.* weights: it must be a "
+        raise InitFromMismatch(f"model.init_from={quoted(str(path), PATH_CHARS)} has no backbone.* weights: it must be a "
                                "videotrain checkpoint or a VideoClassifier state dict (for image-model "
                                "weights use model.pretrained_path)")
     parts = key_mismatches(model.backbone.state_dict(), backbone)
     if parts:
-        raise InitFromMismatch(f"model.init_from={str(path)!r}: its backbone does not fit the configured "
+        raise InitFromMismatch(f"model.init_from={quoted(str(path), PATH_CHARS)}: its backbone does not fit the configured "
                                f"model/backbone: " + "; ".join(parts))
     model.backbone.load_state_dict(backbone, strict=False)  # only BN counters may be absent
 

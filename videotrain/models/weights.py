@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from videotrain.engine import checkpoint as ckpt
+from videotrain.untrusted import PATH_CHARS, open_regular, quoted, shown
+
 log = logging.getLogger(__name__)
 
 WRAPPER_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
@@ -35,30 +38,35 @@ class PretrainedWeightsMismatch(ValueError):
     """``model.pretrained_path`` holds weights that do not fit the backbone."""
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | Path, key: str = "model.pretrained_path") -> dict[str, torch.Tensor]:
     """The tensors of a ``.safetensors`` or ``torch.save`` weights file, unwrapped (see the
-    module docstring)."""
+    module docstring). ``key`` is the config key that named the file, which every error names
+    (``model.pretrained_path``, ``model.init_from``). The file must be a regular file (it may
+    sit behind links, as in a model cache; a FIFO or device is refused, not read)."""
     p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"model.pretrained_path: file not found: {p}")
+    if not p.exists():
+        raise FileNotFoundError(f"{key}: file not found: {shown(p)}")
     try:
         if p.suffix == ".safetensors":
             from safetensors.torch import load_file
 
+            open_regular(p, what=key, follow=True).close()  # not a FIFO or device
             obj: Any = load_file(str(p), device="cpu")
-        else:
-            obj = torch.load(p, map_location="cpu", weights_only=True)
+            ckpt.check_tensors(obj, p)
+        else:  # weights_only, bounded records and tensors, the refused global named
+            obj = ckpt.load(p, map_location="cpu", follow=True)
     except Exception as err:  # noqa: BLE001 - corrupt file, pickled code, unknown format
-        raise ValueError(f"model.pretrained_path={str(p)!r}: cannot read weights "
-                         f"({type(err).__name__}: {err}); expected a .safetensors file or a "
-                         "torch.save'd state dict") from err
+        raise ValueError(f"{key}={quoted(str(p), PATH_CHARS)}: cannot read weights "
+                         f"({type(err).__name__}: {shown(str(err), 400)}); expected a "
+                         ".safetensors file or a torch.save'd state dict") from err
     while isinstance(obj, dict) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
         key = next((k for k in WRAPPER_KEYS if isinstance(obj.get(k), dict)), None)
         if key is None:
             break
         obj = obj[key]
     if not isinstance(obj, dict) or not obj:
-        raise ValueError(f"model.pretrained_path={str(p)!r}: no state dict (tensor mapping) in the file")
+        raise ValueError(f"{key}={quoted(str(p), PATH_CHARS)}: no state dict (tensor mapping) in "
+                         "the file")
     return tensors_of(obj)
 
 
@@ -71,8 +79,10 @@ def tensors_of(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _listing(kind: str, keys: list[str]) -> str:
-    shown = ", ".join(keys[:_SHOW]) + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")
-    return f"{len(keys)} {kind}: {shown}"
+    """The first keys of a kind, each escaped and cut (a file's keys may be anyone's text)."""
+    listed = ", ".join(shown(k) for k in keys[:_SHOW])
+    listed += f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else ""
+    return f"{len(keys)} {kind}: {listed}"
 
 
 def key_mismatches(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[str]:
@@ -110,7 +120,7 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> dict[str, li
     parts = key_mismatches(own, state)
     if parts:
         raise PretrainedWeightsMismatch(
-            f"model.pretrained_path={str(path)!r} does not fit {type(backbone).__name__} "
+            f"model.pretrained_path={quoted(str(path), PATH_CHARS)} does not fit {type(backbone).__name__} "
             f"({type(net).__name__}): " + "; ".join(parts)
             + ". The file must hold this image model's weights (classifier keys "
             f"{', '.join(prefixes) or '-'} are dropped).")
