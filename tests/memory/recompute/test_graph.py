@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from videotrain.memory.recompute.costs import PROFILES
 from videotrain.memory.recompute.graph import articulation_points, lower_sets, trace
 from videotrain.models.backbones import resnet
 
@@ -103,7 +104,11 @@ def test_saved_bytes_per_node_by_hand(kit) -> None:
     # broadcast row dimension, a 64-byte temporary freed inside the backward
     assert g.work_bwd[3] == 64.0
     # multiply-adds: 2 * out elements * in features; elementwise ops: their element count
-    assert g.cost == [2 * 16 * 3, 16, 16, 16, 2 * 16 * 8, 16]
+    assert g.flops == [2 * 16 * 3, 16, 16, 16, 2 * 16 * 8, 16]
+    # priced in seconds on the CPU profile: ops this small cost one launch each
+    assert g.cost == [PROFILES["cpu"].op_s] * 6 and g.segment_cost == PROFILES["cpu"].segment_s
+    # free in a recompute: ops that save neither their output nor internals (Linear, add)
+    assert g.free == [True, False, False, True, True, True]
     # the whole graph against autograd's own saved tensors on a real forward (less the input x,
     # which the first Linear saves and which is no vertex)
     torch.manual_seed(0)
@@ -134,7 +139,9 @@ def test_conv_bn_relu_bytes_follow_the_dtype(dtype: torch.dtype) -> None:
     assert g.saved == [fmap, 4 * 4 * esize, fmap]
     assert g.keeps == [True, False, True]
     if dtype == torch.float32:
-        assert g.cost[0] == 2 * 512 * 3 * 9  # multiply-adds: 2 x out elements x in channels x 3x3
+        assert g.flops[0] == 2 * 512 * 3 * 9  # multiply-adds: 2 x out elements x in channels x 3x3
+    _, flops_only, _ = trace(model, torch.randn(2, 3, 8, 8, dtype=dtype), cost_model="flops")
+    assert flops_only.cost == flops_only.flops and flops_only.segment_cost == 0
 
 
 class InPlace(nn.Module):

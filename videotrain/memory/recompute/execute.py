@@ -9,12 +9,19 @@ them once per step; so must we.
 How: every checkpointed call gets its own closure that counts its invocations. The first call
 is the real forward. Any later call is a recompute (torch.utils.checkpoint calls the function
 again, possibly stopping early with an internal exception), and it runs with the BN layers'
-running-stat buffers swapped for throw-away clones, restored in ``finally``. Swapping (rather
+running-stat buffers swapped for throw-away spares (``StatShield``, made once per segment),
+restored in ``finally``. Swapping (rather
 than saving values and copying them back) matters: the recomputed ``batch_norm`` op saves the
 running buffers for its backward, and an in-place copy back would bump their version counter
 and fail the backward's version check. In train mode BN normalizes with the batch statistics,
-so the clones never change the recomputed values. RNG (dropout) and autocast state are
-replayed by torch.utils.checkpoint itself (``preserve_rng_state=True``).
+so the spares never change the recomputed values. RNG (dropout) and autocast state are
+replayed by torch.utils.checkpoint itself; the RNG state only for segments that draw random
+numbers (``RngProbe``: seen in their first forward), since stashing it costs every call.
+
+Host cost per segment is kept small (it sits on the backward's critical path on a GPU): no
+clones of BN buffers, one zero-size anchor per device, RNG state only where needed, and the
+boundary ops of a segment that nothing in backward reads are not recomputed
+(``BoundarySkips``).
 
 Other forward-time state must be replayed too when a strategy composes with recomputation: SBP
 normalizes its kept frames with recorded full-batch BN statistics (or freezes BN) only while
@@ -25,13 +32,18 @@ meanwhile snapshots the state then and re-enters it around its recompute.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 
 from videotrain.metrics.saved import note_held
@@ -44,21 +56,49 @@ def batchnorms(module: nn.Module) -> list[_BatchNorm]:
     return [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
 
 
+class StatShield:
+    """Throw-away running-stat buffers for the BNs of one checkpointed segment, made once and
+    reused at every recompute: a clone per buffer per recompute would be three more kernels per
+    BN per step on the backward's critical path. A segment is recomputed at most once per
+    forward, and its backward follows its recompute, so one set per segment is enough; the
+    buffers are remade when a BN's buffers change device, dtype or shape (``model.to``)."""
+
+    def __init__(self, bns: list[_BatchNorm]) -> None:
+        self.bns = bns
+        self.scratch: dict[tuple[int, str], torch.Tensor] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.bns)
+
+    def _spare(self, i: int, name: str, buf: torch.Tensor) -> torch.Tensor:
+        spare = self.scratch.get((i, name))
+        if spare is None or spare.shape != buf.shape or spare.dtype != buf.dtype or spare.device != buf.device:
+            spare = self.scratch[(i, name)] = buf.detach().clone()
+        return spare
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Run the body with each BN's running-stat buffers replaced by the spares."""
+        saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        try:  # the buffer dicts directly: Module.__setattr__ is a dozen Python calls per buffer
+            for i, bn in enumerate(self.bns):
+                buffers = bn._buffers
+                for name in _STAT_BUFFERS:
+                    buf = buffers.get(name)
+                    if isinstance(buf, torch.Tensor):
+                        saved.append((buffers, name, buf))
+                        buffers[name] = self._spare(i, name, buf)
+            yield
+        finally:
+            for buffers, name, buf in saved:
+                buffers[name] = buf
+
+
 @contextmanager
 def isolated_bn_stats(bns: list[_BatchNorm]) -> Iterator[None]:
     """Run the body with each BN's running-stat buffers replaced by clones; put originals back."""
-    saved: list[tuple[_BatchNorm, str, torch.Tensor]] = []
-    try:
-        for bn in bns:
-            for name in _STAT_BUFFERS:
-                buf = getattr(bn, name, None)
-                if isinstance(buf, torch.Tensor):
-                    saved.append((bn, name, buf))
-                    setattr(bn, name, buf.clone())
+    with StatShield(bns).swapped():
         yield
-    finally:
-        for bn, name, buf in saved:
-            setattr(bn, name, buf)
 
 
 # A provider is called at forward time and returns a factory of the context to re-enter on
@@ -97,7 +137,40 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor
     return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
 
 
-def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm], *args: Any, **kwargs: Any) -> Any:
+_ANCHORS: dict[torch.device, torch.Tensor] = {}
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """A zero-size tensor on ``device``, made once per device (not one allocation per call)."""
+    if device not in _ANCHORS:
+        _ANCHORS[device] = torch.empty(0, device=device)
+    return _ANCHORS[device]
+
+
+def _rng_states(device: torch.device) -> list[bytes]:
+    """The CPU generator's state and ``device``'s, as bytes (compared outside any dispatch mode:
+    a fake-tensor step, ``simulate/step.py``, must not see the comparison)."""
+    with _disable_current_modes():
+        states = [torch.random.get_rng_state()]
+        if device.type == "cuda" and torch.cuda.is_available():
+            states.append(torch.cuda.get_rng_state(device))
+        return [bytes(s.numpy()) for s in states]
+
+
+class RngProbe:
+    """Whether a segment draws random numbers: its first checkpointed forward runs with the RNG
+    state preserved and compares the generators' states before and after; later calls preserve
+    the RNG state (a copy of the CPU and device generators per call, and a restore at recompute)
+    only if that forward drew from them. Dropout, drop-path and random fills are seen whatever
+    code draws them."""
+
+    def __init__(self) -> None:
+        self.draws: bool | None = None  # None: not yet seen
+
+
+def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm] | StatShield, *args: Any,
+                    rng: RngProbe | None = None, skips: BoundarySkips | None = None,
+                    **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint; recomputes leave BN stats alone
     and re-enter the forward-time contexts registered with :func:`replay_on_recompute`.
 
@@ -107,23 +180,38 @@ def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm], *args: Any, *
     segment that reads it has been recomputed (the planner's cost model counts on it: a stem cut
     ``conv, BN | ReLU`` frees the BN output before the stem's backward). So the inputs are passed
     through a holder, not as checkpoint arguments; a zero-size anchor on their device stays an
-    argument so checkpoint still stashes and replays that device's RNG and autocast state.
-    In-place changes to an input between the forward and the recompute are refused (the check
-    ``torch.utils.checkpoint`` would have made on its saved inputs), and so is a second
-    recompute (a second backward through the segment with ``retain_graph=True``).
+    argument so checkpoint still stashes and replays that device's autocast state (and its RNG
+    state where the segment draws random numbers: ``rng``, a :class:`RngProbe`; without one the
+    RNG state is always preserved). ``skips`` (:class:`BoundarySkips`): boundary ops whose
+    recompute runs no kernel. In-place changes to an input between the forward and the
+    recompute are refused (the check ``torch.utils.checkpoint`` would have made on its saved
+    inputs), and so is a second recompute (a second backward through the segment with
+    ``retain_graph=True``).
     """
     calls = [0]
     replays = [provider() for provider in _replay_providers]  # snapshots, taken now
     held = _Held(args, kwargs)
     tensors = _tensors(args, kwargs)
     versions = [t._version for t in tensors]
-    anchor = torch.empty(0, device=tensors[0].device if tensors else "cpu")
+    device = tensors[0].device if tensors else torch.device("cpu")
+    # fake or meta tensors (a simulated step) draw nothing from the real generators: no verdict
+    real = not any(is_fake(t) or t.device.type == "meta" for t in tensors)
     del tensors
+    shield = bns if isinstance(bns, StatShield) else StatShield(bns)
+    probe = rng is not None and rng.draws is None and real
+    before = _rng_states(device) if probe else None
 
     def run(_anchor: torch.Tensor) -> Any:
         calls[0] += 1
         if calls[0] == 1:
-            return fn(*held.args, **held.kwargs)
+            if skips is None:
+                out = fn(*held.args, **held.kwargs)
+            else:
+                with _phase(skips, recompute=False):
+                    out = fn(*held.args, **held.kwargs)
+            if probe:
+                rng.draws = before != _rng_states(device)
+            return out
         if held.args is None:
             raise RuntimeError(
                 "a checkpointed segment was recomputed twice: its inputs are released after the "
@@ -135,17 +223,152 @@ def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm], *args: Any, *
                 raise RuntimeError(
                     "an input of a checkpointed segment was modified in place after the forward; "
                     "its recompute would not reproduce the forward")
-            if not (bns or replays):
+            if not (shield or replays or skips):
                 return fn(*a, **kw)
             with ExitStack() as stack:  # a recompute in backward
                 for replay in replays:
                     stack.enter_context(replay())
-                stack.enter_context(isolated_bn_stats(bns))
+                if shield:
+                    stack.enter_context(shield.swapped())
+                if skips is not None:
+                    stack.enter_context(_phase(skips, recompute=True))
                 return fn(*a, **kw)
         finally:
             del a, kw
 
-    return checkpoint(run, anchor, use_reentrant=False)
+    preserve = rng is None or rng.draws is None or rng.draws
+    return checkpoint(run, _anchor(device), use_reentrant=False, preserve_rng_state=preserve)
+
+
+# ---------------------------------------------------------------------- boundary ops skipped
+class BoundarySkips:
+    """The free boundary ops of one checkpointed fx segment (``planner.free_boundary``: no
+    consumer inside the segment, and the op saves neither its output nor internals, e.g. a
+    conv whose output only the next segment reads).
+
+    ``torch.utils.checkpoint`` replays a segment up to its last saved tensor, so a conv at the
+    segment's end runs again in backward only so that autograd records what it saves (its input
+    and weight); its output is thrown away. Here the segment's generated code brackets each such
+    node with :func:`boundary_begin` / :func:`boundary_end`. In the first forward the bracket
+    records which aten op made the node's output (once per segment); in the recompute that op
+    returns an uninitialised tensor of its output's shape instead of running (autograd above it
+    still saves the op's inputs, which is all the backward reads). Everything else in the
+    bracket (autocast's casts, in-place updates) runs."""
+
+    def __init__(self, tags: list[str]) -> None:
+        self.tags = set(tags)
+        self.target: dict[str, Any] = {}  # tag -> the aten op to skip, or None (never skip)
+
+
+class _State(threading.local):
+    skips: BoundarySkips | None = None
+    recompute: bool = False
+    modes: list[tuple[str, TorchDispatchMode]]
+
+    def __init__(self) -> None:
+        self.modes = []
+
+
+_STATE = _State()
+
+
+@contextmanager
+def _phase(skips: BoundarySkips | None, recompute: bool) -> Iterator[None]:
+    """The brackets in the body act for ``skips``; modes a bracket left open (the recompute
+    stops early with an exception, possibly inside one) are closed on the way out."""
+    prev = (_STATE.skips, _STATE.recompute, _STATE.modes)
+    _STATE.skips, _STATE.recompute, _STATE.modes = skips, recompute, []
+    try:
+        yield
+    finally:
+        while _STATE.modes:
+            _STATE.modes.pop()[1].__exit__(None, None, None)
+        _STATE.skips, _STATE.recompute, _STATE.modes = prev
+
+
+class _Record(TorchDispatchMode):
+    """Records the ops of one node's forward: (op, the storages of its outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, set[int]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        keys = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor)}
+        self.ops.append((func, keys))
+        return out
+
+
+class _Skip(TorchDispatchMode):
+    """The first call of ``func`` returns uninitialised tensors shaped like its output (from its
+    meta kernel) instead of running; no kernel is launched for it."""
+
+    def __init__(self, func: Any) -> None:
+        super().__init__()
+        self.func = func
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is self.func:
+            self.func = None
+            device = next((t.device for t in tree_flatten((args, kwargs))[0]
+                           if isinstance(t, torch.Tensor)), None)
+            try:
+                with _disable_current_modes():  # shapes only: not kernels the step launches
+                    meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+                    return tree_map(lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype,
+                                                                  device=device)
+                                    if isinstance(m, torch.Tensor) else m, meta)
+            except (NotImplementedError, RuntimeError):  # no meta kernel: run it
+                pass
+        return func(*args, **kwargs)
+
+
+def _to_meta(t: object) -> object:
+    if isinstance(t, torch.Tensor):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t
+
+
+def _is_plain(func: Any) -> bool:
+    """An op whose outputs are new tensors (not views of, or writes to, its inputs)."""
+    return not any(r.alias_info is not None for r in func._schema.returns)
+
+
+def boundary_begin(tag: str) -> None:
+    """Called by a checkpointed segment's code before a free boundary node (see
+    :class:`BoundarySkips`)."""
+    skips = _STATE.skips
+    if skips is None or tag not in skips.tags:
+        return
+    if _STATE.recompute:
+        func = skips.target.get(tag)
+        if func is not None:
+            mode = _Skip(func)
+            mode.__enter__()
+            _STATE.modes.append((tag, mode))
+    elif tag not in skips.target:
+        mode = _Record()
+        mode.__enter__()
+        _STATE.modes.append((tag, mode))
+
+
+def boundary_end(tag: str, value: object) -> object:
+    """Called after the node (``value``: its output); closes what :func:`boundary_begin`
+    opened and, after the first forward's recording, names the op to skip."""
+    if not _STATE.modes or _STATE.modes[-1][0] != tag:
+        return value
+    _, mode = _STATE.modes.pop()
+    mode.__exit__(None, None, None)
+    if isinstance(mode, _Record) and isinstance(value, torch.Tensor):
+        key = StorageWeakRef(value.untyped_storage()).cdata
+        makers = [func for func, keys in mode.ops if key in keys]
+        func = makers[-1] if makers else None
+        once = func is not None and sum(f is func for f, _ in mode.ops) == 1
+        _STATE.skips.target[tag] = func if once and _is_plain(func) else None
+    return value
 
 
 class CheckpointedForward:
@@ -155,11 +378,12 @@ class CheckpointedForward:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.original = module.forward
-        self.bns = batchnorms(module)
+        self.bns = StatShield(batchnorms(module))
+        self.rng = RngProbe()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
-            return checkpoint_call(self.original, self.bns, *args, **kwargs)
+            return checkpoint_call(self.original, self.bns, *args, rng=self.rng, **kwargs)
         return self.original(*args, **kwargs)
 
 
@@ -181,12 +405,14 @@ class CheckpointedSegment(nn.Module):
     the segment's own ``training`` flag (which does not follow ``backbone.train()``) is ignored.
     """
 
-    def __init__(self, segment: nn.Module) -> None:
+    def __init__(self, segment: nn.Module, skips: BoundarySkips | None = None) -> None:
         super().__init__()
         self.segment = segment
-        self.bns = batchnorms(segment)
+        self.bns = StatShield(batchnorms(segment))
+        self.rng = RngProbe()
+        self.skips = skips
 
     def forward(self, *args: Any) -> Any:
         if torch.is_grad_enabled():
-            return checkpoint_call(self.segment, self.bns, *args)
+            return checkpoint_call(self.segment, self.bns, *args, rng=self.rng, skips=self.skips)
         return self.segment(*args)

@@ -29,6 +29,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from videotrain.memory.recompute.costs import (
+    COST_MODELS,
+    DeviceProfile,
+    node_seconds,
+    profile_for,
+    time_call,
+)
+
 _INPLACE_FUNCS = {operator.iadd: operator.add, operator.imul: operator.mul, operator.isub: operator.sub}
 
 
@@ -52,6 +60,12 @@ class Graph:
     work_bwd: list[float] | None = None  # ... inside its backward (beyond its input gradients)
     grad_alias: list[bool] | None = None  # backward hands its inputs views of its own gradient
     saves: list[bool] | None = None  # the op saves some activation for its backward; default all
+    # skippable in a recompute: the op saves neither its output nor internals (a conv, a linear,
+    # an add), so a boundary op of this kind needs no kernel when its segment is recomputed;
+    # default all (the paper's model: a block's boundary is never recomputed); ``trace`` sets it
+    free: list[bool] | None = None
+    flops: list[float] | None = None  # the cost proxy ``cost`` was priced from (FLOPs)
+    segment_cost: float = 0.0  # host cost of one checkpointed segment, in ``cost``'s units
     succ_mask: list[int] = field(init=False)
     pred_mask: list[int] = field(init=False)
 
@@ -65,6 +79,7 @@ class Graph:
         self.work_bwd = self.work_bwd or [0.0] * n
         self.grad_alias = self.grad_alias or [False] * n
         self.saves = self.saves or [True] * n
+        self.free = self.free or [True] * n
         self.peak_cache: dict[tuple, float] = {}
         self.pred_mask = [sum(1 << p for p in ps) for ps in self.preds]
         self.succ_mask = [0] * n
@@ -183,6 +198,11 @@ def _flops(node: fx.Node, gm: fx.GraphModule, out_bytes: int) -> float:
     return float(out_numel)
 
 
+def input_devices(args: object) -> list[torch.device]:
+    """Devices of the tensors in ``args`` (where a node's forward runs, for timing it)."""
+    return [t.device for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+
+
 def _storage_key(t: torch.Tensor) -> int:
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -201,6 +221,24 @@ class _SavedProp(ShapeProp):
 
     _lifted: list[torch.Tensor] | None = None
     _param_keys: set[int] = set()  # storages of parameters (also when lifted from get_attr)
+    measure = False  # time each node's forward (cost_model=measured)
+
+    def _bytes_in(self, n: fx.Node) -> float:
+        """Bytes an op reads: its tensor inputs and its module's parameters (BatchNorm reads its
+        input twice in training: statistics, then normalization)."""
+        seen: dict[int, int] = {}
+        for arg in tree_flatten((n.args, n.kwargs))[0]:
+            value = self.env.get(arg) if isinstance(arg, fx.Node) else arg
+            for t in tree_flatten(value)[0]:
+                if isinstance(t, torch.Tensor):
+                    seen[_storage_key(t)] = t.numel() * t.element_size()
+        total = float(sum(seen.values()))
+        if n.op == "call_module":
+            mod = self.module.get_submodule(str(n.target))
+            total += sum(p.numel() * p.element_size() for p in mod.parameters())
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:
+                total *= 2
+        return total
 
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple:
         """Inputs as fresh leaves that require grad, so one node's backward can run alone."""
@@ -255,7 +293,12 @@ class _SavedProp(ShapeProp):
                     arg.meta["output_saved"] = True
         out_keys = {_storage_key(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)}
         if out_keys & packed_keys:
-            n.meta["output_saved"] = True
+            n.meta["output_saved"] = n.meta["self_saves_output"] = True
+        n.meta["bytes_in"] = self._bytes_in(n)
+        if self.measure:
+            args, kwargs = super().fetch_args_kwargs_from_env(n)
+            n.meta["measured_s"] = time_call(lambda: getattr(self, n.op)(n.target, args, kwargs),
+                                             next(iter(input_devices(args)), torch.device("cpu")))
         n.meta["alias"] = bool(out_keys) and out_keys <= input_keys
         n.meta["alias_of"] = [a for a, keys in arg_keys.items() if keys & out_keys] if n.meta["alias"] else []
         known = input_keys | out_keys | self._param_keys
@@ -378,7 +421,8 @@ def symbolic_trace(module: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
-def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, Graph, dict[str, int]]:
+def trace(backbone: nn.Module, example: torch.Tensor, cost_model: str = "roofline",
+          profile: DeviceProfile | None = None) -> tuple[fx.GraphModule, Graph, dict[str, int]]:
     """fx-trace ``backbone`` (with its own tracer, :func:`fx_tracer`), make it out of place,
     propagate shapes for ``example (N,C,H,W)``.
 
@@ -388,12 +432,21 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
     what autograd saves and what ops allocate internally are those of the device and dtype that
     will train; its memory is that of a ``no_grad`` forward. BN running statistics and the RNG
     are restored afterwards.
+
+    Costs (``costs.py``): ``roofline`` prices each vertex in seconds on ``profile`` (default: the
+    example's device) from its FLOPs and bytes moved; ``measured`` times each node's forward on
+    the device during the shape pass; ``flops`` is the FLOP proxy alone (no segment cost).
     """
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"memory.cost_model must be one of {', '.join(COST_MODELS)}; got {cost_model!r}")
+    profile = profile or profile_for(example.device)
     gm = make_out_of_place(symbolic_trace(backbone))
     buffers = {k: b.clone() for k, b in gm.named_buffers()}  # parameters are not changed
     devices = [example.device] if example.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():  # grad on per node inside
-        _SavedProp(gm).propagate(example.detach())
+        prop = _SavedProp(gm)
+        prop.measure = cost_model == "measured"
+        prop.propagate(example.detach())
     gm.load_state_dict(buffers, strict=False)  # BN running statistics as they were; RNG: fork_rng
     for node in reversed(gm.graph.nodes):  # a saved view keeps its base's storage alive
         if node.meta.get("output_saved"):
@@ -405,6 +458,8 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
     work_bwd: list[float] = []
     grad_alias: list[bool] = []
     saves: list[bool] = []
+    free: list[bool] = []
+    flops: list[float] = []
     tensor_preds: dict[str, set[int]] = {}  # node -> vertex preds, through contracted non-tensor nodes
     # tensors computed from parameters alone (timm ConvNeXt's ``gamma.reshape(1, -1, 1, 1)``) are
     # not activations: contracted like non-tensor nodes. As vertices without predecessors each
@@ -429,8 +484,22 @@ def trace(backbone: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, G
             work_bwd.append(float(node.meta.get("work_bwd", 0.0)))
             grad_alias.append(bool(node.meta.get("grad_alias", False)))
             saves.append(bool(node.meta.get("saves", True)))
-            cost.append(_flops(node, gm, out_bytes))
+            free.append(not node.meta.get("self_saves_output", False)
+                        and not node.meta.get("extra_saved_bytes", 0))
+            flops.append(_flops(node, gm, out_bytes))
+            if cost_model == "flops":
+                cost.append(flops[-1])
+            else:
+                half = _is_half(node.meta["tensor_meta"])
+                moved = out_bytes + node.meta.get("bytes_in", 0.0)
+                cost.append(node_seconds(flops[-1], moved, half, profile, node.meta.get("measured_s")))
         else:
             tensor_preds[node.name] = ps
+    segment = profile.segment_s if cost_model != "flops" else 0.0
     return gm, Graph(names, preds, mem, cost, saved, keeps, work_fwd, work_bwd, grad_alias,
-                     saves), index
+                     saves, free, flops, segment), index
+
+
+def _is_half(meta: object) -> bool:
+    first = meta if isinstance(meta, TensorMetadata) else next(iter(tree_flatten(meta)[0]), None)
+    return isinstance(first, TensorMetadata) and first.dtype in (torch.bfloat16, torch.float16)

@@ -20,8 +20,10 @@ saved tensors and gradient as soon as its backward has run. So we simulate the b
           saved bytes of Vi up to p  +  live gradients: those pushed into L(i) from later
           blocks, those of Vi's vertices with a consumer already run, p's and p's inputs'
           + the dying inputs autograd keeps
-    overhead = sum_{i<k} T(Vi) - T(Wi)     (the last block, and blocks that save nothing, are
-                                            never recomputed)
+    overhead = sum_{i<k} T(Vi) - T(Fi) + S   (the last block, and blocks that save nothing,
+                                              are never recomputed; Fi: the boundary ops whose
+                                              recompute runs no kernel, ``free_boundary``; S:
+                                              the host cost of a segment, ``Graph.segment_cost``)
 
 Retained boundaries are not all live all the time. The executor (``execute.checkpoint_call``)
 lets go of a segment's inputs once its recompute is done, so a boundary tensor ``w`` of block
@@ -217,13 +219,24 @@ def step(g: Graph, lower: int, upper: int, dormant: int) -> tuple[float, float, 
     peak = block_peak(g, lower, upper, dying)
     if not last:  # the checkpointed first forward holds every retained boundary
         peak = max(peak, g.mem_of(dormant) + forward_scan(g, lower, upper) + SCALAR_SLACK)
-    cost = g.cost_of(block) - g.cost_of(g.boundary(block, upper)) if holds and not last else 0.0
+    cost = (g.cost_of(block) - g.cost_of(free_boundary(g, block, upper)) + g.segment_cost
+            if holds and not last else 0.0)
     # still dormant: not yet held by a consumer, and with a consumer to come (a tensor whose
     # consumers all ran without holding it is gone once the forward has passed it)
     after = ((dormant & ~dying) | g.boundary(block, upper)) & g.boundary(upper, upper)
     out = (peak, g.mem_of(dying), after, cost)
     g.peak_cache[key] = out  # type: ignore[assignment]
     return out
+
+
+def free_boundary(g: Graph, block: int, upper: int) -> int:
+    """Boundary vertices of ``block`` its recompute runs no kernel for (``execute.py`` hands
+    autograd a placeholder): no consumer inside the block, and the op saves neither its output
+    nor internals (``Graph.free``: a conv, a linear, an add), so nothing in backward reads the
+    recomputed value. Any other boundary op is recomputed like the block's inner ops, since
+    ``torch.utils.checkpoint`` replays a segment up to its last saved tensor."""
+    return sum(1 << v for v in g.members(g.boundary(block, upper))
+               if g.free[v] and not g.succ_mask[v] & block)
 
 
 def evaluate(g: Graph, chain: list[int]) -> tuple[float, float]:
@@ -354,7 +367,8 @@ def graph_key(g: Graph) -> tuple:
     """Everything the planner reads of ``g``, as a hashable value (equal graphs, equal keys)."""
     return (tuple(g.names), tuple(tuple(p) for p in g.preds), tuple(g.mem), tuple(g.cost),
             tuple(g.saved or ()), tuple(g.keeps or ()), tuple(g.work_fwd or ()),
-            tuple(g.work_bwd or ()), tuple(g.grad_alias or ()), tuple(g.saves or ()))
+            tuple(g.work_bwd or ()), tuple(g.grad_alias or ()), tuple(g.saves or ()),
+            tuple(g.free or ()), g.segment_cost)
 
 
 def _memo(key: tuple, compute: Callable[[], Any]) -> Any:

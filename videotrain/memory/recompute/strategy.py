@@ -51,9 +51,23 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from videotrain.memory.base import FrameFeatures, StatelessStrategy, all_positions, set_clip_length
-from videotrain.memory.recompute.execute import CheckpointedSegment, wrap_forward
+from videotrain.memory.recompute.costs import COST_MODELS, PROFILES, profile_for
+from videotrain.memory.recompute.execute import (
+    BoundarySkips,
+    CheckpointedSegment,
+    boundary_begin,
+    boundary_end,
+    wrap_forward,
+)
 from videotrain.memory.recompute.graph import Graph, trace
-from videotrain.memory.recompute.planner import Plan, evaluate, family, plan, sqrt_plan
+from videotrain.memory.recompute.planner import (
+    Plan,
+    evaluate,
+    family,
+    free_boundary,
+    plan,
+    sqrt_plan,
+)
 
 POLICIES = ("blocks", "sqrt", "optimal")
 OBJECTIVES = ("time", "memory")
@@ -72,6 +86,9 @@ class Recompute(StatelessStrategy):
         objective: str = "time",
         lower_set_cap: int = 500,
         segments: int | None = None,
+        cost_model: str = "roofline",
+        device_profile: str = "auto",
+        segment_cost_us: float | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"memory.policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -81,6 +98,16 @@ class Recompute(StatelessStrategy):
             raise ValueError("set at most one of memory.budget_mb and memory.budget_frac")
         if budget_frac is not None and not 0 < budget_frac:
             raise ValueError(f"memory.budget_frac must be > 0, got {budget_frac}")
+        if cost_model not in COST_MODELS:
+            raise ValueError(f"memory.cost_model must be one of {', '.join(COST_MODELS)}; got {cost_model!r}")
+        if device_profile != "auto" and device_profile not in PROFILES:
+            raise ValueError(f"memory.device_profile must be auto or one of {', '.join(PROFILES)}; "
+                             f"got {device_profile!r}")
+        if segment_cost_us is not None and segment_cost_us < 0:
+            raise ValueError(f"memory.segment_cost_us must be >= 0, got {segment_cost_us}")
+        self.cost_model = cost_model
+        self.device_profile = device_profile
+        self.segment_cost_us = segment_cost_us
         self.policy = policy
         self.budget_mb = budget_mb
         self.budget_frac = budget_frac
@@ -113,7 +140,10 @@ class Recompute(StatelessStrategy):
     # ------------------------------------------------------------------ planning
     def make_plan(self, backbone: nn.Module, frames: torch.Tensor) -> tuple[fx.GraphModule, Graph, Plan, dict]:
         """Trace ``backbone`` for ``frames (N, C, H, W)`` and plan; returns the report too."""
-        gm, g, index = trace(backbone, frames)
+        profile = profile_for(frames.device, self.device_profile)
+        gm, g, index = trace(backbone, frames, self.cost_model, profile)
+        if self.segment_cost_us is not None and self.cost_model != "flops":
+            g.segment_cost = self.segment_cost_us * 1e-6
         e2e_peak = evaluate(g, [g.full])[0]
         sets, exact_family = family(g, self.lower_set_cap)
         if self.policy == "sqrt":
@@ -133,6 +163,11 @@ class Recompute(StatelessStrategy):
             "predicted_peak_bytes": chosen.peak,
             "predicted_overhead": chosen.overhead,
             "overhead_frac_of_forward": chosen.overhead / max(sum(g.cost), 1e-12),
+            "cost_model": self.cost_model,
+            "device_profile": profile.name if self.cost_model != "flops" else None,
+            "segment_cost_s": g.segment_cost,
+            "forward_cost": sum(g.cost),  # seconds (roofline, measured) or FLOPs
+            "checkpointed_segments": len(chosen.chain) - 1,
             "smallest_feasible_bytes": smallest,
             "budget_bytes": None if self.policy == "sqrt" else self.budget_bytes(e2e_peak),
             "segments": [
@@ -154,7 +189,7 @@ class Recompute(StatelessStrategy):
         return None
 
     def _runner(self, backbone: nn.Module, frames: torch.Tensor) -> fx.GraphModule:
-        key = (tuple(frames.shape), frames.dtype, frames.device, id(backbone))
+        key = (tuple(frames.shape), tuple(frames.stride()), frames.dtype, frames.device, id(backbone))
         if key not in self._runners:
             with torch.no_grad():
                 gm, g, chosen, report = self.make_plan(backbone, frames)
@@ -191,6 +226,7 @@ class Recompute(StatelessStrategy):
             "budget_mb": self.budget_mb,
             "budget_frac": self.budget_frac,
             "objective": self.objective,
+            "cost_model": self.cost_model,
         }
 
 
@@ -214,6 +250,31 @@ def build_runner(gm: fx.GraphModule, g: Graph, chosen: Plan, index: dict[str, in
     names = sorted(
         (n for n, _ in split.named_children() if n.startswith("submod_")), key=lambda n: int(n.split("_")[1])
     )
-    for name in names[:-1]:
-        setattr(split, name, CheckpointedSegment(getattr(split, name)))
+    blocks = chosen.blocks()
+    for i, name in enumerate(names[:-1]):
+        segment = getattr(split, name)
+        free = free_boundary(g, blocks[i], chosen.chain[i])
+        tags = bracket_free_boundary(segment, {g.names[v] for v in g.members(free)})
+        setattr(split, name, CheckpointedSegment(segment, BoundarySkips(tags) if tags else None))
     return split
+
+
+def bracket_free_boundary(segment: fx.GraphModule, names: set[str]) -> list[str]:
+    """Bracket the segment's nodes named in ``names`` (free boundary ops, read only by the
+    segment's output) with ``execute.boundary_begin``/``boundary_end``, so that their recompute
+    runs no kernel; returns the bracketed names."""
+    graph = segment.graph
+    tags = []
+    for node in list(graph.nodes):
+        if node.name not in names or any(u.op != "output" for u in node.users):
+            continue
+        with graph.inserting_before(node):
+            graph.call_function(boundary_begin, (node.name,))
+        with graph.inserting_after(node):
+            end = graph.call_function(boundary_end, (node.name, node))
+        node.replace_all_uses_with(end, delete_user_cb=lambda user, end=end: user is not end)
+        tags.append(node.name)
+    if tags:
+        graph.lint()
+        segment.recompile()
+    return tags
