@@ -239,8 +239,10 @@ def kinetics_index(
     n = num_classes or (len(names) if names else inferred)
     for k, (_, label) in enumerate(items, 1):
         if label >= n:
+            counted = (f"; {shown(names_file)} lists {len(names)} class names" if names
+                       and not num_classes else "")
             raise AnnotationError(f"{shown(csv)}: label {label} of annotation {k} is outside "
-                                  f"num_classes={n}")
+                                  f"num_classes={n}{counted}")
     names = names or folder_class_names(items, n) or [str(i) for i in range(n)]
     if len(names) != n:
         raise AnnotationError(f"{shown(names_file)}: lists {len(names)} classes, expected {n}")

@@ -292,14 +292,20 @@ def _check_records(f: IO[bytes], path: Path) -> None:
 
 
 def check_tensors(obj: Any, path: Path, max_nodes: int = MAX_NODES) -> None:
-    """Walk what a checkpoint loaded (at most ``max_nodes`` visits, shared containers counted
-    each time they are met) and refuse a tensor that claims more memory than it stores: a
+    """Walk what a checkpoint loaded (each container once, at most ``max_nodes`` values: shared
+    references are bounded where they are expanded, e.g. ``untrusted.plain_tree_problem`` for a
+    stored config) and refuse a tensor that claims more memory than it stores: a
     stride of 0 in a dimension of size > 1 (4 bytes on disk read as a 10^7-class head), or an
     extent past its storage."""
     stack: list[tuple[Any, str]] = [(obj, "")]
+    seen: set[int] = set()  # a container or tensor met again (a pickle's shared reference)
     visits = 0
     while stack:
         node, where = stack.pop()
+        if isinstance(node, (dict, list, tuple, torch.Tensor)):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
         visits += 1
         if visits > max_nodes:
             raise UnsafeCheckpointError(f"{shown(path)} holds more than {max_nodes} values (or "
