@@ -72,7 +72,8 @@ def test_sbp_forward_runs_without_the_autocast_cache(kit, device: torch.device) 
     the surrounding autocast region keeps its own setting."""
     seen: list[tuple[bool, bool]] = []
     _, model = kit.model_pair("vit", StochasticBackprop(keep_ratio=0.5), head="mean")
-    model.to(device).backbone.register_forward_hook(
+    first_layer = next(m for m in model.to(device).backbone.modules() if isinstance(m, torch.nn.Conv2d))
+    first_layer.register_forward_hook(  # a layer: lockstep SBP runs the backbone's code, not its module
         lambda *_: seen.append((torch.is_grad_enabled(), torch.is_autocast_cache_enabled())))
     with torch.autocast(device.type, dtype=torch.bfloat16):
         model(kit.video()[:1, :4].to(device))

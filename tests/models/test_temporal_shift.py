@@ -153,8 +153,13 @@ def test_config_values_are_checked(capsys) -> None:
         _cfg("model/backbone=vit_tiny", "+model.backbone.temporal_shift=0.125")
 
 
-def test_frame_sbp_with_the_shift_is_one_error_line_naming_the_key(capsys) -> None:
-    cfg = _cfg("model.backbone.temporal_shift=0.125", "memory=sbp", "memory.granularity=frame")
+def test_frame_sbp_with_the_shift_builds_and_without_lockstep_is_one_error_line(capsys) -> None:
+    """Frame-granularity SBP runs on the shifted backbone through the lockstep code (the default
+    granularity there); with ``memory.lockstep=false`` it cannot, which is one error line."""
+    cfg = _cfg("model.backbone.temporal_shift=0.125", "memory=sbp")
+    assert build_model(cfg, 4).strategy.granularity == "frame"
+    cfg = _cfg("model.backbone.temporal_shift=0.125", "memory=sbp", "memory.granularity=frame",
+               "memory.lockstep=false")
     with pytest.raises(SystemExit) as exit_info, clean_errors():
         build_model(cfg, 4)
     assert exit_info.value.code == 2

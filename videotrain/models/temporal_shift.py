@@ -34,6 +34,7 @@ from videotrain.memory.sbp.blocks import (
     resnet_block_forward,
     timm_resnet_block_forward,
 )
+from videotrain.memory.sbp.lockstep import PartRows
 
 # ResNet blocks (torchvision, timm): a convolutional branch on (N, C, H, W)
 _SHIFTABLE = (resnet_block_forward, timm_resnet_block_forward)
@@ -58,6 +59,30 @@ def temporal_shift(x: torch.Tensor, num_frames: int, fraction: float) -> torch.T
     return out.flatten(0, 1)  # (N, C, ...)
 
 
+def shift_parts(kept: torch.Tensor, dropped: torch.Tensor, rows: PartRows, num_frames: int,
+                fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`temporal_shift` of the frames ``[kept | dropped]`` (part rows, ``rows``), as the
+    two parts: the shifted channels of every frame gathered from a ``(N + 1)``-row source (both
+    parts' first ``2 * fold`` channels and a zero row for the clip ends). The dropped part is
+    computed without autograd."""
+    c = kept.shape[1]
+    fold = int(c * fraction)
+    if fold == 0:
+        return kept, dropped
+    nxt, prv = rows.neighbours(num_frames)  # (N,), (N,): part rows, N = the zero row
+    zero = torch.zeros_like(kept[:1, : 2 * fold])  # (1, 2*fold, ...), kept's memory format
+    src = torch.cat((kept[:, : 2 * fold], dropped[:, : 2 * fold].to(kept.dtype), zero))  # (N + 1, 2*fold, ...)
+    n = rows.n_keep
+
+    def part(x: torch.Tensor, at: slice) -> torch.Tensor:
+        return torch.cat((src[:, :fold][nxt[at]], src[:, fold: 2 * fold][prv[at]], x[:, 2 * fold:]), dim=1)
+
+    out_kept = part(kept, slice(0, n))  # (n, C, ...)
+    with torch.no_grad():
+        out_dropped = part(dropped, slice(n, None))  # (N - n, C, ...)
+    return out_kept, out_dropped
+
+
 class TemporalShift(nn.Module):
     """The shift of one residual block; ``num_frames`` is the clip length of the current call."""
 
@@ -72,6 +97,16 @@ class TemporalShift(nn.Module):
                                "backbone.set_clip_length(T) before calling the backbone on frames "
                                "(the memory strategies and encode_all_frames do)")
         return temporal_shift(x, self.num_frames, self.fraction)
+
+    def lockstep_parts(self, kept: torch.Tensor, dropped: torch.Tensor,
+                       rows: PartRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shift in frame-granularity SBP's lockstep code (``videotrain.memory.sbp.lockstep``):
+        ``kept (n, C, ...)`` with autograd and ``dropped (N - n, C, ...)`` without, the row blocks
+        of ``rows``. Each frame reads its neighbours' channels from either part; a dropped
+        neighbour is a constant, so a kept frame's gradient reaches its kept neighbours only."""
+        if self.num_frames is None:
+            raise RuntimeError("temporal shift: the clip length is not set")
+        return shift_parts(kept, dropped, rows, self.num_frames, self.fraction)
 
     def extra_repr(self) -> str:
         return f"fraction={self.fraction}, num_frames={self.num_frames}"

@@ -1,6 +1,7 @@
-"""Lockstep full-batch BN (``sbp_lockstep``): the same values, statistics, gradients and stored
-activations as record/apply (``lockstep=False``), with every frame's convolutions run once; the
-general path when a backbone cannot be traced; no state left behind by an error.
+"""Lockstep SBP (``sbp/lockstep.py``): the twin code generated once per backbone gives the values,
+statistics and gradients of record/apply (``lockstep=False``) and stores no more, with every
+frame's convolutions run once; memory formats kept; the general path when a backbone cannot be
+traced; grad mode restored after an error.
 
 The SBP specification itself (gradient spec, forward = e2e, ratios) is tested in
 ``test_sbp.py``, where lockstep is the default path for the BN ResNet."""
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 from videotrain.memory import StochasticBackprop
-from videotrain.memory.sbp.lockstep import lockstep_forward, lockstep_graph
+from videotrain.memory.sbp import strategy as sbp_strategy
+from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
 from videotrain.memory.sbp.split import FullBatchNorm, split_forward
 
 
@@ -58,9 +60,9 @@ def _run(net: nn.Module, x: torch.Tensor, lockstep: bool) -> tuple[torch.Tensor,
     norm.patch(net)
     keep, drop = _rows(x.shape[0])
     if lockstep:
-        graph = lockstep_graph(net)
-        assert graph is not None
-        out = lockstep_forward(graph, net, x, keep, drop, norm)
+        twin = lockstep_graph(net)
+        assert isinstance(twin, fx.GraphModule)
+        out = lockstep_forward(twin, x, PartRows(keep, drop))
     else:
         out = split_forward(net, x, keep, drop, norm, needs_stats=True, chunk=2)
     out.square().sum().backward()
@@ -82,9 +84,10 @@ def test_every_node_kind_matches_record_apply(kit) -> None:
     assert int(got[2]["bn.num_batches_tracked"]) == int(got[2]["bn2.num_batches_tracked"]) == 1
 
 
-def test_forward_is_e2e_forward_bit_for_bit() -> None:
+def test_forward_is_e2e_forward() -> None:
     """Every BN's output is the full-batch forward's own rows: the kept rows' values come from
-    the same kernel call as the dropped rows', not from a second normalisation."""
+    the same kernel call as the dropped rows', not from a second normalisation (equal to e2e's up
+    to the rounding of a reduction over the rows in another order)."""
     x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(2))
     ref = OddNet().train()
     with torch.no_grad():
@@ -106,15 +109,14 @@ def test_model_level_matches_record_apply_and_runs_each_frame_once(kit, backbone
         hook.remove()
         out[lockstep] = (logits, kit.grads(model), kit.bn_buffers(model), rows)
     n_rows, n_keep = kit.B * kit.T, kit.B * 3  # 0.375 * 8 = 3 frames per clip
-    assert out[True][3] == [n_keep, n_rows - n_keep]  # kept (autograd) + dropped: once each
+    assert out[True][3] == [n_rows - n_keep, n_keep]  # dropped (no_grad), kept: once each
     assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
     backbone = {k: v for k, v in out[True][1].items() if k.startswith("backbone.")}
     kit.assert_close_dicts(backbone, {k: out[False][1][k] for k in backbone}, rtol=1e-4, atol=1e-6)
     for name, buf in out[True][2].items():
-        if name.startswith("backbone.") and backbone == "resnet":  # e2e's forward in both
-            assert torch.equal(buf, out[False][2][name]), name
-        elif name.startswith("backbone."):  # up to a conv kernel's batch-size-dependent rounding
+        if name.startswith("backbone."):  # e2e's statistics, up to rounding (row order, and a
+            # conv kernel's batch-size-dependent rounding)
             torch.testing.assert_close(buf, out[False][2][name], rtol=1e-5, atol=1e-6)
 
 
@@ -125,7 +127,8 @@ def test_stores_what_record_apply_stores(kit) -> None:
         strategy = sbp(keep_ratio=0.5, lockstep=lockstep)
         bb = strategy.prepare(kit.BACKBONES["resnet"]().train())
         sizes[lockstep] = kit.saved_bytes(lambda bb=bb, s=strategy: s.encode(bb, x), exclude=bb)
-    assert sizes[True] == sizes[False], sizes  # the same kept-row activations
+    # the same kept-row activations (record/apply also keeps its recorded statistics)
+    assert 0.99 * sizes[False] <= sizes[True] <= sizes[False], sizes
 
 
 def test_untraceable_backbone_falls_back_to_record_apply() -> None:
@@ -139,36 +142,68 @@ def test_untraceable_backbone_falls_back_to_record_apply() -> None:
     assert out.features.shape == (2, 4, 12) and out.features.requires_grad
 
 
-def test_error_mid_pass_leaves_no_phase_behind() -> None:
-    class Twice(OddNet):  # one BN called twice: full_batch refuses it
+def test_error_mid_pass_restores_grad_mode() -> None:
+    class Fails(OddNet):  # raises inside the dropped part's no_grad region
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.bn(self.bn(self.conv(x))).flatten(1)
+            return torch.nn.functional.softmax(self.conv(x), dim=7)
 
-    net = Twice().train()
-    norm = FullBatchNorm()
-    norm.patch(net)
+    net = Fails().train()
+    twin = lockstep_graph(net)
+    assert twin is not None
     keep, drop = _rows()
-    graph = lockstep_graph(net)
-    with pytest.raises(RuntimeError, match="ran twice"):
-        lockstep_forward(graph, net, torch.randn(8, 3, 6, 6), keep, drop, norm)
-    assert norm.phase is None and norm.stats == {}
-    with norm.record():  # usable again
-        pass
+    with pytest.raises(IndexError):
+        lockstep_forward(twin, torch.randn(8, 3, 6, 6), PartRows(keep, drop))
+    assert torch.is_grad_enabled()
 
 
-def test_graph_is_traced_once_per_backbone_and_not_pickled(kit) -> None:
+def test_twin_is_built_once_per_backbone_and_not_pickled(kit, monkeypatch) -> None:
+    """No per-step interpretation: the twin module is generated at the first step and reused."""
+    built = []
+    real = sbp_strategy.lockstep_graph
+    monkeypatch.setattr(sbp_strategy, "lockstep_graph", lambda *a, **k: built.append(1) or real(*a, **k))
     strategy = sbp()
     bb = strategy.prepare(kit.BACKBONES["resnet"]().train())
     x = kit.video()
     strategy.encode(bb, x)
     traced = strategy._traced
     strategy.encode(bb, x)
-    assert strategy._traced is traced and traced[1] is not None
+    assert strategy._traced is traced and isinstance(traced[1], fx.GraphModule)
+    assert len(built) == 1
+    assert "batchnorm_parts" in traced[1].code  # BN meets both parts in the generated code
     assert strategy.__getstate__()["_traced"] is None
     assert sbp(lockstep=False).describe()["lockstep"] is False
 
 
-def test_composed_with_recomputation_uses_record_apply(kit) -> None:
-    strategy = sbp(checkpoint="sqrt")
-    bb = strategy.prepare(kit.BACKBONES["resnet"]().train())
-    assert strategy._lockstep_graph(bb) is None
+def test_composed_with_recomputation_uses_record_apply(kit, monkeypatch) -> None:
+    def refuse(*_a, **_k):
+        raise AssertionError("the lockstep code ran with memory.checkpoint")
+
+    monkeypatch.setattr(sbp_strategy, "lockstep_forward", refuse)
+    _, model = kit.model_pair("resnet", sbp(checkpoint="sqrt"))
+    kit.step(model, kit.video())
+
+
+@pytest.mark.parametrize("policy", ["full_batch", "frozen"])
+def test_channels_last_gives_the_same_results_and_keeps_the_format(kit, policy: str) -> None:
+    """A channels_last model and input (``trainer.channels_last``): the same logits and gradients
+    as the contiguous run, and every conv's input and output stays channels_last (the inputs
+    after BN and ReLU, the outputs of both parts)."""
+    got = {}
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        _, model = kit.model_pair("resnet", sbp(bn_policy=policy))
+        model.backbone.to(memory_format=fmt)
+        x = kit.video().flatten(0, 1).contiguous(memory_format=fmt).view(kit.B, kit.T, 3, kit.PX, kit.PX)
+        formats = []
+
+        def record(_m, args, out, formats=formats):
+            formats.append(all(t.is_contiguous(memory_format=torch.channels_last) for t in (args[0], out)))
+
+        hooks = [m.register_forward_hook(record) for m in model.backbone.modules()
+                 if isinstance(m, nn.Conv2d)]
+        got[fmt] = (kit.step(model, x), kit.grads(model), formats)
+        for h in hooks:
+            h.remove()
+    torch.testing.assert_close(got[torch.channels_last][0], got[torch.contiguous_format][0], rtol=1e-5, atol=1e-5)
+    kit.assert_close_dicts(got[torch.channels_last][1], got[torch.contiguous_format][1], rtol=1e-4, atol=1e-5)
+    formats = got[torch.channels_last][2]
+    assert formats and all(formats), formats

@@ -1,42 +1,115 @@
-"""SBP with TSM's temporal shift: block granularity shifts every frame before splitting each
-branch (so it equals e2e at keep 1, its forward equals e2e's at any keep, and its gradients are
-e2e's with the dropped branches detached); frame granularity is refused."""
+"""SBP with TSM's temporal shift. Frame granularity (the default there, through the lockstep code):
+forward equal to e2e's, gradients equal to e2e's with the dropped frames' activations detached at
+every shift input, BN input and at the backbone's output. Block granularity shifts every frame
+before splitting each branch (so it equals e2e at keep 1, its forward equals e2e's at any keep,
+and its gradients are e2e's with the dropped branches detached)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from videotrain.memory import StochasticBackprop
 from videotrain.memory.sampling import keep_mask
 from videotrain.memory.sbp.blocks import branch_norms
 from videotrain.memory.sbp.split import ScaleGrad
+from videotrain.models.temporal_shift import TemporalShift
 
 
 def sbp(**kw) -> StochasticBackprop:
     return StochasticBackprop(**{"keep_ratio": 0.5, "granularity": "block", "seed": 0, "rank": 0, **kw})
 
 
-@pytest.mark.parametrize("kw", [{}, {"checkpoint": "blocks"}], ids=["frame", "frame+checkpoint"])
-def test_frame_granularity_is_refused_naming_the_key(kit, kw) -> None:
-    with pytest.raises(ValueError, match="memory.granularity=frame .*memory.granularity=block"):
-        kit.shifted_pair(sbp(granularity="frame", **kw))
-
-
-def test_auto_granularity_is_block_with_the_shift_and_frame_without(kit) -> None:
-    """``granularity=auto`` (the config default) follows the backbone: the default resnet10 has
-    the shift, so ``memory=sbp`` alone must not be refused there, nor change a per-frame one."""
+def test_auto_granularity_is_frame_with_the_shift_and_block_without_lockstep(kit) -> None:
+    """``granularity=auto`` (the config default) is frame on the default resnet10 with its shift
+    (the lockstep code runs it), and block where the lockstep code cannot run."""
     shifted = sbp(granularity="auto")
     kit.shifted_pair(shifted)
-    assert shifted.granularity == "block" and shifted.describe()["granularity"] == "block"
+    assert shifted.granularity == "frame" and shifted.describe()["grad_scale"] == "none"
+    fallback = sbp(granularity="auto", lockstep=False)
+    kit.shifted_pair(fallback)
+    assert fallback.granularity == "block"
     plain = sbp(granularity="auto")
     kit.model_pair("resnet", plain)
     assert plain.granularity == "frame"
 
 
-def test_auto_granularity_with_checkpoint_is_refused_with_the_shift(kit) -> None:
+def test_frame_granularity_without_lockstep_is_refused_naming_the_key(kit) -> None:
+    with pytest.raises(ValueError, match="memory.granularity=frame .*memory.granularity=block"):
+        kit.shifted_pair(sbp(granularity="frame", lockstep=False))
+
+
+@pytest.mark.parametrize("granularity", ["auto", "frame"])
+def test_checkpoint_with_the_shift_is_refused(kit, granularity: str) -> None:
     with pytest.raises(ValueError, match="memory.checkpoint .*temporal_shift"):
-        kit.shifted_pair(sbp(granularity="auto", checkpoint="blocks"))
+        kit.shifted_pair(sbp(granularity=granularity, checkpoint="blocks"))
+
+
+def _detached_reference(kit, ref: nn.Module, keep: torch.Tensor, x: torch.Tensor,
+                        policy: str) -> torch.Tensor:
+    """e2e with the dropped frames' activations held constant at every layer: their rows
+    detached at every shift input, every BN input (full-batch BN) and at the backbone's
+    output, by plain autograd. Returns the logits after a backward of the loss."""
+    rows = keep_mask(keep, kit.T).flatten()  # (N,)
+
+    def pre(_m: nn.Module, args: tuple) -> tuple:
+        return (kit.row_detach(args[0], rows),)
+
+    hooks = [m.register_forward_pre_hook(pre) for m in ref.backbone.modules()
+             if isinstance(m, TemporalShift)
+             or (policy == "full_batch" and isinstance(m, nn.modules.batchnorm._BatchNorm))]
+    hooks.append(ref.backbone.register_forward_hook(lambda _m, _a, out: kit.row_detach(out, rows)))
+    if policy == "frozen":
+        for m in ref.backbone.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+    logits = kit.step(ref, x)
+    for h in hooks:
+        h.remove()
+    return logits
+
+
+@pytest.mark.parametrize("policy", ["full_batch", "frozen"])
+@pytest.mark.parametrize("keep_ratio", [0.375, 0.75])
+def test_frame_sbp_gradients_are_e2e_with_dropped_frames_constant(kit, policy: str,
+                                                                  keep_ratio: float) -> None:
+    """The stated gradient, against a reference computed with plain autograd; the dropped
+    frames' input gradient is exactly zero; the gradient differs from plain e2e's (the spec has
+    teeth: the shift carries gradient through dropped neighbours in e2e)."""
+    strategy = sbp(granularity="frame", keep_ratio=keep_ratio, bn_policy=policy)
+    ref, model = kit.shifted_pair(strategy)
+    plain = kit.shifted_pair(sbp())[0]
+    x = kit.video(requires_grad=True)
+    logits = kit.step(model, x)
+    keep = strategy.last_keep  # (B, n)
+    ref_logits = _detached_reference(kit, ref, keep, x.detach(), policy)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=1e-4, atol=1e-6)
+    per_frame = x.grad.abs().flatten(2).sum(2)  # (B, T)
+    mask = keep_mask(keep, kit.T)
+    assert bool((per_frame[~mask] == 0).all()) and bool((per_frame[mask] > 0).all())
+    if policy == "full_batch":
+        # e2e: the same forward, another backbone gradient
+        torch.testing.assert_close(logits, kit.step(plain, x.detach()), rtol=1e-5, atol=1e-5)
+        ours, e2e = kit.grads(model.backbone), kit.grads(plain.backbone)
+        assert any(not torch.allclose(ours[n], g, atol=1e-5) for n, g in e2e.items())
+
+
+def test_frame_sbp_forward_and_running_stats_equal_e2e_with_the_shift(kit) -> None:
+    ref, model = kit.shifted_pair(sbp(granularity="frame", keep_ratio=0.25))
+    x = kit.video()
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+    ours, theirs = kit.bn_buffers(model.backbone), kit.bn_buffers(ref.backbone)
+    kit.assert_close_dicts(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert all(int(v) == 1 for k, v in ours.items() if k.endswith("num_batches_tracked"))
+
+
+def test_frame_sbp_at_keep_one_equals_e2e_with_the_shift(kit) -> None:
+    ref, model = kit.shifted_pair(sbp(granularity="frame", keep_ratio=1.0))
+    x = kit.video()
+    torch.testing.assert_close(kit.step(model, x), kit.step(ref, x), rtol=0, atol=0)
+    kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=0, atol=0)
 
 
 def test_block_sbp_at_keep_one_equals_e2e_with_the_shift(kit) -> None:

@@ -1,184 +1,299 @@
-"""One forward for SBP with full-batch BatchNorm: kept and dropped frames in lockstep.
+"""Frame-granularity SBP in one forward: the backbone's code with kept and dropped twins.
 
-``split_forward``'s ``full_batch`` record/apply scheme (``videotrain.memory.sbp.split``) runs
-the kept frames' convolutions twice, once without grad inside the all-frames statistics pass
-and once with autograd: a forward of ``(1 + r) F`` instead of ``F``, which keeps an SBP step
-from scaling with ``r``.
+The backbone is traced with ``torch.fx`` once (per backbone object), made out of place, and
+rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward takes the kept
+frames ``(n, ...)`` and the dropped frames ``(N - n, ...)`` as two contiguous row blocks and
+returns both parts' features. Every per-frame op becomes two ops, one per part: the dropped
+part's ops run under ``no_grad`` (their activations are never stored), the kept part's with
+autograd. Per segment between two *meeting points*, the dropped twins run first, in one
+``no_grad`` region, then the kept twins. Nothing is interpreted per step: the generated code
+is plain Python that fx compiled once, and the row bookkeeping of a step is a few index
+tensors (:class:`PartRows`).
 
-This module runs the backbone once. It traces the backbone's forward into a ``torch.fx`` graph
-(once per backbone, at its first SBP step) and interprets it node by node, carrying every activation as a
-``Split``: the kept rows (computed with autograd) and the dropped rows (computed under
-``no_grad``). Every operation runs twice, on the two row sets, except training-mode BatchNorm,
-where the two meet:
+Meeting points, where the two parts meet:
 
-1. the kept and dropped rows are copied, in the original row order, into one ``(N, ...)``
-   tensor, and the layer's own training forward runs on it (``FullBatchNorm``'s record phase):
-   e2e's output, the batch statistics, and running statistics updated once, bit for bit;
-2. the dropped rows take their rows of that output;
-3. the kept rows go through ``_FullBatchStatsBN`` with the recorded statistics, which returns
-   their rows of the same output and has record/apply's backward (dropped rows are constants).
+- **Training-mode BatchNorm** (``bn_policy=full_batch``; :func:`batchnorm_parts`): the two
+  blocks are concatenated (one copy; the rows are already in ``[kept | dropped]`` order, so
+  no gather or scatter), the layer's own training kernel (``_native_batch_norm_legit``) runs
+  on all ``N`` rows: e2e's batch statistics and running-statistics update (once), and both
+  parts' outputs as row blocks of its output. The kept block carries
+  :class:`KeptRowsBatchNorm`'s graph, whose backward is e2e's BN backward with the dropped
+  rows held constant, from ATen's own BN backward kernel (one kernel and one
+  ``addcmul``; see the class). The SyncBatchNorm kernels that would do this on several parts
+  (``batch_norm_stats`` and friends) have no CPU kernels (torch 2.11-2.14), so the fused
+  formulation is the one that runs, and counts, the same on both devices.
+- **A module with ``lockstep_parts(kept, dropped, rows)``**: TSM's temporal shift
+  (``videotrain.models.temporal_shift``) reads each frame's neighbours from both parts, the
+  dropped ones as constants.
 
-So the forward values, the running statistics and the gradients are those of the
-record/apply scheme (tested against it), the convolutions run once per frame, and what is
-stored for backward is unchanged: the kept rows' activations only. The price is a transient at
-each BN of the full input plus the full output, like the record pass's own.
+What it computes: e2e's forward (BN statistics over all frames, running statistics updated
+once; values equal up to rounding since the rows are reduced in another order), and the e2e
+gradient with the dropped frames' activations held constant at every layer (the gradient paths
+through dropped frames cut); the input gradient of a dropped frame is exactly zero.
 
-Like the record/apply scheme, it assumes every operation other than BN acts on each frame
-independently. A backbone that ``torch.fx`` cannot trace, or that is checkpointed (SBP composed
-with recomputation), uses record/apply instead; ``lockstep_graph`` returns ``None`` for it.
+A backbone that ``torch.fx`` cannot trace, one with a BN subclass that overrides ``forward``
+or SyncBatchNorm, or a kept path that is checkpointed (SBP composed with recomputation) uses
+record/apply (``videotrain.memory.sbp.split``) instead; ``lockstep_graph`` returns ``None``.
 """
 
 from __future__ import annotations
 
-from operator import attrgetter
+import operator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
-from torch.fx.node import map_aggregate
+from torch.fx.node import map_arg
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.recompute.graph import fx_tracer
-from videotrain.memory.sbp.split import FullBatchNorm, full_batch_stats_bn, merge_rows
+from videotrain.memory.recompute.graph import fx_tracer, make_out_of_place
+from videotrain.memory.sbp.split import ScaleGrad, suggest_memory_format, train_bn_forward
 
 
-class Split:
-    """One activation of the lockstep pass: its kept rows and its dropped rows.
+class BatchNormCoefficients:
+    """The per-channel factors of one step's kept-rows BN backwards (:class:`KeptRowsBatchNorm`),
+    ``rho * w`` and ``w * rstd`` of every fused BN, computed for all of them by two ``_foreach``
+    ops at the first BN backward instead of two small ops per BN."""
 
-    Deliberately not a tuple: ``map_aggregate`` recurses into tuples, and an argument such as
-    ``(x, y)`` must stay distinguishable from a split value."""
+    def __init__(self, rho: float) -> None:
+        self.rho = rho
+        self.layers: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (weight, rstd) per BN
+        self._coefs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    __slots__ = ("kept", "dropped")
+    def add(self, weight: torch.Tensor | None, rstd: torch.Tensor) -> int:
+        self.layers.append((weight, rstd))
+        return len(self.layers) - 1
 
-    def __init__(self, kept: Any, dropped: Any) -> None:
-        self.kept, self.dropped = kept, dropped
-
-
-def lockstep_graph(backbone: nn.Module) -> fx.Graph | None:
-    """The backbone's forward as an fx graph, or ``None`` when it cannot be traced (data-
-    dependent control flow, say); the caller then falls back to record/apply."""
-    try:
-        graph = fx_tracer(backbone).trace(backbone)  # timm backbones bring their own tracer
-    except Exception:  # noqa: BLE001 - any tracing failure means "use the general path"
-        return None
-    inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    return graph if len(inputs) == 1 else None  # forward(frames) only
-
-
-def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """node -> the values whose last use is that node (freed right after it runs)."""
-    seen: set[fx.Node] = set()
-    frees: dict[fx.Node, list[fx.Node]] = {n: [] for n in graph.nodes}
-    for node in reversed(graph.nodes):
-        for inp in node.all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                frees[node].append(inp)
-    return frees
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rho * w, w * rstd)`` of BN ``i`` (``w = 1`` without affine weights)."""
+        if self._coefs is None:
+            with torch.no_grad():
+                affine = [(w, r) for w, r in self.layers if w is not None]
+                ws, rs = [w.detach() for w, _ in affine], [r for _, r in affine]
+                w_rho = iter(torch._foreach_mul(ws, self.rho) if ws else [])
+                w_r = iter(torch._foreach_mul(ws, rs) if ws else [])
+                self._coefs = [(next(w_rho), next(w_r)) if w is not None
+                               else (r.new_full(r.shape, self.rho), r) for w, r in self.layers]
+        return self._coefs[i]
 
 
-def _part(value: Any, which: str) -> Any:
-    return map_aggregate(value, lambda v: getattr(v, which) if isinstance(v, Split) else v)
+class PartRows:
+    """The rows of one step: which original rows (``B*T`` order) are kept and dropped, the
+    ``[kept | dropped]`` order the twins run in, and its inverse; temporal neighbours on
+    demand (a backbone that mixes frames)."""
+
+    def __init__(self, keep_rows: torch.Tensor, drop_rows: torch.Tensor) -> None:
+        self.keep_rows, self.drop_rows = keep_rows, drop_rows  # (n,), (N - n,)
+        self.n_keep = int(keep_rows.numel())
+        self.n_rows = self.n_keep + int(drop_rows.numel())
+        self._neighbours: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.bn = BatchNormCoefficients(self.n_keep / self.n_rows)
+
+    def neighbours(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(next, prev)``, each ``(N,)``: for every part row, the part row of the same
+        clip's next / previous frame, or ``N`` (a zero row) at the clip's end / start."""
+        if num_frames not in self._neighbours:
+            if self.n_rows % num_frames:
+                raise ValueError(f"temporal shift: {self.n_rows} frames are not whole clips of "
+                                 f"{num_frames} frames")
+            order = torch.cat((self.keep_rows, self.drop_rows))  # (N,): part row -> original row
+            pos = torch.empty(self.n_rows + 1, dtype=order.dtype, device=order.device)  # (N + 1,)
+            pos[order] = torch.arange(self.n_rows, device=order.device)  # original row -> part row
+            pos[-1] = self.n_rows  # the zero row
+            frame = order % num_frames  # (N,) frame index of each part row
+            last = torch.full_like(order, self.n_rows)
+            nxt = torch.where(frame < num_frames - 1, order + 1, last)  # original rows, N: none
+            prv = torch.where(frame > 0, order - 1, last)
+            nxt, prv = pos[nxt], pos[prv]  # part rows
+            self._neighbours[num_frames] = (nxt, prv)
+        return self._neighbours[num_frames]
 
 
-def _has_split(value: Any) -> bool:
-    found = []
-    map_aggregate(value, lambda v: found.append(v) if isinstance(v, Split) else v)
-    return bool(found)
+class KeptRowsBatchNorm(torch.autograd.Function):
+    """The kept rows ``y`` of a full-batch BN output, with the graph of the kept input ``x``.
+
+    ``mean``, ``rstd`` are the full batch's statistics (``N`` rows, ``rho = n / N`` of them
+    kept). Backward, with ``xhat = (x - mean) * rstd``, ``g`` the output gradient and ``m_k``
+    the mean over the kept rows (and positions)::
+
+        dx = w rstd (g - rho m_k(g) - rho xhat m_k(g xhat))            (e2e's BN backward,
+           = rho * bn_backward_train(g; weight w) + (1 - rho) w rstd g   dropped rows constant)
+
+    ATen's training-mode BN backward with the saved statistics and weight ``rho * w`` gives the
+    first term and, in the same kernel, the weight and bias gradients (``sum(g xhat)``,
+    ``sum(g)``, independent of the weight passed); one ``addcmul_`` adds the second. The
+    per-channel factors come from the step's :class:`BatchNormCoefficients`. Only ``x`` (and
+    the per-channel statistics) is saved, like native BN."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                coefs: BatchNormCoefficients, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, mean, rstd)
+        ctx.coefs, ctx.index = coefs, coefs.add(weight, rstd)
+        ctx.eps, ctx.has_weight, ctx.has_bias = eps, weight is not None, bias is not None
+        return y  # (n, C, *): returned as is (a view for autograd)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, rstd = ctx.saved_tensors
+        rho = ctx.coefs.rho
+        w_rho, w_rstd = ctx.coefs[ctx.index]  # (C,), (C,)
+        need_w = ctx.has_weight and ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            grad, x, w_rho, None, None, mean, rstd, True, ctx.eps,
+            [ctx.needs_input_grad[0], need_w, need_b])
+        if gx is not None and rho < 1.0:
+            shape = (1, -1) + (1,) * (x.dim() - 2)  # (C,) over (n, C, *)
+            gx = gx.addcmul_(grad, w_rstd.view(shape), value=1.0 - rho)
+        return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, None
 
 
-def _like(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """An empty ``(rows, *t.shape[1:])`` tensor in ``t``'s dtype, device and memory format."""
-    fmt = torch.contiguous_format
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        fmt = torch.channels_last
-    return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device, memory_format=fmt)
-
-
-def lockstep_forward(
-    graph: fx.Graph,
-    root: nn.Module,
-    x: torch.Tensor,
-    keep_rows: torch.Tensor,
-    drop_rows: torch.Tensor,
-    norm: FullBatchNorm,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """``root(x)`` for all rows of ``x (N, ...)`` in one pass, with autograd only through
-    ``keep_rows``: ``split_forward``'s contract and result. ``root``'s BN layers must be patched
-    by ``norm`` (``FullBatchNorm.patch``); ``graph`` is ``lockstep_graph(root)``; ``scale``
-    multiplies the kept rows' gradient."""
-    n_rows = x.shape[0]
-    frees = _last_uses(graph)
-    env: dict[fx.Node, Any] = {}
-    result: Any = None
-    try:
-        with norm.record():
-            for node in graph.nodes:
-                if node.op == "placeholder":
-                    env[node] = Split(x.index_select(0, keep_rows), x.index_select(0, drop_rows))
-                elif node.op == "get_attr":
-                    env[node] = attrgetter(str(node.target))(root)  # a parameter or buffer
-                elif node.op == "output":
-                    result = map_aggregate(node.args[0], lambda n: env[n] if isinstance(n, fx.Node) else n)
-                else:
-                    env[node] = _run(node, root, env, n_rows, keep_rows, drop_rows, norm, frees)
-                for dead in frees[node]:
-                    env.pop(dead, None)
-    finally:
-        norm.clear()
-    if not isinstance(result, Split) or not isinstance(result.kept, torch.Tensor):
-        raise TypeError(f"lockstep SBP: the backbone returned {type(result).__name__}, not a tensor")
-    dropped = result.dropped  # (N - n, ...)
-    out = dropped.new_empty((n_rows, *dropped.shape[1:]))  # (N, ...), no graph
-    out.index_copy_(0, drop_rows, dropped)
-    return merge_rows(result.kept, out, keep_rows, scale)
-
-
-def _run(
-    node: fx.Node, root: nn.Module, env: dict[fx.Node, Any], n_rows: int,
-    keep_rows: torch.Tensor, drop_rows: torch.Tensor, norm: FullBatchNorm,
-    frees: dict[fx.Node, list[fx.Node]],
-) -> Any:
-    args = map_aggregate(node.args, lambda n: env[n] if isinstance(n, fx.Node) else n)
-    kwargs = map_aggregate(node.kwargs, lambda n: env[n] if isinstance(n, fx.Node) else n)
-    if node.op == "call_module":
-        fn: Any = root.get_submodule(str(node.target))
-        if isinstance(fn, _BatchNorm) and fn.training and len(args) == 1 and isinstance(args[0], Split):
-            # the input's last use is this BN (the usual case): its dropped rows can go as soon
-            # as they are copied into the full batch
-            owned = node.args[0] in frees[node]
-            return _batchnorm(fn, args[0], n_rows, keep_rows, drop_rows, norm, owned)
-    elif node.op == "call_method":
-        def fn(obj: Any, *a: Any, **k: Any) -> Any:
-            return getattr(obj, str(node.target))(*a, **k)
-    else:  # call_function
-        fn = node.target
-    if not (_has_split(args) or _has_split(kwargs)):
-        return fn(*args, **kwargs)
-    kept = fn(*_part(args, "kept"), **_part(kwargs, "kept"))  # with autograd
+def batchnorm_parts(bn: _BatchNorm, kept: torch.Tensor, dropped: torch.Tensor, rows: PartRows,
+                    view_ok: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bn`` over ``[kept | dropped]`` rows: e2e's training forward (statistics of all rows,
+    running statistics once); the kept block carries :class:`KeptRowsBatchNorm`'s graph.
+    ``view_ok``: every consumer of the kept output stores nothing of it (ReLU, add), so it may
+    stay a view of the full output; otherwise it gets its own storage, so that what autograd
+    saves holds only kept rows. A BN in eval mode normalises each part alone."""
+    if not bn.training:
+        with torch.no_grad():
+            d_out = bn(dropped)
+        return bn(kept), d_out
+    n = kept.shape[0]
     with torch.no_grad():
-        dropped = fn(*_part(args, "dropped"), **_part(kwargs, "dropped"))
-    return Split(kept, dropped)
-
-
-def _batchnorm(
-    bn: _BatchNorm, value: Split, n_rows: int, keep_rows: torch.Tensor, drop_rows: torch.Tensor,
-    norm: FullBatchNorm, owned: bool,
-) -> Split:
-    """BN over all ``n_rows`` rows: e2e's output and statistics (running stats once); the kept
-    rows carry ``_FullBatchStatsBN``'s graph."""
-    kept = value.kept  # (n, C, *) with autograd
-    with torch.no_grad():
-        full = _like(kept, n_rows)  # (N, C, *) in the original row order
-        full.index_copy_(0, keep_rows, kept.detach())
-        full.index_copy_(0, drop_rows, value.dropped.to(full.dtype))
-        if owned:
-            value.dropped = None  # its only reference: freed now, before BN allocates its output
-        out = bn(full)  # patched: the layer's own training forward, statistics recorded
+        full = torch.cat((kept.detach(), dropped))  # (N, C, *) in [kept | dropped] order
+        out, mean, rstd = train_bn_forward(bn, full)
         del full
-        kept_out = out.index_select(0, keep_rows)  # (n, C, *)
-        dropped_out = out.index_select(0, drop_rows)  # (N - n, C, *)
-        del out
-    mean, var = norm.stats[bn]
-    return Split(full_batch_stats_bn(bn, kept, mean, var, n_rows, kept_out), dropped_out)
+    y = out[:n] if view_ok else out[:n].clone()
+    if rows.n_rows != out.shape[0]:
+        raise RuntimeError(f"lockstep SBP: {type(bn).__name__} got {out.shape[0]} rows, not the "
+                           f"step's {rows.n_rows} frames")
+    kept_out = KeptRowsBatchNorm.apply(kept, bn.weight, bn.bias, y, mean, rstd, rows.bn, bn.eps)
+    return kept_out, out[n:]
+
+
+def module_parts(module: nn.Module, kept: Any, dropped: Any, rows: PartRows) -> tuple[Any, Any]:
+    """A module that meets both parts itself (``module.lockstep_parts``)."""
+    return module.lockstep_parts(kept, dropped, rows)
+
+
+_VIEW_SAFE_FUNCS = {F.relu, torch.relu, operator.add, torch.add}  # save nothing of their input
+
+
+def _view_safe(node: fx.Node, root: nn.Module) -> bool:
+    if not node.users:
+        return False
+    for user in node.users:
+        if user.op == "call_function" and user.target in _VIEW_SAFE_FUNCS:
+            continue
+        if user.op == "call_module" and type(root.get_submodule(str(user.target))) is nn.ReLU:
+            continue
+        return False
+    return True
+
+
+def _fusable_bn(module: nn.Module) -> bool:
+    return (isinstance(module, _BatchNorm) and not isinstance(module, nn.SyncBatchNorm)
+            and type(module).forward is _BatchNorm.forward)
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def lockstep_graph(backbone: nn.Module, full_batch: bool = True) -> fx.GraphModule | None:
+    """``backbone``'s twin module: ``twin(kept, dropped, rows) -> (kept out, dropped out)``
+    (module doc), or ``None`` when it cannot be built (untraceable backbone, a BN it cannot
+    fuse). ``full_batch``: training-mode BN layers meet both parts (``bn_policy=full_batch``);
+    otherwise BN runs per part like any layer (frozen BN, eval mode)."""
+    try:
+        tracer = fx_tracer(backbone)  # timm backbones bring their own tracer
+        graph = tracer.trace(backbone)
+        gm = make_out_of_place(fx.GraphModule(tracer.root, graph))
+        return _twin_module(gm, full_batch)
+    except Exception:  # noqa: BLE001 - any failure to trace or rewrite means "use the general path"
+        return None
+
+
+def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
+    src = gm.graph
+    if sum(n.op == "placeholder" for n in src.nodes) != 1:
+        raise _Unsupported("forward(frames) only")
+    g = fx.Graph()
+    kept_in, dropped_in, rows = g.placeholder("kept"), g.placeholder("dropped"), g.placeholder("rows")
+    env: dict[fx.Node, Any] = {}  # original node -> new node, or (kept node, dropped node)
+    pending: list[fx.Node] = []  # per-frame nodes of the current segment, not yet emitted
+
+    def part(value: Any, i: int) -> Any:
+        return map_arg(value, lambda n: env[n][i] if isinstance(env[n], tuple) else env[n])
+
+    def is_split(node: fx.Node) -> bool:
+        return any(isinstance(env[a], tuple) for a in node.all_input_nodes)
+
+    def flush() -> None:  # the segment's dropped twins under no_grad, then its kept twins
+        if not pending:
+            return
+        dropped: dict[fx.Node, fx.Node] = {}
+        g.call_function(torch._C._set_grad_enabled, (False,))
+        for node in pending:
+            dropped[node] = g.create_node(node.op, node.target, part(node.args, 1), part(node.kwargs, 1))
+            env[node] = (None, dropped[node])
+        g.call_function(torch._C._set_grad_enabled, (True,))
+        for node in pending:
+            env[node] = (g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0)),
+                         dropped[node])
+        pending.clear()
+
+    def meet(fn: Any, target: str, args: tuple) -> tuple[fx.Node, fx.Node]:
+        flush()
+        both = g.call_function(fn, (g.get_attr(target), *args))
+        return g.call_function(operator.getitem, (both, 0)), g.call_function(operator.getitem, (both, 1))
+
+    for node in src.nodes:
+        if node.op == "placeholder":
+            env[node] = (kept_in, dropped_in)
+        elif node.op == "output":
+            flush()
+            out = node.args[0]
+            if not isinstance(out, fx.Node) or not isinstance(env[out], tuple):
+                raise _Unsupported("the backbone must return one tensor computed from its input")
+            g.output((env[out][0], env[out][1]))
+        elif node.op == "get_attr" or not is_split(node):
+            env[node] = g.node_copy(node, lambda n: env[n])
+        else:
+            module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+            if isinstance(module, _BatchNorm) and full_batch:
+                if not _fusable_bn(module) or len(node.args) != 1 or node.kwargs:
+                    raise _Unsupported(f"cannot fuse {type(module).__name__}")
+                flush()
+                x = env[node.args[0]]
+                env[node] = meet(batchnorm_parts, str(node.target), (x[0], x[1], rows, _view_safe(node, gm)))
+            elif module is not None and callable(getattr(module, "lockstep_parts", None)):
+                flush()
+                x = env[node.args[0]]
+                env[node] = meet(module_parts, str(node.target), (x[0], x[1], rows))
+            else:
+                pending.append(node)
+                env[node] = (node, node)  # a marker: split, emitted at the next flush
+    return fx.GraphModule(gm, g, "SBPLockstep")
+
+
+def lockstep_forward(twin: fx.GraphModule, x: torch.Tensor, rows: PartRows,
+                     scale: float | None = None) -> torch.Tensor:
+    """``backbone(x)`` for all rows of ``x (N, ...)`` in one pass of ``twin``
+    (``lockstep_graph(backbone)``), with autograd only through ``rows.keep_rows``; ``scale``
+    multiplies the kept rows' gradient. Returns ``(N, ...)`` in ``x``'s row order."""
+    with torch.enable_grad():  # restores grad mode if the dropped part fails under no_grad
+        kept, dropped = twin(x[rows.keep_rows], x[rows.drop_rows], rows)  # (n, ...), (N - n, ...)
+    if not isinstance(kept, torch.Tensor):
+        raise TypeError(f"lockstep SBP: the backbone returned {type(kept).__name__}, not a tensor")
+    if scale is not None and scale != 1.0:
+        kept = ScaleGrad.apply(kept, scale)
+    out = torch.empty((rows.n_rows, *kept.shape[1:]), dtype=kept.dtype, device=kept.device,
+                      memory_format=suggest_memory_format(kept))  # (N, ...), no graph
+    out[rows.drop_rows] = dropped.to(kept.dtype)
+    out[rows.keep_rows] = kept  # the result's graph holds the kept rows only
+    return out

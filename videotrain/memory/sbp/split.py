@@ -39,6 +39,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from videotrain.memory.recompute.execute import replay_on_recompute
 
+try:  # the memory format torch's own ops pick for a tensor
+    from torch._prims_common import suggest_memory_format
+except ImportError:  # pragma: no cover - torch without the private helper
+    def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+        cl = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+        return torch.channels_last if cl else torch.contiguous_format
+
 BN_POLICIES = ("full_batch", "frozen")
 
 
@@ -231,6 +238,17 @@ def _train_bn_with_stats(
         dims = [0, *range(2, x.dim())]
         var, mean = torch.var_mean(x.detach().to(stats_dtype(x)), dim=dims, correction=0)  # (C,), (C,)
         return orig(x), mean, var
+    out, mean, rstd = train_bn_forward(bn, x)
+    acc = stats_dtype(x)
+    var = rstd.to(acc).pow(-2).sub_(bn.eps).clamp_(min=0.0)  # rstd = 1 / sqrt(var + eps)
+    return out, mean.to(acc), var
+
+
+def train_bn_forward(bn: _BatchNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_BatchNorm.forward`` in training mode, as ``(out, mean, rstd)``: the kernel
+    ``F.batch_norm`` runs (``aten._native_batch_norm_legit``) with the layer's running-statistics
+    bookkeeping, so output, running statistics and ``num_batches_tracked`` are the layer's own,
+    bit for bit, and the batch statistics come with them."""
     bn._check_input_dim(x)
     factor = 0.0 if bn.momentum is None else bn.momentum
     if bn.track_running_stats and bn.num_batches_tracked is not None:
@@ -238,14 +256,10 @@ def _train_bn_with_stats(
         if bn.momentum is None:  # cumulative moving average
             factor = 1.0 / float(bn.num_batches_tracked)
     if bn.running_mean is not None and bn.running_var is not None:
-        out, mean, rstd = torch.ops.aten._native_batch_norm_legit(
+        return torch.ops.aten._native_batch_norm_legit(
             x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, factor, bn.eps)
-    else:  # track_running_stats=False: batch statistics only
-        out, mean, rstd = torch.ops.aten._native_batch_norm_legit.no_stats(
-            x, bn.weight, bn.bias, True, factor, bn.eps)
-    acc = stats_dtype(x)
-    var = rstd.to(acc).pow(-2).sub_(bn.eps).clamp_(min=0.0)  # rstd = 1 / sqrt(var + eps)
-    return out, mean.to(acc), var
+    return torch.ops.aten._native_batch_norm_legit.no_stats(  # track_running_stats=False
+        x, bn.weight, bn.bias, True, factor, bn.eps)
 
 
 def stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -296,7 +310,7 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     be written in place with grad on, and a view such as ViT's class token ``tokens[:, 0]``
     would keep its whole base alive."""
     if t._is_view() or t.untyped_storage().nbytes() > t.numel() * t.element_size():
-        return t.clone(memory_format=torch.contiguous_format)
+        return t.clone(memory_format=torch.preserve_format)
     return t
 
 
@@ -307,7 +321,7 @@ def split_forward(
     drop_rows: torch.Tensor,
     norm: FullBatchNorm,
     needs_stats: bool,
-    chunk: int,
+    chunk: int | None,
     scale: float | None = None,
     kept_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -315,7 +329,7 @@ def split_forward(
 
     ``needs_stats``: ``fn`` contains training-mode BN patched by ``norm`` (record/apply, see
     the module docstring); otherwise dropped rows run under ``no_grad`` in ``chunk``-row
-    pieces. ``scale`` multiplies the kept rows' gradient (``grad_scale=inverse_keep``).
+    pieces (``None``: one piece). ``scale`` multiplies the kept rows' gradient (``grad_scale=inverse_keep``).
     ``kept_fn`` (default ``fn``) computes the kept rows: the same function, checkpointed when
     SBP composes with recomputation; its recomputes re-enter the apply phase.
     Returns ``(N, ...)``; dropped rows carry no graph, kept rows the graph of one pass.
@@ -326,17 +340,18 @@ def split_forward(
             with torch.no_grad(), norm.record():
                 out = _compact(fn(x))  # (N, ...): e2e's forward; dropped rows are final
             with norm.apply(total_rows=x.shape[0]), replay_on_recompute(norm.snapshot):
-                kept = (kept_fn or fn)(x.index_select(0, keep_rows))  # (n, ...) with autograd
+                kept = (kept_fn or fn)(x[keep_rows])  # (n, ...) with autograd
         finally:
             norm.clear()
     else:
         with torch.no_grad():  # dropped rows first: nothing is stored yet, transient only
-            for rows in drop_rows.split(max(1, chunk)):
-                y = fn(x.index_select(0, rows))  # (chunk, ...)
+            for rows in drop_rows.split(chunk or max(1, drop_rows.numel())):
+                y = fn(x[rows])  # (chunk, ...); indexing keeps the memory format
                 if out is None:
-                    out = y.new_empty((x.shape[0], *y.shape[1:]))
+                    out = torch.empty((x.shape[0], *y.shape[1:]), dtype=y.dtype, device=y.device,
+                                      memory_format=suggest_memory_format(y))
                 out.index_copy_(0, rows, y)
-        kept = (kept_fn or fn)(x.index_select(0, keep_rows))  # (n, ...) with autograd
+        kept = (kept_fn or fn)(x[keep_rows])  # (n, ...) with autograd
     return merge_rows(kept, out, keep_rows, scale)
 
 

@@ -6,15 +6,25 @@ other frames are never stored. Training memory for the backbone therefore scales
 
 Granularity
 -----------
-``auto`` (default): ``block`` on a backbone that mixes frames (TSM's temporal shift, on in the
-default ResNet-10), ``frame`` otherwise; resolved by ``prepare``.
+``auto`` (default): ``frame``, resolved by ``prepare``; ``block`` only on a backbone that mixes
+frames (TSM's temporal shift) and that ``torch.fx`` cannot trace (or with ``lockstep=false``).
 
 ``frame`` (tree model): kept frames run through the backbone with autograd, dropped frames
-under ``no_grad`` (in chunks of ``nograd_chunk`` frames when no BN statistics are needed), and
-both are scattered into one ``(B, T, D)`` tensor; positions are all frames. No recompute in
-backward. Specification: the head's gradients equal e2e's; the backbone's gradients equal e2e's
-with the dropped frames held constant (for BN-free backbones: e2e with the dropped frames'
-*features* detached); the input gradient is exactly zero on dropped frames.
+under ``no_grad`` (one pass; in chunks of ``nograd_chunk`` frames when set and nothing couples
+the frames), and both are put back into one ``(B, T, D)`` tensor; positions are all frames. No
+recompute in backward. Specification: the head's gradients equal e2e's; the backbone's
+gradients equal e2e's with the dropped frames' activations held constant at every layer (the
+gradient paths through dropped frames cut: for BN-free per-frame backbones, e2e with the dropped
+frames' *features* detached); the input gradient is exactly zero on dropped frames.
+
+With TSM's temporal shift (``model.backbone.temporal_shift``) the frames meet inside the
+backbone. Frame granularity runs the lockstep code (``videotrain.memory.sbp.lockstep``): at each
+shift, a frame reads its neighbours' channels from both parts, the dropped neighbours as
+constants. The gradient is then e2e's with the dropped frames' activations detached at every
+shift input, every BN input and the backbone's output: a kept frame's gradient reaches its kept
+neighbours through the shift, never a dropped one. That is not e2e's gradient on the kept frames
+(e2e would also carry gradient through the dropped frames' activations, which SBP never
+stores); the accuracy suite has not been rerun with it (issue 45).
 
 ``block`` (graph model): inside each selected residual block (default: the first 2/3 of
 ``backbone.blocks()``), the residual *branch* runs with autograd for a per-block random subset
@@ -22,8 +32,6 @@ of frames and under ``no_grad`` for the rest, while the skip path carries gradie
 frame. With TSM's temporal shift (``model.backbone.temporal_shift``) the shift
 runs on the block input of *all* frames with autograd (it stores nothing) before the branch is
 split, so the branch stays per-frame and the kept frames' gradient reaches their neighbours.
-Frame granularity is refused there: the shift makes frames depend on each other inside the
-backbone, and the dropped frames' activations would be needed for the kept frames' gradient.
 See ``videotrain.memory.sbp.blocks`` for how branches are found. Savings are smaller
 than at frame granularity: the skip path's tensors (a ResNet block's final ReLU output) stay
 for every frame, and each split branch saves its own copy of the kept input rows where e2e
@@ -44,9 +52,9 @@ the kept frames' share of the batch mean and variance, not through the dropped f
 the statistics. Not supported with SyncBatchNorm. Two ways to compute it, the same values:
 
 - ``lockstep=true`` (default, frame granularity): one forward. The backbone is traced with
-  ``torch.fx`` and kept frames (autograd) and dropped frames (``no_grad``) run side by side;
-  at every BN they are put back together for the full-batch forward, whose rows are both
-  parts' outputs (``videotrain.memory.sbp.lockstep``). The BN forward is e2e's bit for bit.
+  ``torch.fx`` once and rewritten into code with kept (autograd) and dropped (``no_grad``)
+  twins of every op, the two parts as contiguous row blocks; at every BN they meet in one
+  training-mode BN kernel over all rows (``videotrain.memory.sbp.lockstep``).
 - record/apply (``lockstep=false``; block granularity; composed with ``checkpoint``; a
   backbone ``torch.fx`` cannot trace): the split unit (the backbone, or one residual branch)
   first runs under ``no_grad`` over *all* frames, recording each BN's statistics, and the
@@ -59,7 +67,8 @@ the transient is that of a plain no_grad forward over all B*T frames.
 
 ``frozen``: BN layers run in eval mode inside ``encode`` (running statistics normalize and are
 never updated), the official code's choice for pretrained backbones. Every frame is then
-independent, the dropped frames run in chunks, and nothing is recomputed. Note that the
+independent: the plain scheme, dropped frames under ``no_grad`` in one pass (``nograd_chunk``
+frames at a time when set), kept frames in one pass, nothing recomputed. Note that the
 forward equals e2e's only against an e2e run with frozen BN too.
 
 LayerNorm models (ViT) need no policy. At ``keep_ratio=1`` ``encode`` is plain e2e
@@ -107,12 +116,13 @@ from videotrain.memory.base import (
     autocast_without_cache,
     encode_all_frames,
     mixes_frames,
+    set_clip_length,
 )
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
 from videotrain.memory.sbp.blocks import BlockSplitter, PatchedBlock, select_blocks
-from videotrain.memory.sbp.lockstep import lockstep_forward, lockstep_graph
+from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
 from videotrain.memory.sbp.split import (
     BN_POLICIES,
     FullBatchNorm,
@@ -136,7 +146,7 @@ class StochasticBackprop(SamplerStateMixin):
         keep_ratio: float = 0.5,
         sampler: str = "uniform",
         granularity: str = "auto",
-        nograd_chunk: int = 8,
+        nograd_chunk: int | str = "auto",
         grad_scale: str = "auto",
         blocks: float | list[int] | None = None,
         bn_policy: str = "full_batch",
@@ -157,8 +167,9 @@ class StochasticBackprop(SamplerStateMixin):
                 raise ValueError(f"memory.{key} must be one of {', '.join(allowed)}; got {value!r}")
         if not isinstance(lockstep, bool):
             raise ValueError(f"memory.lockstep must be true or false, got {lockstep!r}")
-        if nograd_chunk < 1:
-            raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
+        if nograd_chunk != "auto" and (isinstance(nograd_chunk, bool) or not isinstance(nograd_chunk, int)
+                                       or nograd_chunk < 1):
+            raise ValueError(f"memory.nograd_chunk must be auto or an integer >= 1, got {nograd_chunk!r}")
         if checkpoint is not None and granularity == "block":
             raise ValueError("memory.checkpoint composes with memory.granularity=frame only "
                              f"(got granularity={granularity!r})")
@@ -169,13 +180,14 @@ class StochasticBackprop(SamplerStateMixin):
             checkpoint, budget_frac=checkpoint_budget_frac)
         self.keep_ratio = float(keep_ratio)
         self.granularity = granularity
-        self.nograd_chunk = int(nograd_chunk)
+        # frames per no_grad piece of the dropped frames; auto (None): one pass over all of them
+        self.nograd_chunk: int | None = None if nograd_chunk == "auto" else int(nograd_chunk)
         self.grad_scale = grad_scale
         self.blocks_spec = blocks if blocks is None or isinstance(blocks, int | float) else list(blocks)
         self.bn_policy = bn_policy
         self.lockstep = lockstep
-        # (the backbone, its lockstep graph or None when untraceable), traced at first use
-        self._traced: tuple[weakref.ref[nn.Module], fx.Graph | None] | None = None
+        # (the backbone, its lockstep twin module or None when untraceable), built at first use
+        self._traced: tuple[weakref.ref[nn.Module], fx.GraphModule | None] | None = None
         self.sampler = FrameSampler(sampler, seed, rank)
         self.norm = FullBatchNorm()
         self.splitter = BlockSplitter(self.norm, self.nograd_chunk)
@@ -189,26 +201,26 @@ class StochasticBackprop(SamplerStateMixin):
     # ------------------------------------------------------------------ setup
     def prepare(self, backbone: nn.Module) -> nn.Module:
         """Patch BN layers (``full_batch``) and wrap the selected blocks (``block``), in place.
-        ``granularity=auto`` becomes ``block`` on a backbone that mixes frames (temporal shift),
-        ``frame`` otherwise; then ``grad_scale=auto`` becomes ``inverse_keep`` at block
-        granularity, ``none`` at frame. Refuses frame granularity on a backbone that mixes frames."""
+        ``granularity=auto`` becomes ``frame``, or ``block`` on a backbone that mixes frames
+        (temporal shift) where the lockstep code cannot run (untraceable, ``lockstep=false``);
+        then ``grad_scale=auto`` becomes ``inverse_keep`` at block granularity, ``none`` at
+        frame. Frame granularity on a backbone that mixes frames needs the lockstep code."""
+        mixes = mixes_frames(backbone)
+        if mixes and self.granularity != "block" and self.recompute is not None:
+            raise ValueError(
+                "memory.checkpoint does not compose with SBP on a backbone whose frames meet "
+                "(model.backbone.temporal_shift > 0): set memory.checkpoint=null, or "
+                "model.backbone.temporal_shift=0")
+        lockstep_ok = not mixes or (self.lockstep and self._lockstep_graph(backbone) is not None)
         if self.granularity == "auto":
-            if self.recompute is not None and mixes_frames(backbone):
-                raise ValueError(
-                    "memory.checkpoint composes with frame-granularity SBP only, and "
-                    "model.backbone.temporal_shift > 0 needs block granularity (the shift mixes "
-                    "frames inside the backbone): set memory.checkpoint=null, or "
-                    "model.backbone.temporal_shift=0")
-            self.granularity = "block" if mixes_frames(backbone) else "frame"
+            self.granularity = "frame" if lockstep_ok else "block"
         if self.grad_scale == "auto":  # unbiased skip + branch sums at block granularity
             self.grad_scale = "inverse_keep" if self.granularity == "block" else "none"
-        if self.granularity == "frame" and mixes_frames(backbone):
+        if self.granularity == "frame" and not lockstep_ok:
             raise ValueError(
-                "memory.granularity=frame does not work with model.backbone.temporal_shift > 0: "
-                "the shift mixes neighbouring frames inside the backbone, so a kept frame's "
-                "gradient would need the dropped frames' activations, which frame-level SBP never "
-                "stores. Use memory.granularity=block (each block shifts all frames, then splits "
-                "its residual branch by frame)")
+                "memory.granularity=frame with model.backbone.temporal_shift > 0 needs the lockstep "
+                "code (memory.lockstep=true and a backbone torch.fx can trace): the shift makes "
+                "frames meet inside the backbone. Use memory.granularity=block")
         if self.bn_policy == "full_batch":
             self.norm.patch(backbone)
         if self.recompute is not None:
@@ -251,25 +263,22 @@ class StochasticBackprop(SamplerStateMixin):
         idx = self.sampler.sample(b, t, keep, video.device)  # (B, n)
         keep_rows, drop_rows = flat_rows(idx, t)  # (B*n,), (B*(T-n),)
         self.last_keep = idx
-        needs_stats = has_train_batchnorm(backbone.modules())
-        graph = self._lockstep_graph(backbone) if needs_stats else None
-        if graph is not None:  # full-batch BN in one pass (kept and dropped rows in lockstep)
-            feats = lockstep_forward(
-                graph, backbone, video.flatten(0, 1), keep_rows, drop_rows, self.norm, scale)
+        frames = video.flatten(0, 1)  # (B*T, C, H, W)
+        needs_stats = self.bn_policy == "full_batch" and has_train_batchnorm(backbone.modules())
+        # one pass of the lockstep code unless record/apply (BN statistics) or chunks are asked for
+        use_twin = self.recompute is None and self.lockstep and (
+            mixes_frames(backbone) or needs_stats or self.nograd_chunk is None)
+        twin = self._lockstep_graph(backbone) if use_twin else None
+        if twin is not None:
+            set_clip_length(backbone, t)  # a temporal shift reads T when it runs
+            feats = lockstep_forward(twin, frames, PartRows(keep_rows, drop_rows), scale)
             return FrameFeatures(feats.view(b, t, -1), all_positions(video))  # (B, T, D)
         kept_fn = None
         if self.recompute is not None:  # checkpoint the kept path (traced for its shape)
-            kept_fn = self.recompute.kept_path(backbone, video.flatten(0, 1)[: b * keep])
+            kept_fn = self.recompute.kept_path(backbone, frames[: b * keep])
         feats = split_forward(
-            backbone,
-            video.flatten(0, 1),  # (B*T, C, H, W)
-            keep_rows,
-            drop_rows,
-            self.norm,
-            needs_stats=needs_stats,
-            chunk=self.nograd_chunk,
-            scale=scale,
-            kept_fn=kept_fn,
+            backbone, frames, keep_rows, drop_rows, self.norm, needs_stats=needs_stats,
+            chunk=self.nograd_chunk, scale=scale, kept_fn=kept_fn,
         )  # (B*T, D)
         return FrameFeatures(feats.view(b, t, -1), all_positions(video))
 
@@ -286,13 +295,12 @@ class StochasticBackprop(SamplerStateMixin):
         with self.splitter.step(b * t, rows, scale):
             return encode_all_frames(backbone, video)  # wrapped blocks split their branches
 
-    def _lockstep_graph(self, backbone: nn.Module) -> fx.Graph | None:
-        """The lockstep graph of ``backbone`` (traced once per backbone object), or ``None``:
-        ``lockstep=False``, SBP composed with recomputation, or an untraceable backbone."""
-        if not self.lockstep or self.recompute is not None:
-            return None
+    def _lockstep_graph(self, backbone: nn.Module) -> fx.GraphModule | None:
+        """The lockstep twin module of ``backbone`` (built once per backbone object), or
+        ``None``: ``lockstep=False`` with BN statistics to record, or an untraceable backbone."""
         if self._traced is None or self._traced[0]() is not backbone:
-            self._traced = (weakref.ref(backbone), lockstep_graph(backbone))
+            twin = lockstep_graph(backbone, full_batch=self.bn_policy == "full_batch")
+            self._traced = (weakref.ref(backbone), twin)
         return self._traced[1]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -319,7 +327,7 @@ class StochasticBackprop(SamplerStateMixin):
             "keep_ratio": self.keep_ratio,
             "granularity": self.granularity,
             "sampler": self.sampler.kind,
-            "nograd_chunk": self.nograd_chunk,
+            "nograd_chunk": "auto" if self.nograd_chunk is None else self.nograd_chunk,
             "grad_scale": self.grad_scale,
             "bn_policy": self.bn_policy,
             "blocks": self.block_indices if self.granularity == "block" else None,
