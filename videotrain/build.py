@@ -42,7 +42,7 @@ from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.base import SelfPlanning
 from videotrain.models.finetune import freeze_backbone, init_from
-from videotrain.models.video import VideoClassifier
+from videotrain.models.video import VideoClassifier, wants_channels_last
 from videotrain.models.weights import load_backbone_weights
 from videotrain.simulate.step import StepMemory
 
@@ -237,6 +237,15 @@ def group_choices(overrides: list[str]) -> dict[str, str]:
     return {k: str(v) for k, v in cfg.hydra.runtime.choices.items()}
 
 
+def device_type(cfg: DictConfig) -> str:
+    """The kind of device ``cfg.device`` trains on (``auto``: cuda when there is one), without
+    claiming it: for choices made while building (``trainer.channels_last``)."""
+    name = str(cfg.get("device", "auto"))
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name).type
+
+
 def resolve_device(name: str, ctx: DistContext = SINGLE_PROCESS) -> torch.device:
     return distributed.resolve_device(name, ctx)
 
@@ -290,6 +299,8 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
     model.eval_frame_chunk = eval_settings(cfg).frame_chunk
     if init and cfg.model.get("init_from"):  # fine-tuning from a trained video model
         init_from(model, str(cfg.model.init_from), class_names, cfg.data.get("layout"))
+    if wants_channels_last(cfg.trainer.get("channels_last", "auto"), device_type(cfg), model.backbone):
+        model.use_channels_last()  # trainer.channels_last: weights and every clip NHWC
     if cfg.model.get("freeze_backbone"):
         frozen = freeze_backbone(model)
         log.info("model.freeze_backbone=true: %d backbone parameters frozen (BatchNorm statistics "
@@ -359,7 +370,7 @@ def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
     return build_data(**{**d, "seed": cfg.seed, "rank": rank, "world_size": world_size,
                          "randaugment": (r.randaugment_ops, r.randaugment_magnitude),
                          "random_erasing": r.random_erasing,
-                         "pin_memory": device.type == "cuda",
+                         "pin_memory": device.type == "cuda", "device_type": device.type,
                          "shared": distributed.from_main_process if world_size > 1 else None, **extra})
 
 

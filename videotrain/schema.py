@@ -112,6 +112,7 @@ class TrainerSchema:
     sync_bn: bool = False
     keep_last_k: Optional[int] = 2  # noqa: UP045 (null: keep every checkpoint)
     resume: Any = "auto"  # auto | force | false
+    channels_last: Any = "auto"  # auto (CUDA and a conv backbone) | true | false
 
 
 @dataclass
@@ -193,7 +194,8 @@ class RootSchema:
 def _data_schema(reader_options: tuple[str, ...]) -> type:
     """``build_data``'s arguments with the options of one layout's reader (the others' left out)."""
     others = {o for opts in READER_OPTIONS.values() for o in opts} - set(reader_options)
-    internal = ("seed", "rank", "world_size", "pin_memory", "preflight_train", "shared", "report_dir",
+    internal = ("seed", "rank", "world_size", "pin_memory", "device_type", "preflight_train", "shared",
+                "report_dir",
                 "randaugment", "random_erasing")  # the last two: the recipe group's
     return schema_of(build_data, (*internal, *sorted(others)), target=False)
 

@@ -35,6 +35,18 @@ class VideoClassifier(nn.Module):
         # model.freeze_backbone (videotrain.models.finetune): the backbone runs without autograd
         # and in eval mode (BatchNorm statistics fixed); the memory strategy has nothing to save
         self.backbone_frozen = False
+        # trainer.channels_last (``use_channels_last``): the backbone's weights, and every clip
+        # it sees, in channels_last, so cuDNN's NHWC kernels run without transposes
+        self.channels_last = False
+
+    def use_channels_last(self, on: bool = True) -> VideoClassifier:
+        """Put the backbone's 4-D weights in channels_last (NHWC) and lay out every clip
+        per frame likewise (``frames_channels_last``) in training and evaluation; ``False``
+        puts them back in the contiguous (NCHW) format."""
+        fmt = torch.channels_last if on else torch.contiguous_format
+        self.backbone.to(memory_format=fmt)
+        self.channels_last = on
+        return self
 
     def train(self, mode: bool = True) -> VideoClassifier:
         super().train(mode)
@@ -72,3 +84,29 @@ class VideoClassifier(nn.Module):
         if key not in self._chunks:
             self._chunks[key] = eval_chunk(self, key[0], self.eval_memory_budget, dtype)
         return self._chunks[key]
+
+
+def frames_channels_last(video: torch.Tensor) -> torch.Tensor:
+    """``video (B, T, C, H, W)`` laid out so that every frame is channels_last (C innermost):
+    ``video.flatten(0, 1)`` is then a ``(B*T, C, H, W)`` channels_last view, and so is any
+    frame or set of frames taken from it. A clip already in that layout is returned as is."""
+    b, t, c, h, w = video.shape
+    if video.stride() == (t * h * w * c, h * w * c, 1, w * c, c):
+        return video
+    return video.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+
+
+def is_conv_backbone(backbone: nn.Module) -> bool:
+    """More than one 2-D convolution (a ViT's patch embedding alone does not count): the
+    backbones channels_last speeds up."""
+    return sum(isinstance(m, nn.Conv2d) for m in backbone.modules()) > 1
+
+
+def wants_channels_last(setting: bool | str, device_type: str, backbone: nn.Module) -> bool:
+    """``trainer.channels_last``: true / false force it; ``auto`` is on for a convolutional
+    backbone on CUDA, off otherwise (on a CPU the NCHW kernels are the tuned ones)."""
+    if isinstance(setting, bool):
+        return setting
+    if setting != "auto":
+        raise ValueError(f"trainer.channels_last must be auto, true or false, got {setting!r}")
+    return device_type == "cuda" and is_conv_backbone(backbone)

@@ -315,15 +315,25 @@ class _Skip(TorchDispatchMode):
             self.func = None
             device = next((t.device for t in tree_flatten((args, kwargs))[0]
                            if isinstance(t, torch.Tensor)), None)
+            nhwc = any(isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
+                       and t.is_contiguous(memory_format=torch.channels_last)
+                       for t in tree_flatten((args, kwargs))[0])
             try:
                 with _disable_current_modes():  # shapes only: not kernels the step launches
                     meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
-                    return tree_map(lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype,
-                                                                  device=device)
+                    return tree_map(lambda m: _placeholder(m, device, nhwc)
                                     if isinstance(m, torch.Tensor) else m, meta)
             except (NotImplementedError, RuntimeError):  # no meta kernel: run it
                 pass
         return func(*args, **kwargs)
+
+
+def _placeholder(meta: torch.Tensor, device: torch.device | None, nhwc: bool) -> torch.Tensor:
+    """An uninitialised tensor like ``meta`` on ``device``; 4-D ones channels_last when the op's
+    inputs are (what the real kernel would have returned)."""
+    if nhwc and meta.dim() == 4:
+        return torch.empty(meta.shape, dtype=meta.dtype, device=device, memory_format=torch.channels_last)
+    return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device)
 
 
 def _to_meta(t: object) -> object:
