@@ -178,7 +178,7 @@ def test_data_keys_are_build_data_arguments(compose_cfg, option: str) -> None:
 def test_trainer_keys_are_trainer_settings(compose_cfg, option: str) -> None:
     keys = set(compose_cfg([f"trainer={option}"]).trainer)
     fields = {f.name for f in dataclasses.fields(TrainerSettings)} - {"max_bad_fraction"}
-    run_level = {"precision", "sync_bn"}  # read by run.train, not by the loop
+    run_level = {"precision", "sync_bn", "channels_last"}  # read by run.train / build_model
     assert keys == fields | run_level, keys ^ (fields | run_level)
 
 
@@ -222,6 +222,27 @@ def test_default_config_values(compose_cfg) -> None:
     assert cfg.model.backbone.layers == [1, 1, 1, 1] and cfg.model.head._target_.endswith("TConvHead")
     assert cfg.memory._target_ == "videotrain.memory.e2e.EndToEnd"
     assert cfg.data.hflip is False  # a flip swaps the synthetic task's left/right classes
+
+
+def test_issue46_options_compose(compose_cfg) -> None:
+    """trainer.channels_last, data.num_workers=auto and the planner's prices compose, pass the
+    schema and reach the objects they configure."""
+    from hydra.utils import instantiate
+
+    from videotrain.build import build_model
+    from videotrain.data.loaders import DATA_VALUE_CHECKS
+
+    cfg = compose_cfg()
+    assert cfg.trainer.channels_last == "auto" and cfg.data.num_workers == "auto"
+    assert DATA_VALUE_CHECKS["num_workers"][0]("auto") and not DATA_VALUE_CHECKS["num_workers"][0]("x")
+    for value, on in (("true", True), ("false", False), ("auto", False)):  # auto: off on a CPU
+        cfg = compose_cfg([f"trainer.channels_last={value}", "device=cpu"])
+        assert build_model(cfg, num_classes=3).channels_last is on
+    cfg = compose_cfg(["memory=checkpoint", "memory.policy=optimal", "memory.cost_model=measured",
+                       "memory.device_profile=h200", "memory.segment_cost_us=120", "data.num_workers=3"])
+    strategy = instantiate(cfg.memory)
+    assert (strategy.cost_model, strategy.device_profile, strategy.segment_cost_us) == ("measured", "h200", 120)
+    assert cfg.data.num_workers == 3
 
 
 @pytest.mark.parametrize("option", [o for o in GROUPS["data"] if o != "synthetic"])

@@ -108,6 +108,42 @@ READER_OPTIONS = {
 }
 
 
+PREFETCH_CUDA = 4  # batches in flight per worker on CUDA (torch's default: 2)
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask: a cluster job's share, not the
+    node's count), at least 1."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+def auto_num_workers(device_type: str, world_size: int = 1, cpus: int | None = None) -> int:
+    """``data.num_workers: auto``: decoding processes per training process.
+
+    The cores this process may use are shared by the training processes on this node
+    (``LOCAL_WORLD_SIZE``, set by torchrun; else ``world_size``). On CUDA the model runs on the
+    GPU, so every core but one (the main process's, which launches kernels) decodes, up to 16.
+    On a CPU the model's own threads need the cores: a quarter of them decode, at least one
+    (the default job's 2 cores: 1 worker, as before)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    per_process = max((cpus or usable_cpus()) // max(local, 1), 1)
+    if device_type == "cuda":
+        return max(min(per_process - 1, 16), 1)
+    return max(per_process // 4, 1)
+
+
+def resolve_num_workers(value: int | str, device_type: str, world_size: int = 1) -> int:
+    """``data.num_workers``: an integer as given, ``auto`` by :func:`auto_num_workers`."""
+    if value == "auto":
+        return auto_num_workers(device_type, world_size)
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"data.num_workers must be auto or an integer >= 0, got {value!r}")
+    return int(value)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -130,7 +166,7 @@ DATA_VALUE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                     "[min, max] area fractions with 0 < min <= max <= 1"),
     "batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "val_batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "num_workers": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "num_workers": (lambda v: v == "auto" or (_is_int(v) and v >= 0), "auto or an integer >= 0"),
     "val_clips": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "val_crops": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "max_bad_fraction": (lambda v: _is_number(v) and 0 <= v <= 1, "a fraction in [0, 1]"),
@@ -220,7 +256,7 @@ def build_data(
     hflip: bool,
     batch_size: int,
     val_batch_size: int,
-    num_workers: int,
+    num_workers: int | str,
     val_clips: int,
     val_crops: int,
     max_bad_fraction: float,
@@ -244,6 +280,7 @@ def build_data(
     rank: int = 0,
     world_size: int = 1,
     pin_memory: bool = False,
+    device_type: str = "cpu",
     preflight_train: bool = True,
     shared: Callable[[Callable[[], Any]], Any] | None = None,
     drop_classes: Sequence[str] | None = None,
@@ -339,10 +376,14 @@ def build_data(
     val_sampler = ResumableSampler(val_ds, shuffle=False, seed=seed, rank=rank, world_size=world_size,
                                    pad=False)
     # Decoding runs in worker processes that live for the whole run (persistent_workers), and
-    # batches land in pinned memory on CUDA so the copy to the GPU overlaps compute.
+    # batches land in pinned memory on CUDA so the copy to the GPU overlaps compute; there each
+    # worker keeps PREFETCH_CUDA batches in flight, so a slow video does not stall the step.
+    num_workers = resolve_num_workers(num_workers, device_type, world_size)
     common = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory,
                   persistent_workers=num_workers > 0,
                   timeout=worker_timeout if num_workers > 0 else 0)
+    if num_workers > 0 and device_type == "cuda":
+        common["prefetch_factor"] = PREFETCH_CUDA
     if len(train_ds) < batch_size * world_size:
         raise ValueError(f"data.batch_size={batch_size} exceeds the {len(train_ds)} training videos")
     # Own generators: a loader without one draws its worker base seed from the global torch RNG
