@@ -24,6 +24,7 @@ Datasets are not run folders: ``data.root`` and videos behind symbolic links are
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -145,7 +146,7 @@ def open_regular(path: str | Path, limit: int | None = None, what: str = "file",
     try:
         fd = os.open(path, flags)
     except OSError as err:
-        if err.errno == 40 or (os.path.islink(path)):  # ELOOP: the name is a symbolic link
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
             raise UnsafeFileError(f"{what} {shown(path)} is a symbolic link; videotrain reads a "
                                   "run's own files only as regular files") from None
         raise
@@ -224,7 +225,7 @@ def open_append(path: str | Path) -> IO[str]:
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as err:
-        if err.errno in (40, 6):  # ELOOP (a link), ENXIO (a FIFO without a reader)
+        if err.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO without a reader
             raise UnsafeFileError(f"{shown(path)} is a symbolic link or a FIFO; refusing to "
                                   "write to it") from None
         raise
