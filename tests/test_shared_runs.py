@@ -448,6 +448,31 @@ def test_a_stride_zero_head_is_refused(shared: Path, tiny_root: Path, tmp_path: 
     assert "head.fc" in line and "stride" in line
 
 
+def test_tensors_are_checked_against_the_configured_model_first(
+        shared: Path, tiny_root: Path, tmp_path: Path, compose_cfg,
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head of another width than the configured model's: refused naming the key and both
+    shapes, after building the model on the meta device only (no real model is built)."""
+    import videotrain.trained_run as trained_run
+
+    built: list[str] = []
+    real_build = trained_run.build_model
+
+    def build(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        built.append(next(model.parameters()).device.type)
+        return model
+
+    monkeypatch.setattr(trained_run, "build_model", build)
+    _rewrite_checkpoint(_last(shared), lambda b: b["model"].update(
+        {"head.fc.weight": torch.zeros(4, 99), "\x1b[2Jextra": torch.zeros(1)}))
+    code, errors, text = _in_process("predict", _command("predict", _last(shared), tiny_root, tmp_path),
+                                     tmp_path / "out", compose_cfg, capsys)
+    line = _refused(code, errors, text, "does not fit the configured model",
+                    "head.fc.weight (4, 99) vs (4, 16)", "\\x1b[2Jextra")
+    assert built == ["meta"], (built, line)
+
+
 def test_class_names_with_terminal_escapes_are_printed_escaped(
         shared: Path, tiny_root: Path, tmp_path: Path, compose_cfg,
         capsys: pytest.CaptureFixture) -> None:

@@ -41,6 +41,7 @@ from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.class_order import saved_class_names
 from videotrain.models.finetune import trained_state
 from videotrain.models.video import VideoClassifier
+from videotrain.models.weights import key_mismatches
 from videotrain.untrusted import check_run_folder, is_regular, read_text, shown
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,19 @@ def load_trained_weights(model: VideoClassifier, blob: dict[str, Any], path: Pat
                          f"training): {shown(str(err), 600)}") from err
 
 
+def check_shapes(cfg: DictConfig, state: dict[str, Any], path: Path, num_classes: int) -> None:
+    """The configured model built on the meta device (no memory) and its keys and shapes
+    compared with the checkpoint's weights ``state``, so that nothing real is built from a
+    checkpoint that does not fit it; the error names the keys at fault (escaped)."""
+    with torch.device("meta"):
+        skeleton = build_model(cfg, num_classes, init=False)
+    parts = key_mismatches(skeleton.state_dict(), state)
+    if parts:
+        raise ValueError(f"checkpoint {shown(path)} does not fit the configured model "
+                         "(model/backbone, model/head and the number of classes must match "
+                         f"training): {'; '.join(parts)}")
+
+
 def trained_model(cfg: DictConfig, blob: dict[str, Any], path: Path, device: torch.device,
                   num_classes: int | None = None) -> VideoClassifier:
     """``cfg``'s model with the checkpoint's weights, in evaluation mode on ``device``: built
@@ -224,6 +238,7 @@ def trained_model(cfg: DictConfig, blob: dict[str, Any], path: Path, device: tor
     cfg = copy.deepcopy(cfg)  # the caller's config keeps its memory group
     with open_dict(cfg):
         cfg.memory = E2E
+    check_shapes(cfg, model_state(blob), path, num_classes)  # before any real allocation
     model = build_model(cfg, num_classes, init=False)
     load_trained_weights(model, blob, path)
     return model.to(device).eval()
