@@ -346,11 +346,13 @@ def test_data_bench_tiny(tmp_path: Path, tiny_sets, monkeypatch: pytest.MonkeyPa
 
 # ---------------------------------------------------------------------- the GPU suite
 GPU_NAMES = [
-    "resnet50/e2e", "resnet50/sbp-frame-0.5", "resnet50/sbp-frame-0.25",
+    "resnet50/e2e", "resnet50/e2e-nchw", "resnet50/sbp-frame-0.5", "resnet50/sbp-frame-0.25",
     "resnet50/frame_dropout-0.5", "resnet50/checkpoint-sqrt", "resnet50/checkpoint-optimal-b0.5",
-    "resnet50/sbp-frame-checkpoint:optimal-0.5", "resnet50/auto-b0.5",
-    "resnet50/e2e-torch.compile", "resnet50/sbp-frame-torch.compile-0.5",
+    "resnet50/sbp-frame-checkpoint:optimal-0.5",
+    "vit_b_16/e2e-T64", "vit_b_16/sbp-frame-0.5-T64", "vit_b_16/checkpoint-optimal-b0.5-T64",
+    "resnet50/auto-b0.5", "resnet50/e2e-torch.compile", "resnet50/sbp-frame-torch.compile-0.5",
 ]
+AUTO_ROW = GPU_NAMES.index("resnet50/auto-b0.5")
 
 
 def test_gpu_suite_without_cuda_exits_at_once(tmp_path: Path) -> None:
@@ -382,21 +384,28 @@ def test_gpu_suite_refuses_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gpu_suite_rows_compose_and_build() -> None:
     """Every row at the suite's own setting (resnet50 + transformer head, B=8 x T=16 at 224 px,
     bf16, cuda) composes, and its model instantiates (on the CPU, not run)."""
-    from videotrain.bench.cli import auto_budget, suite_specs
+    from videotrain.bench.cli import auto_budget, row_shape, suite_specs
     from videotrain.build import build_model, compose_cfg
 
     specs = suite_specs("gpu", "cuda")
     assert [s["name"] for s in specs] == GPU_NAMES
     # memory=auto gets half of the e2e row's measured peak, computed by the runner
     per_row = [[{"peak_mem_mb": 9000.0}]] + [[] for _ in specs[1:]]
-    auto = auto_budget(specs[7], specs, per_row)
+    auto = auto_budget(specs[AUTO_ROW], specs, per_row)
     assert auto["auto_budget_mb"] == 4500.0 and auto["overrides"][-1] == "memory.budget_mb=4500.0"
-    specs[7] = auto
+    specs[AUTO_ROW] = auto
     for spec in specs:
         cfg = compose_cfg(spec["overrides"])
         assert (cfg.data.batch_size, cfg.data.num_frames, cfg.data.crop_size) == (8, 16, 224)
         assert cfg.trainer.precision == "bf16" and cfg.device == "cuda"
-        assert cfg.model.backbone.depth == 50 and cfg.model.head._target_.endswith("TransformerHead")
+        assert cfg.model.head._target_.endswith("TransformerHead")
+        # channels_last: auto (on for ResNet-50 on CUDA) except in the NCHW comparison row
+        assert cfg.trainer.channels_last == (False if spec["name"].endswith("nchw") else "auto")
+        if spec["backbone"] == "vit_b_16":  # 2 clips of 64 frames: the child's batch
+            assert (spec["batch_size"], spec["frames"], cfg.model.backbone.hidden_dim) == (2, 64, 768)
+            assert row_shape(spec) == {"batch_size": 2, "frames": 64}
+            continue
+        assert cfg.model.backbone.depth == 50 and row_shape(spec) == {}
         model = build_model(cfg, num_classes=10)
         assert model.strategy.name == spec["strategy"] and model.backbone.feature_dim == 2048
     assert compose_cfg(auto["overrides"]).memory.budget_mb == 4500.0
@@ -412,7 +421,7 @@ def test_auto_budget_without_e2e_result() -> None:
     from videotrain.bench.cli import auto_budget, suite_specs
 
     specs = suite_specs("gpu", "cuda")
-    failed = auto_budget(specs[7], specs, [[{"error": "boom"}]] + [[] for _ in specs[1:]])
+    failed = auto_budget(specs[AUTO_ROW], specs, [[{"error": "boom"}]] + [[] for _ in specs[1:]])
     assert "e2e row" in failed["error"] and "auto_budget_mb" not in failed
 
 
@@ -586,3 +595,41 @@ def test_annotation_suite_tiny(tmp_path: Path) -> None:
     assert [r["name"] for r in saved["rows"]] == names
     assert table in (tmp_path / "bench.md").read_text()
     assert not list(Path(os.environ["VIDEOTRAIN_CACHE"]).glob("bench-annotations-*"))  # cleaned up
+
+
+# ---------------------------------------------------------------------- host- or device-bound
+def test_device_activity_busy_fraction_and_kernels() -> None:
+    """Two profiled steps over 1000 us: kernels on two streams overlap (counted once), a copy
+    counts as busy but not as a kernel."""
+    from videotrain.bench.child import device_activity
+
+    spans = [("gemm", 0.0, 300.0), ("relu", 200.0, 400.0), ("MemcpyHtoD", 500.0, 600.0),
+             ("bn", 700.0, 750.0)]
+    got = device_activity(spans, wall_us=1000.0, steps=2)
+    assert got["kernels_per_step"] == 1.5
+    assert got["gpu_busy"] == pytest.approx((400 + 100 + 50) / 1000)
+    assert got["kernel_ms_per_step"] == pytest.approx((300 + 200 + 50) / 2 / 1e3)
+
+
+def test_default_steps_follow_the_device() -> None:
+    from videotrain.bench.cli import parse_args, timed_steps
+
+    assert timed_steps("cuda", None, None) == (20, 5) and timed_steps("cuda:1", 30, 0) == (30, 0)
+    assert timed_steps("cpu", None, None) == (5, 2)
+    args = parse_args(["--suite", "gpu", "--rounds", "3"])
+    assert (args.steps, args.warmup, args.rounds) == (None, None, 3)
+
+
+def test_cpu_rows_report_aten_ops_per_step(tmp_path: Path) -> None:
+    """On a CPU the launches column holds the aten ops a step dispatches, deterministic and
+    lower for e2e than for a checkpointed row."""
+    rows = [row("resnet10", "e2e"), row("resnet10", "checkpoint", policy="sqrt")]
+    results, meta, table = run_bench(rows=rows, out=tmp_path, log=lambda *a, **k: None, **TINY)
+    e2e, ckpt = results
+    assert not e2e.get("error") and not ckpt.get("error"), table
+    assert e2e["ops_per_step"] == e2e["launches_per_step"] > 0 and "gpu_busy" not in e2e
+    assert ckpt["ops_per_step"] > e2e["ops_per_step"]
+    assert "aten ops/step" in table and "GPU busy" not in table
+    header = (tmp_path / "bench.md").read_text().splitlines()[2]
+    assert f"torch {meta['torch']}" in header
+    assert meta["machine"].get("git") is None or f"commit {meta['machine']['git']}" in header

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,7 +58,8 @@ def plan_figures(strategy: object) -> dict[str, Any]:
         return {}
     out = {"predicted_peak_mb": report["predicted_peak_bytes"] / 2**20,
            "plan_e2e_peak_mb": report["e2e_peak_bytes"] / 2**20,
-           "predicted_overhead_frac": report["overhead_frac_of_forward"]}
+           "predicted_overhead_frac": report["overhead_frac_of_forward"],
+           "plan_segments": len(report["segments"]), "plan_cost_model": report.get("cost_model")}
     if report.get("smallest_feasible_bytes"):
         out["smallest_feasible_mb"] = report["smallest_feasible_bytes"] / 2**20
         out["min_budget_frac"] = report["smallest_feasible_bytes"] / report["e2e_peak_bytes"]
@@ -93,6 +95,59 @@ def eval_peak_mb(model: torch.nn.Module, video: torch.Tensor, precision: Any, me
             return meter.stop()
     finally:
         model.train()
+
+
+PROFILE_STEPS = 3  # steps torch.profiler watches on CUDA (after the timed ones)
+
+
+def device_activity(spans: list[tuple[str, float, float]], wall_us: float, steps: int) -> dict[str, Any]:
+    """GPU figures from the device activity of ``steps`` profiled steps that took ``wall_us``:
+    ``spans`` are (name, start, end) in microseconds (kernels, memcpy, memset). Busy is the
+    union of all spans over the wall time (overlapping streams counted once); kernels exclude
+    copies and fills. A row that keeps the GPU busy is device-bound; a low busy fraction with
+    many kernels per step is host-bound (docs/design §9)."""
+    kernels = [(a, b) for name, a, b in spans if not name.startswith(("Memcpy", "Memset"))]
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((a, b) for _, a, b in spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"kernels_per_step": len(kernels) / steps,
+            "kernel_ms_per_step": sum(b - a for a, b in kernels) / steps / 1e3,
+            "gpu_busy": busy / wall_us if wall_us > 0 else None,
+            "profiled_step_s": wall_us / 1e6 / steps}
+
+
+def launch_figures(step: Callable[[], Any], device: torch.device, steps: int = PROFILE_STEPS) -> dict[str, Any]:
+    """What a step launches: the aten ops it dispatches (one step, any device: the CPU's
+    predictor of kernel launches, ``metrics.dispatch``) and on CUDA, from ``torch.profiler``
+    over ``steps`` steps, kernels per step, kernel time per step and the GPU busy fraction.
+    ``launches_per_step`` is the kernels on CUDA, the aten ops elsewhere (one table column)."""
+    from videotrain.metrics.dispatch import aten_ops
+
+    with aten_ops() as ops:
+        step()
+    out: dict[str, Any] = {"ops_per_step": sum(ops.values()), "launches_per_step": sum(ops.values())}
+    if device.type != "cuda" or steps < 1:
+        return out
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize(device)
+            wall = time.perf_counter() - t0
+        spans = [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA]
+    except Exception as err:  # noqa: BLE001 (a profiler failure must not lose the row's figures)
+        return {**out, "profile_error": f"{type(err).__name__}: {err}"}
+    out.update(device_activity(spans, wall * 1e6, steps))
+    out["launches_per_step"] = out["kernels_per_step"]
+    return out
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +238,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     if device.type == "cuda":  # absolute: weights, optimizer state and batch included
         row_figures["max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    row_figures.update(launch_figures(step, device, int(spec.get("profile_steps", PROFILE_STEPS))))
     with precision.autocast():
         saved = saved_activation_bytes(model, video)
     return {

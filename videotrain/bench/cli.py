@@ -97,6 +97,23 @@ def child_main(spec_json: str) -> int:
     return code
 
 
+# Steps per row by default: on CUDA 5 warm-up and 20 timed steps (5 timed steps gave 1.31x to
+# 1.51x for one row across runs, docs/design §9); on a CPU 2 and 5 (a CPU step is 10-100x longer).
+CUDA_STEPS, CUDA_WARMUP, CPU_STEPS, CPU_WARMUP = 20, 5, 5, 2
+
+
+def timed_steps(device: str, steps: int | None, warmup: int | None) -> tuple[int, int]:
+    """(timed steps, warm-up steps) per row: as given, else the device's defaults."""
+    cuda = device.startswith("cuda")
+    return (steps or (CUDA_STEPS if cuda else CPU_STEPS),
+            (CUDA_WARMUP if cuda else CPU_WARMUP) if warmup is None else warmup)
+
+
+def row_shape(spec: dict[str, Any]) -> dict[str, Any]:
+    """A row's own input shape (``batch_size``, ``frames``), overriding the suite's."""
+    return {k: spec[k] for k in ("batch_size", "frames") if spec.get(k) is not None}
+
+
 def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
             batch_size: int) -> dict[str, Any]:
     """One table row from a row's runs (one per round): steps pooled, the first error kept."""
@@ -187,7 +204,8 @@ def suite_specs(suite: str, device: str, batch_size: int | None = None, frames: 
 
 
 def run_bench(
-    suite: str = "default", out: str | Path | None = None, steps: int = 5, warmup: int = 2,
+    suite: str = "default", out: str | Path | None = None, steps: int | None = None,
+    warmup: int | None = None,
     device: str | None = None, batch_size: int | None = None, frames: int | None = None,
     size: int | None = None, num_classes: int = 10, extra_overrides: list[str] | None = None,
     only: list[str] | None = None, rows: list[dict[str, Any]] | None = None,
@@ -210,6 +228,7 @@ def run_bench(
     batch_size = batch_size or base.batch_size
     frames, size = frames or base.frames, size or base.size
     timeout = timeout or base.timeout
+    steps, warmup = timed_steps(device, steps, warmup)
     time_budget = base.time_budget if time_budget is None else (time_budget or None)
     deadline = time.monotonic() + time_budget if time_budget else float("inf")
     extra = list(extra_overrides or [])
@@ -235,7 +254,7 @@ def run_bench(
                 res = {"error": spec.get("error") or f"not run: the suite's {time_budget:.0f} s "
                                                     "time budget was spent"}
             else:
-                res = run_child({**common, "overrides": spec["overrides"],
+                res = run_child({**common, **row_shape(spec), "overrides": spec["overrides"],
                                  **{k: spec.get(k) for k in CHILD_KEYS}}, min(timeout, left))
             per_row[i].append(res)
             tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
@@ -246,7 +265,8 @@ def run_bench(
                 log(f"{tag} {spec['name']}: peak {res['peak_mem_mb']:.1f} MB, step "
                     f"{res['step_time_s']:.3f} s, saved {res['saved_act_mb']:.1f} MB "
                     f"({res['wall_s']:.0f} s)", file=sys.stderr)
-    results = [combine(spec, runs, device, batch_size) for spec, runs in zip(specs, per_row, strict=True)]
+    results = [combine(spec, runs, device, spec.get("batch_size") or batch_size)
+               for spec, runs in zip(specs, per_row, strict=True)]
     for row, mb in zip(results, predictions(), strict=True):
         row["step_predicted_mb"] = mb
     report.add_ratios(results)
@@ -288,8 +308,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="write bench.json, bench.md and bench.png here (gpu suite: "
                                  "default docs/results/gpu/<gpu name>/; data suite: "
                                  "docs/results/bench_data/)")
-    p.add_argument("--steps", type=int, default=5, help="measured steps per row")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps before them")
+    p.add_argument("--steps", type=int, help="timed steps per row (default: 20 on CUDA, 5 on a CPU)")
+    p.add_argument("--warmup", type=int, help="unmeasured steps before them (default: 5 on CUDA, 2 on a CPU)")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto; gpu suite: cuda)")
     p.add_argument("--batch-size", type=int,
                    help="default 2, gpu suite 8 (data suite: data.batch_size)")
@@ -336,7 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+    if (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0) \
+            or args.rounds < 1:
         p.error("--steps and --rounds must be >= 1, --warmup >= 0")
     return args
 

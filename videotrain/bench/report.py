@@ -61,6 +61,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     if any(r.get("predicted_peak_mb") is not None for r in rows):  # the plan's prediction
         columns.insert(columns.index(("peak MB", "peak_mem_mb", "{:.1f}")) + 1,
                        ("plan act MB", "predicted_peak_mb", "{:.1f}"))
+    if any(r.get("launches_per_step") is not None for r in rows):  # host- or device-bound
+        at = columns.index(("time ×e2e", "time_ratio", "{:.2f}")) + 1
+        cuda = any(r.get("kernels_per_step") is not None for r in rows)
+        columns.insert(at, ("kernels/step" if cuda else "aten ops/step", "launches_per_step", "{:.0f}"))
+        if cuda:
+            columns.insert(at + 1, ("GPU busy", "gpu_busy", "{:.0%}"))
     if any(r.get("max_allocated_mb") is not None for r in rows):  # CUDA, absolute
         columns.insert(columns.index(("mem ×e2e", "mem_ratio", "{:.2f}")) + 1,
                        ("max alloc MB", "max_allocated_mb", "{:.0f}"))
@@ -147,8 +153,10 @@ def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> st
         json.dumps({"rows": [public_row(r) for r in rows], "meta": meta}, indent=2) + "\n")
     s = meta["setting"]
     gpu = meta.get("machine", {}).get("gpu")
+    commit = meta.get("machine", {}).get("git")
     title = " · ".join(x for x in (
         f"{meta['device']} ({gpu})" if gpu else meta["device"], f"torch {meta['torch']}",
+        f"commit {commit}" if commit else "",
         f"B={s['batch_size']} T={s['frames']} "
         f"{s['size']}px, {s['steps']} steps x {s.get('rounds', 1)} round(s)",
         " ".join([*s.get("suite_overrides", []), *s["extra_overrides"]])) if x)

@@ -3,6 +3,7 @@
 A row spec says what the table reports about a configuration (backbone, strategy, keep ratio,
 granularity, policy, ...) and carries the Hydra overrides that build it. Adding a suite is
 adding a list of ``row(...)`` calls to ``SUITES``; every option passed to ``row`` becomes a
+``trainer.<key>=<value>`` override when it is named ``trainer_<key>``, else a
 ``memory.<key>=<value>`` override and a column of the row.
 """
 
@@ -13,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-R18, R50, VIT = "resnet18", "resnet50", "vit_tiny"
+R18, R50, VIT, VIT_B16 = "resnet18", "resnet50", "vit_tiny", "vit_b_16"
 # timm models are backbones "timm:NAME": model/backbone=timm model.backbone.name=NAME
 TIMM_PREFIX = "timm:"
 CONVNEXT, TIMM_VIT = f"{TIMM_PREFIX}convnext_atto", f"{TIMM_PREFIX}vit_tiny_patch16_224"
@@ -59,9 +60,11 @@ def row(
 ) -> dict[str, Any]:
     """A row spec. ``keep_ratio=None`` means "no such option" and is reported as 1.0 (every
     frame gets a backward), so e2e and checkpoint rows sit at keep ratio 1 in the plots."""
+    trainer = {k[len("trainer_"):]: options.pop(k) for k in list(options) if k.startswith("trainer_")}
     memory = {"keep_ratio": keep_ratio, "granularity": granularity, "policy": policy, **options}
     overrides = [*backbone_overrides(backbone), f"memory={strategy}"]
     overrides += [f"memory.{k}={v}" for k, v in memory.items() if v is not None]
+    overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in trainer.items()]
     return {
         "backbone": backbone,
         "strategy": strategy,
@@ -134,14 +137,24 @@ CHECKPOINT_ROWS = [
 # The GPU acceptance suite (``--suite gpu``, CUDA only): resnet50 + transformer head, B=8 x
 # T=16 at 224 px, bf16 (GPU_SETTING). ``auto_budget_of_e2e``: the runner gives memory=auto a
 # budget of that fraction of the e2e row's measured peak in the same run (so e2e runs first).
+# e2e without channels_last (``trainer.channels_last: auto`` puts a conv backbone in NHWC on
+# CUDA): the comparison in one run. ViT-B/16 at 64 frames (B=2, the same 128 images a step as
+# ResNet-50's 8 x 16): a long clip on a transformer, e2e against frame-level SBP and the
+# recomputation plan.
+NCHW_E2E = {**row(R50, "e2e", trainer_channels_last=False), "policy": "nchw"}
+VIT_B16_ROWS = [{**r, "batch_size": 2, "frames": 64} for r in (
+    row(VIT_B16, "e2e"), row(VIT_B16, "sbp", 0.5, "frame"),
+    row(VIT_B16, "checkpoint", policy="optimal", budget_frac=0.5))]
 GPU_ROWS = [
     row(R50, "e2e"),
+    NCHW_E2E,
     row(R50, "sbp", 0.5, "frame"),
     row(R50, "sbp", 0.25, "frame"),
     row(R50, "frame_dropout", 0.5),
     row(R50, "checkpoint", policy="sqrt"),
     row(R50, "checkpoint", policy="optimal", budget_frac=0.5),
     {**row(R50, "sbp", 0.5, "frame", checkpoint="optimal"), "policy": "checkpoint:optimal"},
+    *VIT_B16_ROWS,
     {**row(R50, "auto"), "budget_frac": 0.5, "auto_budget_of_e2e": 0.5},
     {**row(R50, "e2e"), "policy": "torch.compile", "compile": True},
     {**row(R50, "sbp", 0.5, "frame"), "policy": "torch.compile", "compile": True},
@@ -262,6 +275,8 @@ def row_name(spec: dict[str, Any]) -> str:
         parts.append("bmin")
     elif spec.get("budget_frac") is not None:
         parts.append(f"b{spec['budget_frac']:g}")
+    if spec.get("frames"):  # a row with its own clip length
+        parts.append(f"T{spec['frames']}")
     return f"{spec['backbone']}/{'-'.join(parts)}"
 
 

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One prepared device call for a session with a GPU lease (issue 46): machine facts, the
+# gpu-marked tests, then the GPU bench suite (ResNet-50 + transformer, B=8 x T=16 at 224 px,
+# bf16; 5 warm-up and 20 timed steps per row, GPU busy and kernels per step from torch.profiler;
+# e2e with and without channels_last; ViT-B/16 at 64 frames). Everything lands in $OUT, at most
+# 8 files and one folder down, which is what the device tool brings back:
+#   $OUT/machine.txt  $OUT/gpu_tests.log  $OUT/bench.log  $OUT/bench/bench.{json,md,png}
+#
+# Run it from the repository root:   bash scripts/gpu_check.sh
+# with the device tool's `run` (timeout_s 600; the script ends by itself in about 560 s).
+#
+# Packages: the device image has torch 2.11, torchvision, timm, pytest(-timeout, -xdist),
+# matplotlib, but not hydra-core, omegaconf, antlr4-python3-runtime, av, pytorchvideo and its
+# needs (iopath, fvcore, parameterized, yacs, termcolor) or pulp (the sac_milp peer). Earlier leases
+# (docs/results/gpu/*/README.md) copied them in as wheels: in the repo root here,
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 -d .whl hydra-core==1.3.2 omegaconf==2.3.0 ...
+# (the pure-Python ones as py3-none-any; av as its abi3 wheel), then name `.whl` in the
+# run's `carry`. This script installs whatever .whl/ holds into /tmp/site first.
+#
+# Time: TEST_S seconds for the tests (default 150), BENCH_S for the bench (default 360: the
+# rows that would start after it are reported as not run); ONLY: comma-separated row globs
+# (default: the whole suite, in its order: the acceptance rows first); ROUNDS (default 1).
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_check}
+TEST_S=${TEST_S:-150}
+BENCH_S=${BENCH_S:-360}
+ROUNDS=${ROUNDS:-1}
+ONLY=${ONLY:-}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 3
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    nproc
+    git rev-parse --short HEAD 2>/dev/null || echo "commit: unknown (no .git)"
+    git status --short 2>/dev/null | head -20
+    python3 - <<'EOF'
+import importlib, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "cudnn", torch.backends.cudnn.version(), "gpu", torch.cuda.get_device_name(0))
+for name in ("torchvision", "timm", "hydra", "omegaconf", "av", "pytorchvideo", "pulp"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as err:  # noqa: BLE001
+        print(name, "MISSING", type(err).__name__)
+EOF
+} >"$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+# the gpu-marked tests (they fail, not skip, without a GPU); 4 workers share the one GPU
+timeout "$TEST_S" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests \
+    >"$OUT/gpu_tests.log" 2>&1
+echo "gpu tests: exit $? (log: gpu_tests.log)"; tail -n 5 "$OUT/gpu_tests.log"
+
+# the GPU bench: bench.json names the GPU, torch and commit (meta.machine)
+bench=(python3 -m videotrain.bench --suite gpu --out "$OUT/bench" --time-budget "$BENCH_S"
+       --rounds "$ROUNDS")
+[ -n "$ONLY" ] && bench+=(--only "$ONLY")
+"${bench[@]}" 2>&1 | tee "$OUT/bench.log"
+echo "bench: exit ${PIPESTATUS[0]}"
