@@ -184,3 +184,32 @@ def test_checkpoint_optimal_at_half_memory_dispatches_at_most_1_35x_e2e_ops() ->
         counts[name] = step_ops(model, video)
     assert counts["optimal"] <= 1.35 * counts["e2e"], counts
     assert counts["sqrt"] <= 1.35 * counts["e2e"], counts
+
+
+class TokenMlp(nn.Module):
+    """Linear, LayerNorm, Linear on (N, L, D) tokens: a Linear on 3-D input runs as views
+    around one addmm, the op its recompute skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.norm = nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+        self.feature_dim = 8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, L, 8) -> (N, 8)
+        return self.b(self.norm(self.a(x))).mean(1)
+
+
+def test_token_linears_at_segment_ends_are_not_recomputed() -> None:
+    x = torch.randn(4, 5, 8)
+    ref = TokenMlp()
+    ref(x).sum().backward()
+    model = TokenMlp()
+    strategy = Recompute("sqrt", segments=4)
+    runner = strategy._runner(model, x)
+    with aten_ops() as ops:
+        runner(x).sum().backward()
+    assert [s["nodes"] for s in strategy.last_report["segments"]] == [["a"], ["norm"], ["b"], ["mean"]]
+    assert ops["aten.addmm"] == 2 and ops["aten.native_layer_norm"] == 2  # the LayerNorm is recomputed
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)

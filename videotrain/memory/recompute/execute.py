@@ -374,10 +374,11 @@ def boundary_end(tag: str, value: object) -> object:
     mode.__exit__(None, None, None)
     if isinstance(mode, _Record) and isinstance(value, torch.Tensor):
         key = StorageWeakRef(value.untyped_storage()).cdata
-        makers = [func for func, keys in mode.ops if key in keys]
+        # the op that made the output's storage (a linear on 3-D input: the addmm under its views)
+        makers = [func for func, keys in mode.ops if key in keys and _is_plain(func)]
         func = makers[-1] if makers else None
         once = func is not None and sum(f is func for f, _ in mode.ops) == 1
-        _STATE.skips.target[tag] = func if once and _is_plain(func) else None
+        _STATE.skips.target[tag] = func if once else None
     return value
 
 
