@@ -23,14 +23,16 @@ pytestmark = pytest.mark.gpu
 MIB = 2**20
 
 
-@pytest.mark.parametrize("memory", ["sbp", "checkpoint"])
+@pytest.mark.parametrize("memory", ["sbp", "sbp-frozen", "checkpoint"])
 @pytest.mark.parametrize("precision", ["bf16", "16"])
 def test_training_run_on_cuda(cuda: torch.device, run_overrides, compose_cfg, metrics_rows,
                               tmp_path: Path, precision: str, memory: str) -> None:
     """Two epochs of the tiny run on CUDA: finite losses every step, a metered peak every step,
-    validation each epoch, and a checkpoint with the GradScaler's state (fp16: a live scale)."""
-    overrides = run_overrides(device="cuda", trainer__precision=precision, memory=memory,
-                              trainer__max_epochs=2)
+    validation each epoch, and a checkpoint with the GradScaler's state (fp16: a live scale).
+    ``sbp-frozen``: SBP's plain scheme (``memory.bn_policy=frozen``)."""
+    extra = {"memory__bn_policy": "frozen"} if memory == "sbp-frozen" else {}
+    overrides = run_overrides(device="cuda", trainer__precision=precision,
+                              memory=memory.removesuffix("-frozen"), trainer__max_epochs=2, **extra)
     results = run.train(compose_cfg(overrides), tmp_path)
     rows = metrics_rows(tmp_path)
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
@@ -48,9 +50,9 @@ def test_training_run_on_cuda(cuda: torch.device, run_overrides, compose_cfg, me
         assert not blob["scaler"], blob["scaler"]  # no scaler without fp16
 
 
-@pytest.mark.parametrize("memory", [["memory=e2e"], ["memory=sbp"],
+@pytest.mark.parametrize("memory", [["memory=e2e"], ["memory=sbp"], ["memory=sbp", "memory.bn_policy=frozen"],
                                     ["memory=checkpoint", "memory.policy=sqrt"]],
-                         ids=["e2e", "sbp", "checkpoint-sqrt"])
+                         ids=["e2e", "sbp", "sbp-frozen", "checkpoint-sqrt"])
 def test_fit_prediction_against_the_cuda_peak(cuda: torch.device, compose_cfg, tmp_path: Path,
                                               memory: list[str]) -> None:
     """The default job's model and batch (synthetic task, resnet10 + tconv, B=8 x T=8 at 64
