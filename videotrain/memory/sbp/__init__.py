@@ -7,17 +7,17 @@ subset of frames per clip, and the other frames' activations are never stored.
 - ``split.py``: the split primitive (kept rows with autograd, dropped rows under ``no_grad``)
   and the *record/apply* full-batch BatchNorm: record every BN's batch statistics over all
   frames without grad, then rerun the kept frames normalised with them.
-- ``lockstep.py``: full-batch BatchNorm in *one* forward: the fx-traced backbone runs kept and
-  dropped frames side by side and meets them at every BN.
+- ``lockstep.py``: frame granularity in *one* forward: the fx-traced backbone rewritten once into
+  code with kept and dropped twins of every op (two contiguous row blocks), meeting at every
+  training-mode BN (one native BN kernel over all rows) and at TSM's temporal shift.
 - ``blocks.py``: block granularity (the paper's graph model): split each residual branch.
 
-Which full-batch BN implementation runs is decided per step, automatically: *lockstep*
-whenever it can (frame granularity, a backbone ``torch.fx`` traces, no checkpointing of the
-kept path), because it runs each frame's layers once; *record/apply* otherwise (block
-granularity, ``memory.checkpoint=...``, an untraceable backbone). Both give the same values,
-statistics and gradients (tested against each other). ``memory.lockstep=false`` forces
-record/apply, for comparison. Without train-mode BN (ViTs, ``bn_policy=frozen``) neither is
-needed and the dropped frames run in chunks.
+Frame granularity runs the lockstep code whenever it can (a backbone ``torch.fx`` traces, no
+checkpointing of the kept path, ``memory.lockstep=true``): with full-batch BN, with frozen BN
+and on LayerNorm models alike (the plain scheme: dropped frames in one ``no_grad`` pass, kept
+frames in one pass). Record/apply is the documented fallback for the rest (block granularity,
+``memory.checkpoint=...``, an untraceable backbone, ``memory.lockstep=false``); both give the
+same values, statistics and gradients (tested against each other).
 """
 
 from videotrain.memory.sbp.strategy import StochasticBackprop
