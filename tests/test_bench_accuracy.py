@@ -33,8 +33,8 @@ def test_t95_and_mean_ci_by_hand() -> None:
 def test_rows_follow_whether_the_backbone_mixes_frames() -> None:
     names = [r.name for r in rows_for(["model.backbone.temporal_shift=0"])]
     assert "sbp-frame-0.5" in names and "sbp-block-0.5" not in names and names[0] == "e2e"
-    shifted = [r.name for r in rows_for([])]  # the default resnet10 shifts
-    assert "sbp-block-0.25" in shifted and "sbp-frame-0.25" not in shifted
+    shifted = [r.name for r in rows_for([])]  # the default resnet10 shifts: both granularities
+    assert "sbp-block-0.25" in shifted and "sbp-frame-0.25" in shifted
     assert {"frame_dropout-0.5", "checkpoint-optimal"} <= set(shifted)
     ov = run_overrides("order", ROWS[1], 2, ["optim.lr=0.002"])
     assert "data.synthetic.task=order" in ov and "seed=2" in ov and "memory.keep_ratio=0.5" in ov
@@ -259,8 +259,8 @@ def test_only_or_tasks_naming_nothing_is_an_error_before_any_run(
 
     with pytest.raises(ValueError, match="sbp-block-0.5-inverse_keep: no such row"):
         _suite(tmp_path, only=["e2e", "sbp-block-0.5-inverse_keep"])
-    with pytest.raises(ValueError, match="sbp-frame-0.5: no such row"):  # the shifting model
-        _suite(tmp_path, only=["sbp-frame-0.5"])
+    with pytest.raises(ValueError, match="sbp-block-0.5: no such row"):  # a per-frame model
+        _suite(tmp_path, only=["sbp-block-0.5"], extra=["model.backbone.temporal_shift=0"])
     assert main(["--suite", "accuracy", "--tasks", "spin", "--out", str(tmp_path / "o"),
                  "--runs-dir", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err.strip() == (
@@ -283,3 +283,60 @@ def test_report_only_lists_runs_not_run_yet_and_exits_0(
     monkeypatch.setattr(acc, "train_one", lambda *a, **k: {"error": "exit 1: boom"})
     assert main(args) == 1  # a run that ended without results: a failure
     assert "1 run(s) failed: order/e2e/seed0" in capsys.readouterr().err
+
+
+def test_equal_time_rows_train_for_e2e_s_time_and_resume_with_the_same_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--equal-time``: a row whose step takes 0.8 of e2e's trains 256 / 0.8 = 320 steps (3 epochs
+    of 128, the schedule over 320 steps), one at 2x e2e's 128; e2e keeps its 256. The step times are
+    measured once and kept in the runs folder, so a resumed suite trains the same steps."""
+    import videotrain.bench.accuracy as acc
+    from videotrain.build import compose_cfg
+    from videotrain.engine.trainer import TrainerSettings, plan_steps
+
+    runs: dict[str, list[str]] = {}
+    measured: list[list[str]] = []
+
+    def fake_train(run_dir: Path, overrides: list[str], *a, **k) -> dict:
+        runs[run_dir.parent.name] = overrides
+        return {"error": "not run"}
+
+    def fake_times(rows, extra, threads, **k):
+        measured.append([r.name for r in rows])
+        return {"e2e": 1.0, "sbp-frame-0.5": 0.8, "sbp-frame-0.25": 2.0}
+
+    monkeypatch.setattr(acc, "train_one", fake_train)
+    monkeypatch.setattr(acc, "stored_activation_bytes", lambda overrides: 1)
+    monkeypatch.setattr(acc, "measure_step_times", fake_times)
+    _suite(tmp_path, jobs=1, only=["sbp-frame-0.5", "sbp-frame-0.25"], equal_time=True)
+    assert measured == [["e2e", "sbp-frame-0.5", "sbp-frame-0.25"]]
+    assert set(runs) == {"e2e", "sbp-frame-0.5@time", "sbp-frame-0.25@time"}
+    assert not any(o.startswith("trainer.max_steps") for o in runs["e2e"])
+    for name, steps, epochs in (("sbp-frame-0.5@time", 320, 3), ("sbp-frame-0.25@time", 128, 1)):
+        cfg = compose_cfg(runs[name])
+        assert (cfg.trainer.max_steps, cfg.trainer.max_epochs) == (steps, epochs)
+        settings = TrainerSettings(max_epochs=cfg.trainer.max_epochs, max_steps=cfg.trainer.max_steps)
+        assert plan_steps(128, settings) == (128, steps)  # what the run's schedule spans
+    report = json.loads((tmp_path / "out" / "accuracy.json").read_text())
+    assert report["meta"]["equal_time"]["steps"] == {"e2e": 256, "sbp-frame-0.5@time": 320,
+                                                     "sbp-frame-0.25@time": 128}
+    assert report["meta"]["command"].startswith("python -m videotrain.bench --suite accuracy --equal-time")
+    assert "Equal time:" in (tmp_path / "out" / "accuracy.md").read_text()
+    first = dict(runs)
+    runs.clear()
+    from videotrain.bench.cli import main
+
+    assert main(["--suite", "accuracy", "--equal-time", "--tasks", "order", "--seeds", "0", "--jobs", "1",
+                 "--only", "sbp-frame-0.5,sbp-frame-0.25", "--out", str(tmp_path / "out"),
+                 "--runs-dir", str(tmp_path / "runs"), "--report-only"]) == 0
+    assert len(measured) == 1 and runs == first  # resumed: not measured again, the same steps
+
+
+def test_step_times_are_measured_for_every_row() -> None:
+    from videotrain.bench.accuracy import measure_step_times
+
+    small = ["data.batch_size=2", "data.num_frames=4", "data.crop_size=32"]
+    rows = [r for r in ROWS if r.name in ("e2e", "sbp-frame-0.25")]
+    times = measure_step_times(rows, small, threads=1, steps=1, warmup=1)
+    assert set(times) == {"e2e", "sbp-frame-0.25"} and all(t > 0 for t in times.values())

@@ -19,6 +19,15 @@ run, 11 GB for the whole suite, and the report needs none of them) unless
 suite before it starts, naming the keys. Results: ``accuracy.json`` (every run),
 ``accuracy.md`` (the tables) and ``accuracy.png`` (accuracy against stored activations) in
 ``--out``.
+
+Equal time (``--equal-time``): a user spends wall-clock time, not steps, so each row other than
+e2e trains for ``e2e's steps x (e2e's step time / the row's step time)`` steps (its learning-rate
+schedule stretched or shrunk to match), where both step times are measured in the same suite run,
+on the machine that trains: a few training steps of each row's model on a batch of the
+configured shape, in one process, one row after the other (:func:`measure_step_times`). The
+measurement is kept in ``--runs-dir``'s ``equal_time.json``, so a resumed suite trains the same
+steps (delete it to measure again). The rows are reported as ``ROW@time``, paired with e2e's runs
+of the same task and seed (the equal-step e2e runs: e2e's steps are the same either way).
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ TASK_DATA = ("data.synthetic.num_frames=16", "data.synthetic.val_per_class=32",
 # videos or stall at ln 2 (one of two binary factors learned): docs/benchmarks.md "The suite's
 # recipe". The default job keeps lr 1e-3 (val 1.00 on its task; 0.984 at 3e-4).
 SUITE_RECIPE = ("data.synthetic.train_per_class=256", "trainer.max_epochs=2", "optim.lr=3e-4")
+CLASSES = 4  # every task's classes
+EQUAL_TIME = "equal_time.json"  # in --runs-dir: the step times the equal-time rows were sized by
 
 
 @dataclass(frozen=True)
@@ -65,8 +76,10 @@ class Row:
 
 _STRATEGY_ROWS: tuple[Row, ...] = (
     Row("e2e", ("memory=e2e",)),
-    Row("sbp-frame-0.5", ("memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=frame"), False),
-    Row("sbp-frame-0.25", ("memory=sbp", "memory.keep_ratio=0.25", "memory.granularity=frame"), False),
+    # frame granularity on every backbone (on a temporal-shift one through the lockstep code since
+    # issue 45, the default granularity there), block granularity where the backbone mixes frames
+    Row("sbp-frame-0.5", ("memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=frame")),
+    Row("sbp-frame-0.25", ("memory=sbp", "memory.keep_ratio=0.25", "memory.granularity=frame")),
     Row("sbp-block-0.5", ("memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=block"), True),
     Row("sbp-block-0.25", ("memory=sbp", "memory.keep_ratio=0.25", "memory.granularity=block"), True),
     Row("frame_dropout-0.5", ("memory=frame_dropout", "memory.keep_ratio=0.5")),
@@ -114,8 +127,8 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
 
 
 def rows_for(overrides: list[str]) -> list[Row]:
-    """The suite's rows for a model: frame-granularity SBP where the backbone treats frames
-    independently, block granularity where it mixes them (``model.backbone.temporal_shift``)."""
+    """The suite's rows for a model: frame-granularity SBP on every backbone, block granularity
+    too where the backbone mixes frames (``model.backbone.temporal_shift``)."""
     from videotrain.build import compose_cfg, config_mixes_frames
 
     mixing = config_mixes_frames(compose_cfg(overrides))
@@ -183,6 +196,72 @@ def train_one(run_dir: Path, overrides: list[str], threads: int, timeout: float,
     if not keep_checkpoints:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return result
+
+
+def measure_step_times(rows: list[Row], extra: list[str], threads: int, steps: int = 5,
+                       warmup: int = 2) -> dict[str, float]:
+    """Seconds per training step (forward, loss, backward, optimizer step; the median of
+    ``steps`` after ``warmup``) of each row's model on a random batch of the configured shape,
+    one row after the other in this process with ``threads`` torch threads, on the device the
+    runs train on: the step times equal-time mode sizes its rows by."""
+    import torch
+
+    from videotrain.build import build_model, compose_cfg
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times: dict[str, float] = {}
+    try:
+        for row in rows:
+            cfg = compose_cfg([*row.overrides, *extra])
+            device = torch.device("cuda" if torch.cuda.is_available() and str(cfg.device) != "cpu" else "cpu")
+            torch.manual_seed(0)
+            model = build_model(cfg, num_classes=CLASSES).to(device).train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            d = cfg.data
+            video = torch.randn(d.batch_size, d.num_frames, 3, d.crop_size, d.crop_size, device=device)
+            labels = torch.arange(d.batch_size, device=device) % CLASSES
+            samples = []
+            for i in range(warmup + steps):
+                start = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(model(video), labels).backward()
+                opt.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= warmup:
+                    samples.append(time.perf_counter() - start)
+            times[row.name] = statistics.median(samples)
+    finally:
+        torch.set_num_threads(previous)
+    return times
+
+
+def e2e_steps(extra: list[str]) -> tuple[int, int]:
+    """(optimizer steps per epoch, total steps) of an e2e run of the suite with ``extra``."""
+    from videotrain.build import compose_cfg
+    from videotrain.engine.trainer import TrainerSettings, plan_steps
+
+    cfg = compose_cfg(run_overrides(TASKS[0], _STRATEGY_ROWS[0], 0, extra))
+    batches = cfg.data.synthetic.train_per_class * CLASSES // cfg.data.batch_size  # drop_last
+    t = cfg.trainer
+    return plan_steps(batches, TrainerSettings(max_epochs=t.max_epochs, max_steps=t.max_steps,
+                                               grad_accum=t.grad_accum))
+
+
+def equal_time_rows(rows: list[Row], times: dict[str, float], per_epoch: int, steps: int) -> list[Row]:
+    """``rows`` with every row but e2e trained for ``steps x times[e2e] / times[row]`` steps (at
+    least one): ``ROW@time``, with ``trainer.max_steps`` and enough ``trainer.max_epochs``."""
+    out = []
+    for r in rows:
+        if r.name == "e2e":
+            out.append(r)
+            continue
+        n = max(1, round(steps * times["e2e"] / times[r.name]))
+        out.append(Row(f"{r.name}@time", (*r.overrides, f"trainer.max_steps={n}",
+                                          f"trainer.max_epochs={math.ceil(n / per_epoch)}"),
+                       r.frame_mixing, r.default))
+    return out
 
 
 def stored_activation_bytes(overrides: list[str]) -> int:
@@ -291,6 +370,13 @@ def render(summary: dict[str, Any], stored: dict[str, float], meta: dict[str, An
              "difference to e2e of the same task and seed, in points, ± the 95% t interval's "
              "half-width. Stored: activations one training forward keeps, relative to e2e.", "",
              *_table(summary, stored, _diff_top1)]
+    timing = meta.get("equal_time")
+    if timing:
+        sizes = ", ".join(f"{name} {n} ({timing['step_s'].get(name.removesuffix('@time'), math.nan):.3f} s)"
+                          for name, n in timing["steps"].items())
+        lines[4:4] = ["Equal time: every row trained for e2e's wall-clock time, e2e's steps x (e2e's "
+                      "step time / the row's), the step times measured in this suite run on this "
+                      f"machine: steps (s per step) {sizes}.", ""]
     if loss and loss["overall"]:
         lines += ["", "Val loss (cross-entropy on the same videos; lower is better, ln 4 = 1.386 is a "
                   "uniform guess): where top-1 saturates at 1.000 the loss still shows how far each row "
@@ -343,12 +429,13 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
                        seeds: list[int] | None = None, only: list[str] | None = None,
                        extra: list[str] | None = None, jobs: int = JOBS, timeout: float = 1800,
                        train: bool = True, runs_dir: str | Path = RUNS, threads: int | None = None,
-                       keep_checkpoints: bool = False,
+                       keep_checkpoints: bool = False, equal_time: bool = False,
                        ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run (or resume) the suite and write its results; returns (runs, summary, markdown).
     ``train=False`` reports the finished runs and trains nothing. ``threads``: torch threads per
     run (default: the cores shared among ``jobs``; two suites at once need it set).
-    ``keep_checkpoints``: keep each finished run's checkpoints (deleted by default)."""
+    ``keep_checkpoints``: keep each finished run's checkpoints (deleted by default).
+    ``equal_time``: every row but e2e trains for e2e's wall-clock time (module doc)."""
     import fnmatch
     import platform
 
@@ -364,6 +451,28 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
         raise ValueError(f"--tasks {','.join(unknown)}: no such task; tasks: {', '.join(TASKS)}")
     rows = [r for r in available if r.name == "e2e" or (r.default if not only else
             any(fnmatch.fnmatch(r.name, g) for g in only))]
+    threads_arg, threads = threads, threads or max(1, (os.cpu_count() or 1) // max(jobs, 1))
+    timing: dict[str, Any] | None = None
+    if equal_time:
+        record = Path(runs_dir) / EQUAL_TIME
+        timing = json.loads(record.read_text()) if record.exists() else {}
+        known = timing.setdefault("step_s", {})
+        missing = [r for r in rows if r.name not in known]
+        if missing and train:  # measured with e2e in this run, then kept for resumes
+            new = measure_step_times([rows[0], *(r for r in missing if r.name != "e2e")], extra, threads)
+            # a row added later keeps its ratio to the e2e it was measured beside
+            scale = known["e2e"] / new["e2e"] if "e2e" in known else 1.0
+            known.update({name: t * scale for name, t in new.items() if name not in known})
+            timing["threads"] = threads
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(timing, indent=2))
+        elif missing:
+            raise ValueError(f"--equal-time --report-only: no step times in {record} for "
+                             f"{', '.join(r.name for r in missing)}")
+        per_epoch, steps = e2e_steps(extra)
+        rows = equal_time_rows(rows, timing["step_s"], per_epoch, steps)
+        timing["steps"] = {r.name: int(_as_dict(list(r.overrides)).get("trainer.max_steps", steps))
+                           for r in rows}
     todo = [(t, r, s) for s in seeds for t in tasks for r in rows]
     for t, r, s in todo:  # before any run starts: a finished run of other overrides is not reused
         run_dir = Path(runs_dir) / t / r.name / f"seed{s}"
@@ -371,7 +480,6 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
         if why:
             raise ValueError(f"{run_dir} holds a finished run with other overrides ({why}); "
                              "delete it, or pass another --runs-dir")
-    threads_arg, threads = threads, threads or max(1, (os.cpu_count() or 1) // max(jobs, 1))
 
     def one(item: tuple[str, Row, int]) -> dict[str, Any]:
         t, r, s = item
@@ -385,10 +493,12 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         runs = list(pool.map(one, todo))
     e2e_bytes = stored_activation_bytes(list(extra))
-    stored = {r.name: stored_activation_bytes([*r.overrides, *extra]) / e2e_bytes for r in rows}
+    stored = {r.name: stored_activation_bytes([o for o in (*r.overrides, *extra)
+                                                 if not o.startswith("trainer.max_")]) / e2e_bytes
+              for r in rows}
     summary, loss = summarize(runs, rows), summarize(runs, rows, "val_loss")
     # the command that reproduces these results: every flag whose value is not the default
-    flags = ([f"--tasks {','.join(tasks)}"] if tasks != list(TASKS) else []) + (
+    flags = (["--equal-time"] if equal_time else []) + ([f"--tasks {','.join(tasks)}"] if tasks != list(TASKS) else []) + (
         [f"--seeds {','.join(map(str, seeds))}"] if seeds != list(SEEDS) else []) + (
         [f"--only '{','.join(only)}'"] if only else []) + (
         [f"--jobs {jobs}"] if jobs != JOBS else []) + ([f"--threads {threads_arg}"] if threads_arg else []) + (
@@ -397,7 +507,8 @@ def run_accuracy_bench(out: str | Path = RESULTS, tasks: list[str] | None = None
     meta = {"command": " ".join(["python -m videotrain.bench --suite accuracy", *flags, *extra]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {jobs} "
                        f"run{'s' if jobs != 1 else ''} at a time, {threads} torch thread{'s' if threads != 1 else ''} each",
-            "seeds": seeds, "tasks": tasks, "extra_overrides": extra, "stored_frac": stored}
+            "seeds": seeds, "tasks": tasks, "extra_overrides": extra, "stored_frac": stored,
+            "equal_time": timing}
     table = render(summary, stored, meta, loss)
     out.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k not in ("param_digests", "class_names", "skipped_paths")} for r in runs]

@@ -353,6 +353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "by default deleted once its results.json is written)")
     p.add_argument("--report-only", action="store_true",
                    help="accuracy suite: tabulate the finished runs in --out, train nothing")
+    p.add_argument("--equal-time", action="store_true",
+                   help="accuracy suite: each row trains for e2e's wall-clock time (e2e's steps x e2e's "
+                        "step time / the row's, both measured in this run; kept in --runs-dir)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
                 extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
                 train=not args.report_only, runs_dir=args.runs_dir, threads=args.threads,
-                keep_checkpoints=args.keep_checkpoints)
+                keep_checkpoints=args.keep_checkpoints, equal_time=args.equal_time)
         except ValueError as exc:  # --only or --tasks naming nothing, a stale run: before any run starts
             print(f"error: {exc}", file=sys.stderr)
             return 2
