@@ -52,9 +52,13 @@ def _run(channels_last: bool, memory: list[str]) -> tuple[torch.nn.Module, list[
     return model, layouts, logits
 
 
+SBP = ["memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=frame"]
+
+
 @pytest.mark.parametrize("memory", [["memory=e2e"],
-                                    ["memory=checkpoint", "memory.policy=optimal", "memory.budget_frac=0.5"]],
-                         ids=["e2e", "checkpoint-optimal"])
+                                    ["memory=checkpoint", "memory.policy=optimal", "memory.budget_frac=0.5"],
+                                    SBP, [*SBP, "memory.checkpoint=optimal"]],
+                         ids=["e2e", "checkpoint-optimal", "sbp-frame", "sbp-checkpoint"])
 def test_channels_last_forced_on_cpu_matches_nchw(memory: list[str]) -> None:
     """Every conv output is channels_last in training (recompute included) and evaluation;
     gradients, BN running statistics and eval logits equal the NCHW run's (float tolerance:
