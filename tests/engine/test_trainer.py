@@ -252,3 +252,25 @@ def test_checkpoint_policies_log_e2e_losses(e2e_four_steps, run_overrides, compo
     assert [s for s, _ in got] == [1, 2, 3, 4]
     for (step, want), (_, loss) in zip(e2e_four_steps, got, strict=True):
         assert abs(loss - want) <= 1e-4 * abs(want), f"step {step}: {loss} vs e2e {want}"
+
+
+def test_a_run_in_channels_last_trains_validates_and_resumes(run_overrides, compose_cfg, metrics_rows,
+                                                             tmp_path: Path) -> None:
+    """trainer.channels_last=true forced on the CPU, with recomputation: the run trains,
+    validates and checkpoints; its losses equal the NCHW run's to float tolerance, and the
+    checkpoint's conv weights load back into an NHWC model (issue 46)."""
+    extra = dict(trainer__max_epochs=1, memory="checkpoint", memory__policy="sqrt")
+    nhwc = run.train(compose_cfg(run_overrides(trainer__channels_last="true", **extra)), tmp_path / "nhwc")
+    nchw = run.train(compose_cfg(run_overrides(trainer__channels_last="false", **extra)), tmp_path / "nchw")
+    a, b = _train_losses(metrics_rows(tmp_path / "nhwc")), _train_losses(metrics_rows(tmp_path / "nchw"))
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, la), (_, lb) in zip(a, b, strict=True):
+        assert abs(la - lb) <= 1e-3 * abs(lb)
+    assert nhwc["val_top1"] == pytest.approx(nchw["val_top1"])
+    cfg = compose_cfg(run_overrides(trainer__channels_last="true", **extra))
+    model = builder.build_model(cfg, num_classes=nhwc["num_classes"] if "num_classes" in nhwc
+                                else len(nhwc["class_names"]))
+    state = torch.load(tmp_path / "nhwc" / "checkpoints" / "last.ckpt", weights_only=True)["model"]
+    model.load_state_dict(state)
+    conv = next(m for m in model.backbone.modules() if isinstance(m, nn.Conv2d))
+    assert model.channels_last and conv.weight.is_contiguous(memory_format=torch.channels_last)
