@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from videotrain.memory.base import MemoryStrategy, encode_all_frames
 from videotrain.memory.e2e import EndToEnd
@@ -44,7 +45,10 @@ class VideoClassifier(nn.Module):
         per frame likewise (``frames_channels_last``) in training and evaluation; ``False``
         puts them back in the contiguous (NCHW) format."""
         fmt = torch.channels_last if on else torch.contiguous_format
-        self.backbone.to(memory_format=fmt)
+        if not any(is_fake(p) for p in self.backbone.parameters()):
+            # a model built on fake tensors (simulate/step.py, to count memory) cannot swap its
+            # parameters; the layout changes no byte count, so its weights stay as they are
+            self.backbone.to(memory_format=fmt)
         self.channels_last = on
         return self
 
