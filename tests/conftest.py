@@ -61,6 +61,23 @@ TINY_MODEL_OVERRIDES = [
 ]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-xdist (``-n auto --dist loadgroup``, pyproject's addopts) spreads tests over the
+    cores one by one, except that the tests of a file that share a module- or class-scoped
+    fixture (a trained run, a subprocess's measurements, generated clips) go to one worker, in
+    file order, so the fixture is built once. Tests that must not run at the same time as each
+    other (one shared file, one port) name one group, ``@pytest.mark.xdist_group("name")``: one
+    worker runs them, one after another. Session fixtures are built once per worker, in the
+    worker's own temporary folder (``isolated_env``: its own ``$VIDEOTRAIN_CACHE``)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope in ("module", "class", "package") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 # Constants are handed out as fixtures: `from conftest import ...` is ambiguous once a
 # sub-folder has its own conftest.py (pytest re-imports each as the module `conftest`).
 @pytest.fixture(scope="session")
