@@ -6,8 +6,10 @@
 # 8 files and one folder down, which is what the device tool brings back:
 #   $OUT/machine.txt  $OUT/gpu_tests.log  $OUT/bench.log  $OUT/bench/bench.{json,md,png}
 #
-# Run it from the repository root:   bash scripts/gpu_check.sh
-# with the device tool's `run` (timeout_s 600; the script ends by itself in about 560 s).
+# Run it from the repository root, naming the commit (the copy on the device has no .git):
+#   VIDEOTRAIN_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh
+# as the device tool's `run` command (put the sha in the command string; timeout_s 600; the
+# script ends by itself in about 560 s). Then copy $OUT/bench/* to docs/results/gpu/<gpu>/.
 #
 # Packages: the device image has torch 2.11, torchvision, timm, pytest(-timeout, -xdist),
 # matplotlib, but not hydra-core, omegaconf, antlr4-python3-runtime, av, pytorchvideo and its
@@ -42,7 +44,7 @@ fi
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     nproc
-    git rev-parse --short HEAD 2>/dev/null || echo "commit: unknown (no .git)"
+    echo "commit: ${VIDEOTRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
     git status --short 2>/dev/null | head -20
     python3 - <<'EOF'
 import importlib, platform, torch

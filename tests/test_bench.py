@@ -633,3 +633,18 @@ def test_cpu_rows_report_aten_ops_per_step(tmp_path: Path) -> None:
     header = (tmp_path / "bench.md").read_text().splitlines()[2]
     assert f"torch {meta['torch']}" in header
     assert meta["machine"].get("git") is None or f"commit {meta['machine']['git']}" in header
+
+
+def test_commit_from_the_environment_without_a_repository(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a lent GPU machine the working tree comes without .git: bench.json still names the
+    commit, as scripts/gpu_check.sh passes it."""
+    import videotrain.bench.spawn as spawn
+
+    def no_git(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise OSError("no git")
+
+    monkeypatch.setattr(spawn.subprocess, "run", no_git)
+    monkeypatch.setenv("VIDEOTRAIN_COMMIT", "abc1234")
+    assert spawn.machine_info("cpu")["git"] == "abc1234"
+    monkeypatch.delenv("VIDEOTRAIN_COMMIT")
+    assert "git" not in spawn.machine_info("cpu")

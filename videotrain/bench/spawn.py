@@ -62,7 +62,8 @@ def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 def machine_info(device: str) -> dict[str, Any]:
     """Host, CPU, Python and torch versions, torch's threads, the load average, the GPU
-    (``gpu_info``, for a CUDA device) and the commit (``git describe``)."""
+    (``gpu_info``, for a CUDA device) and the commit (``git describe``; without a repository,
+    ``$VIDEOTRAIN_COMMIT``)."""
     import torch
 
     info: dict[str, Any] = {
@@ -82,6 +83,10 @@ def machine_info(device: str) -> dict[str, Any]:
                                      text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    if not info.get("git") and os.environ.get("VIDEOTRAIN_COMMIT"):
+        # a copy of the working tree without .git (a lent GPU machine): the commit it was made
+        # from, as the caller names it (scripts/gpu_check.sh)
+        info["git"] = os.environ["VIDEOTRAIN_COMMIT"]
     return info
 
 
