@@ -84,6 +84,27 @@ def test_every_node_kind_matches_record_apply(kit) -> None:
     assert int(got[2]["bn.num_batches_tracked"]) == int(got[2]["bn2.num_batches_tracked"]) == 1
 
 
+class PlainBNNet(OddNet):
+    """BN layers without affine parameters and without running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn = nn.BatchNorm2d(6, affine=False)
+        self.bn2 = nn.BatchNorm2d(6, track_running_stats=False)
+
+
+def test_bn_without_affine_or_running_stats_matches_record_apply(kit) -> None:
+    x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    got = _run(PlainBNNet().train(), x, lockstep=True)
+    x_grad, x.grad = x.grad.clone(), None
+    want = _run(PlainBNNet().train(), x, lockstep=False)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    kit.assert_close_dicts(got[1], want[1], rtol=1e-4, atol=1e-6)
+    kit.assert_close_dicts(got[2], want[2], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(x_grad, x.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_forward_is_e2e_forward() -> None:
     """Every BN's output is the full-batch forward's own rows: the kept rows' values come from
     the same kernel call as the dropped rows', not from a second normalisation (equal to e2e's up
