@@ -269,6 +269,10 @@ class StochasticBackprop(SamplerStateMixin):
         use_twin = self.recompute is None and self.lockstep and (
             mixes_frames(backbone) or needs_stats or self.nograd_chunk is None)
         twin = self._lockstep_graph(backbone) if use_twin else None
+        if twin is None and mixes_frames(backbone):  # e.g. a torch.compile'd backbone
+            raise RuntimeError("frame-granularity SBP on a backbone whose frames meet needs the "
+                               "lockstep code, and this backbone cannot be traced: use "
+                               "memory.granularity=block")
         if twin is not None:
             set_clip_length(backbone, t)  # a temporal shift reads T when it runs
             feats = lockstep_forward(twin, frames, PartRows(keep_rows, drop_rows), scale)
