@@ -648,3 +648,22 @@ def test_commit_from_the_environment_without_a_repository(monkeypatch: pytest.Mo
     assert spawn.machine_info("cpu")["git"] == "abc1234"
     monkeypatch.delenv("VIDEOTRAIN_COMMIT")
     assert "git" not in spawn.machine_info("cpu")
+
+
+@pytest.mark.gpu
+def test_launch_figures_on_cuda(cuda: torch.device) -> None:
+    """torch.profiler over CUDA steps: kernels per step, kernel time and a busy fraction in
+    (0, 1] (the GPU twin of the CPU rows' aten-op count)."""
+    from videotrain.bench.child import launch_figures
+
+    lin = torch.nn.Linear(512, 512).to(cuda)
+    x = torch.randn(256, 512, device=cuda)
+
+    def step() -> None:
+        lin(x).relu().sum().backward()
+        torch.cuda.synchronize(cuda)
+
+    got = launch_figures(step, cuda, steps=3)
+    assert "profile_error" not in got, got
+    assert got["kernels_per_step"] >= 3 and got["launches_per_step"] == got["kernels_per_step"]
+    assert 0 < got["gpu_busy"] <= 1.0 and got["kernel_ms_per_step"] > 0 and got["ops_per_step"] > 0
