@@ -62,15 +62,20 @@ def python_calls(fn: Callable[[], None]) -> int:
 
 @pytest.mark.parametrize("bn", [False, True])
 def test_a_segment_adds_only_the_ops_it_recomputes(bn: bool) -> None:
-    """Per block: Linear + ReLU recomputed (2 ops); with BN also its batch_norm, the empty it
-    allocates and the step counter's add_ (5). No clone of BN buffers, no anchor allocation."""
+    """Per block exactly the ops of its forward (Linear + ReLU: addmm, relu; with BN also its
+    batch_norm, the step counter's add_ and what the kernel allocates, as this torch dispatches
+    them). No clone of BN buffers, no anchor allocation, no RNG state copy."""
     x = torch.randn(4, 16)
     e2e = step_ops(chain(bn), x)
+    block = chain(bn)[0]
+    with aten_ops() as forward:
+        block(x.requires_grad_())
+    x = x.detach()
     model = chain(bn)
     for block in model:
         wrap_forward(block)
     per_segment = (step_ops(model, x) - e2e) / SEGMENTS
-    assert per_segment == (5 if bn else 2)
+    assert per_segment == sum(forward.values()) >= (4 if bn else 2)  # 5 and 2 on torch 2.14
     with aten_ops() as ops:
         model(x).sum().backward()
     assert "aten.clone" not in ops
