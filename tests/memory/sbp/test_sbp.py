@@ -137,10 +137,10 @@ def test_full_batch_bn_backward_meets_the_cuda_kernels_contract(kit, monkeypatch
     reads the running pair there and ignores them): SBP's BN backward passed none and failed
     on every GPU ("save_mean should always be defined", found by the first GPU run,
     docs/results/gpu/). The CPU twin of that precondition: each call hands a defined (mean,
-    invstd) pair. Block granularity (record/apply) calls the kernel in eval mode with the
-    recorded statistics as both pairs; frame granularity (lockstep) in training mode with the
-    statistics the forward kernel saved, as autograd's own BN backward does (``mean``/``var``
-    unused there). The gpu-marked tests run the kernel itself."""
+    invstd) pair. Record/apply (``lockstep=False``) calls the kernel in eval mode with the
+    recorded statistics as both pairs; lockstep (the default, frame and block granularity) in
+    training mode with the statistics the forward kernel saved, as autograd's own BN backward
+    does (``mean``/``var`` unused there). The gpu-marked tests run the kernel itself."""
     real = torch.ops.aten.native_batch_norm_backward
     calls = []
 
@@ -159,8 +159,12 @@ def test_full_batch_bn_backward_meets_the_cuda_kernels_contract(kit, monkeypatch
     if granularity == "frame":  # every BN layer of the backbone, in training mode
         n_bn = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.backbone.modules())
         assert calls == [True] * n_bn, calls
-    else:  # the split branches' BN layers, in eval mode
-        assert calls and not any(calls), calls
+    else:  # the split branches' BN layers (lockstep per branch), in training mode
+        assert calls and all(calls), calls
+    _, model = kit.model_pair("resnet", sbp(granularity=granularity, lockstep=False))
+    calls.clear()
+    kit.step(model, kit.video())
+    assert calls and not any(calls)  # record/apply: every BN layer's backward in eval mode
 
 
 def test_grad_scale_inverse_keep_scales_backbone_grads_only(kit) -> None:

@@ -232,3 +232,24 @@ def test_channels_last_gives_the_same_results_and_keeps_the_format(kit, device: 
     kit.assert_close_dicts(got[torch.channels_last][1], got[torch.contiguous_format][1], **tol)
     formats = got[torch.channels_last][2]
     assert formats and all(formats), formats
+
+
+@pytest.mark.parametrize("backbone", ["resnet", "timm_resnet"])
+def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backbone: str) -> None:
+    """Block SBP with full-batch BN runs each split branch's twins once (dropped, then kept),
+    with record/apply's values, gradients and BN statistics."""
+    x = kit.video()
+    out = {}
+    for lockstep in (True, False):
+        strategy = sbp(granularity="block", blocks=1.0, lockstep=lockstep)
+        _, model = kit.model_pair(backbone, strategy)
+        conv = model.backbone.blocks()[0].conv1
+        rows: list[int] = []
+        conv.register_forward_hook(lambda _m, args, _o, rows=rows: rows.append(args[0].shape[0]))
+        out[lockstep] = (kit.step(model, x), kit.grads(model), kit.bn_buffers(model), rows)
+    n_rows, n_keep = kit.B * kit.T, kit.B * 3
+    assert out[True][3] == [n_rows - n_keep, n_keep]  # the branch's first conv: once per part
+    assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
+    kit.assert_close_dicts(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
+    kit.assert_close_dicts(out[True][2], out[False][2], rtol=1e-5, atol=1e-6)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
 from videotrain.memory.sbp.split import FullBatchNorm, has_train_batchnorm, split_forward
 
 # branch(fn, x) -> fn(x) for all N frames, with autograd only through the kept frames
@@ -192,15 +193,49 @@ def select_blocks(num_blocks: int, blocks: float | int | list[int] | None) -> li
     return picked
 
 
-class BlockSplitter:
-    """Wraps residual blocks and, during one SBP step, tells each its kept/dropped rows."""
+class _Branch(nn.Module):
+    """One residual branch ``fn`` of ``block`` as a module, so that ``torch.fx`` can trace it
+    (the branch's layers become ``block.*`` submodule calls)."""
 
-    def __init__(self, norm: FullBatchNorm, chunk: int) -> None:
+    def __init__(self, block: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                 tracer: Callable[[], object] | None) -> None:
+        super().__init__()
+        self.block, self._fn, self._tracer = block, fn, tracer
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self._fn(z)
+
+    def fx_tracer(self) -> object:  # the backbone's tracer (timm's leaf modules and functions)
+        from torch import fx
+
+        return self._tracer() if self._tracer is not None else fx.Tracer()
+
+
+class BlockSplitter:
+    """Wraps residual blocks and, during one SBP step, tells each its kept/dropped rows.
+
+    A branch with training-mode BN runs the lockstep code (``videotrain.memory.sbp.lockstep``):
+    each branch traced once (per block and branch function) into kept/dropped twins that meet at
+    its BN layers, as at frame granularity; record/apply where it cannot be traced."""
+
+    def __init__(self, norm: FullBatchNorm, chunk: int | None) -> None:
         self.norm = norm
         self.chunk = chunk
         self.rows: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.total_rows = 0  # N = B*T of the current step
         self.scale: float | None = None
+        self.lockstep = True  # full-batch branches in lockstep (memory.lockstep)
+        self.tracer: Callable[[], object] | None = None  # the backbone's fx tracer, if it has one
+        self._twins: dict[tuple[int, object], object] = {}  # (block, branch code) -> twin or None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_twins": {}}  # generated code is rebuilt, not pickled
+
+    def _twin(self, block: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
+        key = (id(block), getattr(fn, "__code__", fn))
+        if key not in self._twins:
+            self._twins[key] = lockstep_graph(_Branch(block, fn, self.tracer))
+        return self._twins[key]
 
     def wrap(self, blocks: list[nn.Module]) -> None:
         for blk in blocks:
@@ -239,6 +274,9 @@ class BlockSplitter:
         def branch(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor) -> torch.Tensor:
             if shift is not None:  # every frame, with autograd, before the per-frame split
                 z = shift(z)  # (N, C, H, W)
+            twin = self._twin(block, fn) if needs_stats and self.lockstep else None
+            if twin is not None:  # one pass: kept and dropped twins meet at the branch's BNs
+                return lockstep_forward(twin, z, PartRows(keep, drop), self.scale)
             return split_forward(fn, z, keep, drop, self.norm, needs_stats, self.chunk, self.scale)
 
         return patch.adapter(block, x, branch)

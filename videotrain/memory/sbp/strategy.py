@@ -55,7 +55,8 @@ the statistics. Not supported with SyncBatchNorm. Two ways to compute it, the sa
   ``torch.fx`` once and rewritten into code with kept (autograd) and dropped (``no_grad``)
   twins of every op, the two parts as contiguous row blocks; at every BN they meet in one
   training-mode BN kernel over all rows (``videotrain.memory.sbp.lockstep``).
-- record/apply (``lockstep=false``; block granularity; composed with ``checkpoint``; a
+- block granularity: the same lockstep code per residual branch (``blocks.BlockSplitter``).
+- record/apply (``lockstep=false``; composed with ``checkpoint``; a
   backbone ``torch.fx`` cannot trace): the split unit (the backbone, or one residual branch)
   first runs under ``no_grad`` over *all* frames, recording each BN's statistics, and the
   dropped frames' outputs come from that pass; the kept frames then rerun with autograd,
@@ -231,6 +232,8 @@ class StochasticBackprop(SamplerStateMixin):
             all_blocks = backbone.blocks()
             self.block_indices = select_blocks(len(all_blocks), self.blocks_spec)
             self._wrapped = [all_blocks[i] for i in self.block_indices]
+            self.splitter.lockstep = self.lockstep
+            self.splitter.tracer = getattr(backbone, "fx_tracer", None)
             self.splitter.wrap(self._wrapped)
         return backbone
 
