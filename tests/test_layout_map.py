@@ -6,33 +6,42 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 from test_import_cycles import import_graph, module_files
 
 MAP = Path(__file__).resolve().parent.parent / "docs" / "layout.md"
 
-# the parts (layer 3) and the videotrain packages each may import besides itself
-PARTS_MAY_IMPORT: dict[str, set[str]] = {
-    "untrusted": set(),  # the bottom: text and files from someone else, imported by every layer
-    "data": {"untrusted"},
-    "metrics": {"untrusted"},
-    "simulate.step": {"memory", "metrics", "untrusted"},
-    "memory": {"metrics", "simulate.step", "untrusted"},
-    "models": {"memory", "simulate.step", "engine", "untrusted"},
-    "engine": {"data", "memory", "metrics", "untrusted"},
-}
-# memory=auto measures real steps of the model at the trainer's scale
-EXCEPTIONS = {("memory.auto.profile", "engine"), ("memory.auto.profile", "models")}
+# The layers of docs/layout.md, bottom to top: a strict stack. A part may import itself and
+# the parts of the layers below its own, nothing else: not a part of its own layer, not a
+# layer above. There is no exception list. Each part is a top-level module or package of
+# videotrain (``videotrain`` itself: the package's ``__init__``, its version).
+LAYERS: list[tuple[str, ...]] = [
+    ("videotrain", "untrusted"),  # the bottom: text and files from someone else
+    ("data", "metrics"),  # the leaves: no other part
+    ("memory",),  # the strategies, and the step on fake tensors (memory/simulate.py)
+    ("engine",),  # the trainer: any nn.Module through a memory strategy
+    ("models",),  # backbones, heads, VideoClassifier; weights read with engine's safe loader
+    ("schema",),  # config: every group's schema, derived from the parts' classes
+    ("build",),  # config -> objects
+    ("config_files",),  # configs read from files, checked against schema and build
+    ("trained_run", "simulate"),  # a trained run; a configured run's step simulated
+    ("run", "eval", "predict", "export", "plan", "prepare"),  # the commands
+    ("__main__", "bench"),  # python -m videotrain (train: run), the cost benchmark
+]
+LEVEL: dict[str, int] = {part: level for level, parts in enumerate(LAYERS) for part in parts}
 COMMANDS = ("eval", "predict", "export")
 
 
-def part_of(module: str) -> str | None:
-    """The part (a key of ``PARTS_MAY_IMPORT``) that ``videotrain.<module>`` belongs to."""
+def part_of(module: str) -> str:
+    """The part (a name in ``LAYERS``) that ``videotrain.<module>`` belongs to: its top-level
+    module or package, ``videotrain`` for the package itself."""
     name = module.removeprefix("videotrain.")
-    if name == "simulate.step":
-        return name
-    top = name.split(".")[0]
-    return top if top in PARTS_MAY_IMPORT else None
+    return name.split(".")[0]
+
+
+def upward_imports(edges: set[tuple[str, str]]) -> list[str]:
+    """Every import that does not point down the stack: into a part of the same layer, or up."""
+    return sorted(f"{a} imports {b}" for a, b in edges
+                  if part_of(a) != part_of(b) and LEVEL[part_of(b)] >= LEVEL[part_of(a)])
 
 
 def mapped_paths(text: str) -> set[str]:
@@ -74,16 +83,31 @@ def _edges() -> set[tuple[str, str]]:
     return {(a.removeprefix("videotrain."), b.removeprefix("videotrain.")) for a, b in import_graph(module_files())}
 
 
-@pytest.mark.parametrize("part", list(PARTS_MAY_IMPORT))
-def test_parts_import_only_what_the_map_allows(part: str) -> None:
-    wrong = []
-    for a, b in _edges():
-        if part_of(a) != part:
-            continue
-        target = part_of(b) or b  # a layer above (build, run, ...) names itself
-        if target != part and target not in PARTS_MAY_IMPORT[part] and (a, part_of(b)) not in EXCEPTIONS:
-            wrong.append(f"{a} imports {b}")
-    assert not wrong, f"docs/layout.md says {part} may import {sorted(PARTS_MAY_IMPORT[part]) or 'nothing'}: {wrong}"
+def test_every_module_is_in_one_layer() -> None:
+    parts = {part_of(m) for m in module_files()}
+    assert not parts - set(LEVEL), f"modules in no layer of LAYERS: {sorted(parts - set(LEVEL))}"
+    assert not set(LEVEL) - parts, f"LAYERS names parts that do not exist: {sorted(set(LEVEL) - parts)}"
+    assert sum(len(layer) for layer in LAYERS) == len(LEVEL), "a part in two layers"
+
+
+def test_every_import_points_down_the_layers() -> None:
+    wrong = upward_imports(_edges())
+    assert not wrong, f"imports that do not point down the layers of docs/layout.md: {wrong}"
+
+
+def test_upward_imports_finds_imports_up_and_across_a_layer() -> None:
+    edges = {("models.video", "memory.base"), ("memory.auto.profile", "models.video"),
+             ("data.loaders", "metrics.accuracy"), ("memory.sbp", "memory.base")}
+    assert upward_imports(edges) == ["data.loaders imports metrics.accuracy",
+                                     "memory.auto.profile imports models.video"]
+
+
+def test_the_map_lists_the_layers_in_this_order() -> None:
+    """docs/layout.md's numbered layers, top to bottom, name the parts of ``LAYERS`` top down."""
+    text = MAP.read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\d+\. \*\*[^*]+\*\*: (.*)$", text, flags=re.M)
+    named = [tuple(re.findall(r"`([\w.]+?)/?`", line)) for line in listed]
+    assert named == [tuple(layer) for layer in reversed(LAYERS)]
 
 
 def test_build_does_not_import_the_config_simulator_and_commands_share_one_loader() -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from videotrain.build import compose_cfg
+from videotrain.memory.simulate import GIB
 from videotrain.plan import FIT_ROWS, fit_report
 from videotrain.plan import main as plan_main
-from videotrain.simulate.step import GIB
 
 TINY = ["model/backbone=resnet10", "model.backbone.temporal_shift=0", "model/head=tconv",
         "data.num_frames=8", "data.crop_size=96", "data.batch_size=2", "data.val_batch_size=2",
@@ -79,9 +79,9 @@ def test_fit_predicts_the_frozen_backbone_step_training_builds(report: dict) -> 
     from videotrain.build import optimizer_from_cfg
     from videotrain.engine.precision import PRECISIONS
     from videotrain.memory.e2e import EndToEnd
+    from videotrain.memory.simulate import simulate_step
     from videotrain.models.finetune import freeze_backbone
     from videotrain.models.video import VideoClassifier
-    from videotrain.simulate.step import simulate_step
 
     frozen = fit_report([*TINY, "model.freeze_backbone=true"], device_gb=1.0)
     row = next(r for r in frozen["rows"] if r["strategy"] == "e2e")

@@ -41,10 +41,10 @@ from videotrain.engine.precision import Precision
 from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.base import SelfPlanning
+from videotrain.memory.simulate import StepMemory
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier, wants_channels_last
 from videotrain.models.weights import load_backbone_weights
-from videotrain.simulate.step import StepMemory
 
 log = logging.getLogger(__name__)
 

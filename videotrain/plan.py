@@ -62,8 +62,7 @@ from videotrain.build import (
 )
 from videotrain.memory.base import set_clip_length
 from videotrain.memory.recompute import InfeasibleBudget, Recompute
-from videotrain.simulate.config_run import ConfigPredictor, num_classes_of, run_isolated
-from videotrain.simulate.step import (
+from videotrain.memory.simulate import (
     CUDA_CONTEXT_GIB,
     GIB,
     UNSEEN_FRAC,
@@ -71,6 +70,7 @@ from videotrain.simulate.step import (
     device_need,
     usable_bytes,
 )
+from videotrain.simulate.config_run import ConfigPredictor, num_classes_of, run_isolated
 
 # (strategy, keep_ratio, policy, overrides): the rows of the fit table, by memory= name
 FIT_ROWS: list[tuple[str, float | None, str | None, list[str]]] = [

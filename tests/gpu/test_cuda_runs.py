@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from videotrain import run
+from videotrain.memory.simulate import UNSEEN_FRAC
 from videotrain.simulate.config_run import simulate_cfg
-from videotrain.simulate.step import UNSEEN_FRAC
 
 pytestmark = pytest.mark.gpu
 MIB = 2**20

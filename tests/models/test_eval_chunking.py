@@ -13,11 +13,11 @@ from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute import Recompute
 from videotrain.memory.sbp import StochasticBackprop
+from videotrain.memory.simulate import no_grad_peak
 from videotrain.metrics.live_bytes import LiveStorageBytes
 from videotrain.models.backbones import resnet, vit
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier
-from videotrain.simulate.step import no_grad_peak
 
 BACKBONES = {
     "resnet": lambda: resnet(layers=[1, 1, 1, 1]),

@@ -13,12 +13,12 @@ from omegaconf import OmegaConf
 
 from videotrain.build import CONFIG_DIR, build_model, clean_errors, validate
 from videotrain.memory.base import encode_all_frames, set_clip_length
+from videotrain.memory.simulate import eval_chunk
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.temporal_shift import TemporalShift, temporal_shift
 from videotrain.models.timm_backbone import timm_backbone
 from videotrain.models.video import VideoClassifier
-from videotrain.simulate.step import eval_chunk
 
 TINY_TIMM_RESNET = {"channels": (8, 16, 32, 64), "stem_width": 8, "zero_init_last": False}
 

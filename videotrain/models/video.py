@@ -8,8 +8,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from videotrain.memory.base import MemoryStrategy, encode_all_frames
 from videotrain.memory.e2e import EndToEnd
+from videotrain.memory.simulate import eval_chunk
 from videotrain.models.backbones import FrameBackbone
-from videotrain.simulate.step import eval_chunk
 
 
 class VideoClassifier(nn.Module):
@@ -46,7 +46,7 @@ class VideoClassifier(nn.Module):
         puts them back in the contiguous (NCHW) format."""
         fmt = torch.channels_last if on else torch.contiguous_format
         if not any(is_fake(p) for p in self.backbone.parameters()):
-            # a model built on fake tensors (simulate/step.py, to count memory) cannot swap its
+            # a model built on fake tensors (memory/simulate.py, to count memory) cannot swap its
             # parameters; the layout changes no byte count, so its weights stay as they are
             self.backbone.to(memory_format=fmt)
         self.channels_last = on

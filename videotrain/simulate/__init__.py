@@ -1,10 +1,10 @@
-"""Simulated training steps: what a step would allocate, counted on fake tensors, no device.
+"""A configured run's training step simulated on fake tensors, no device (the config layer).
 
-- ``step.py``: a model's training step and validation forward on fake tensors, counted
-  (``simulate_step``, ``StepMemory``), and the evaluation's frame chunk (``eval_chunk``, which
-  ``models/video.py`` uses); it imports nothing of videotrain but ``metrics.live_bytes``.
 - ``config_run.py``: a configured run's step (``simulate_cfg``), in processes of their own
-  (``run_isolated``), and ``memory=auto``'s predictor (``ConfigPredictor``).
+  (``run_isolated``), and ``memory=auto``'s predictor (``ConfigPredictor``). It builds the model
+  with ``build`` and counts its step with ``videotrain.memory.simulate`` (the step on fake
+  tensors, a part of ``memory/``, below the models that use its ``eval_chunk``).
 
-Nothing is imported here: ``config_run`` imports ``build``, which the model package reaches.
+Nothing is imported here: ``config_run`` imports ``build``; ``build`` does not import it (the
+commands pass ``ConfigPredictor`` into ``build.plan_memory``).
 """

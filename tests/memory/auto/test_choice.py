@@ -31,10 +31,10 @@ from videotrain.memory.auto.strategy import STRATEGIES, AutoStrategy, memory_nod
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.strategy import StochasticBackprop
+from videotrain.memory.simulate import GIB, UNSEEN_FRAC, StepMemory
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier
-from videotrain.simulate.step import GIB, UNSEEN_FRAC, StepMemory
 
 T = 16
 

@@ -34,17 +34,16 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.engine.precision import Precision
 from videotrain.memory.base import MemoryStrategy
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.recompute.execute import CheckpointedForward
@@ -55,6 +54,18 @@ from videotrain.metrics.saved import saved_activation_bytes, saved_bytes
 
 MB = 2**20
 log = logging.getLogger(__name__)
+
+
+class StepPrecision(Protocol):
+    """How a step's arithmetic runs, as the trainer runs it: what the probe needs of
+    ``videotrain.engine.precision.Precision`` (the engine sits above ``memory/``, so the
+    caller hands one in rather than this module importing it)."""
+
+    key: str  # "32", "bf16" or "16" (fp16: the steps scale the loss)
+
+    def autocast(self) -> AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None) -> None: ...
 
 
 @dataclass
@@ -165,15 +176,17 @@ class StepProbe:
     """Runs training steps of a copy of ``model`` on a fixed random batch, as the trainer does.
 
     ``make_optimizer(model)`` builds the run's optimizer for a model (same type and settings);
-    ``video_shape`` is ``(B, T, C, H, W)``. Plain arguments only: ``videotrain.build`` reads the
-    config and builds this.
+    ``precision`` is the run's ``Precision``; ``video_shape`` is ``(B, T, C, H, W)``. The copies
+    are built with ``model``'s own class (``VideoClassifier(backbone, head, strategy)``), so this
+    module never imports the model package above it. Plain arguments only: ``videotrain.build``
+    reads the config and builds this.
     """
 
     def __init__(
         self,
         model: nn.Module,
         make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-        precision: Precision,
+        precision: StepPrecision,
         device: torch.device,
         video_shape: tuple[int, int, int, int, int],
         num_classes: int,
@@ -200,10 +213,9 @@ class StepProbe:
         """A copy of the model under e2e with one warm-up step taken (gradient buffers and
         optimizer state allocated, as between the trainer's steps); returns the bytes that
         warm-up added to what is held."""
-        from videotrain.models.video import VideoClassifier
-
         backbone = unprepare(copy.deepcopy(self.source.backbone))  # pristine, whatever src had
-        model = VideoClassifier(backbone, copy.deepcopy(self.source.head), EndToEnd())
+        # the model's own class (VideoClassifier): models/ sits above memory/, so no import
+        model = type(self.source)(backbone, copy.deepcopy(self.source.head), EndToEnd())
         model.to(self.device).train()
         optimizer = self.make_optimizer(model)
         before = _held_bytes(self.device)

@@ -56,7 +56,7 @@ from videotrain.memory.recompute.planner import InfeasibleBudget
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sampling import SAMPLERS
 from videotrain.memory.sbp.strategy import StochasticBackprop
-from videotrain.simulate.step import (
+from videotrain.memory.simulate import (
     CUDA_CONTEXT_GIB,
     GIB,
     UNSEEN_FRAC,

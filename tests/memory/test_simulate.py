@@ -1,4 +1,4 @@
-"""The step simulation on fake tensors (``videotrain.simulate.step``): it counts what the
+"""The step simulation on fake tensors (``videotrain.memory.simulate``): it counts what the
 same steps count on real tensors, for every strategy, and its extrapolation is the stated one."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute import Recompute
 from videotrain.memory.sbp import StochasticBackprop
+from videotrain.memory.simulate import StepMemory, _no_weight_init, simulate_step
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier
-from videotrain.simulate.step import StepMemory, _no_weight_init, simulate_step
 
 SHAPE = (2, 6, 3, 32, 32)  # (B, T, C, H, W)
 K = 5
