@@ -13,6 +13,7 @@ root config's ``hydra.run.dir`` / ``hydra.sweep.subdir`` use.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -420,12 +421,12 @@ def optimizer_from_cfg(cfg: DictConfig, model: nn.Module,
 
 
 def trainer_settings(cfg: DictConfig) -> TrainerSettings:
-    t = cfg.trainer
-    return TrainerSettings(
-        max_epochs=t.max_epochs, max_steps=t.max_steps, grad_accum=t.grad_accum,
-        grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
-        log_every_n_steps=t.log_every_n_steps, checkpoint_every_n_steps=t.checkpoint_every_n_steps,
-        val_every_n_epochs=t.val_every_n_epochs, max_bad_fraction=cfg.data.max_bad_fraction,
-        progress=t.progress, test_after_fit=t.test_after_fit, cpu_metered_steps=t.cpu_metered_steps,
-        keep_last_k=t.keep_last_k, resume=t.resume,
-    )
+    """The ``trainer`` group as ``TrainerSettings`` (every key it has is a field: the group's
+    schema is derived from them), plus ``data.max_bad_fraction``."""
+    t = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fields = {f.name for f in dataclasses.fields(TrainerSettings)} - {"max_bad_fraction"}
+    unknown = sorted(set(t) - fields)
+    if unknown:
+        raise schema.UnknownConfigKey(f"unknown config key trainer.{unknown[0]} "
+                                      f"(the keys of trainer are: {', '.join(sorted(fields))})")
+    return TrainerSettings(**t, max_bad_fraction=cfg.data.max_bad_fraction)

@@ -8,8 +8,11 @@ structured node, so :func:`check_keys` walks the composed config and rejects any
 schema does not have, naming the nearest valid one. The apps call it on every config they run.
 
 Where a group's keys are the arguments of what it instantiates (``_target_``: backbones, heads,
-memory strategies) or of a function the config feeds (``build_data``), the schema is made from
-that signature, so it cannot drift from the code; the other groups are written out below.
+memory strategies), of a function the config feeds (``build_data``, ``warmup_cosine``) or the
+fields of a settings dataclass (``TrainerSettings``, ``AdamWSettings``, ``EvalSettings``, ...),
+the schema is made from that signature, so a default is declared once, in the code, and the
+YAML holds the same value (tests/test_schema.py checks every group). The logger group and the
+root's own keys have no such target and are written out below.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from videotrain.data.loaders import READER_OPTIONS, build_data
 from videotrain.engine.evaluate import EvalSettings
 from videotrain.engine.inference import ExportSettings, PredictSettings
+from videotrain.engine.optim import AdamWSettings, SGDSettings, warmup_cosine
 from videotrain.engine.recipe import RecipeSettings
+from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.auto.strategy import AutoStrategy
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
@@ -85,68 +90,22 @@ def schema_of(fn: Any, exclude: tuple[str, ...] = (), target: bool = True) -> ty
     return dataclasses.make_dataclass(f"{fn.__name__}Schema", fields)
 
 
-def schema_of_dataclass(cls: type) -> type:
-    """``cls``'s fields with OmegaConf-supported types (a plain dataclass may use any)."""
+def schema_of_dataclass(cls: type, exclude: tuple[str, ...] = (), name: str | None = None) -> type:
+    """``cls``'s fields (but ``exclude``) with OmegaConf-supported types (a plain dataclass may
+    use any), defaulting to its defaults."""
     hints = typing.get_type_hints(cls)
-    return dataclasses.make_dataclass(f"{cls.__name__}Schema", [
+    return dataclasses.make_dataclass(name or f"{cls.__name__}Schema", [
         (f.name, _field_type(hints[f.name]), _field(f.default if f.default_factory is dataclasses.MISSING
                                                      else f.default_factory()))
-        for f in dataclasses.fields(cls)])
+        for f in dataclasses.fields(cls) if f.name not in exclude])
 
 
-# ---------------------------------------------------------------------- written-out groups
-@dataclass
-class TrainerSchema:
-    max_epochs: int = 4
-    max_steps: Optional[int] = None  # noqa: UP045 (OmegaConf reads typing.Optional)
-    grad_accum: int = 1
-    grad_clip: Optional[float] = 1.0  # noqa: UP045
-    label_smoothing: float = 0.0
-    precision: str = "32"
-    log_every_n_steps: int = 10
-    cpu_metered_steps: Optional[int] = 10  # noqa: UP045
-    checkpoint_every_n_steps: Optional[int] = 50  # noqa: UP045
-    val_every_n_epochs: int = 1
-    test_after_fit: bool = False
-    progress: bool = True
-    sync_bn: bool = False
-    keep_last_k: Optional[int] = 2  # noqa: UP045 (null: keep every checkpoint)
-    resume: Any = "auto"  # auto | force | false
-    channels_last: Any = "auto"  # auto (CUDA and a conv backbone) | true | false
+def named(schema: type, name: str, cls_name: str) -> type:
+    """``schema`` plus a ``name`` key defaulting to ``name`` (the option's name)."""
+    return dataclasses.make_dataclass(cls_name, [("name", str, field(default=name))], bases=(schema,))
 
 
-@dataclass
-class AdamWSchema:
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.05
-    betas: List[float] = field(  # noqa: UP006
-       default_factory=lambda: [0.9, 0.999])
-    lr_scaling: str = "none"
-    base_batch_size: Optional[int] = 8  # noqa: UP045
-    layer_decay: Optional[float] = None  # noqa: UP045 (layer-wise LR decay; null = off)
-    head_lr: Optional[float] = None  # noqa: UP045 (null: optim.lr)
-
-
-@dataclass
-class SGDSchema:
-    name: str = "sgd"
-    lr: float = 0.05
-    weight_decay: float = 1e-4
-    momentum: float = 0.9
-    lr_scaling: str = "none"
-    base_batch_size: Optional[int] = 8  # noqa: UP045
-    layer_decay: Optional[float] = None  # noqa: UP045
-    head_lr: Optional[float] = None  # noqa: UP045
-
-
-@dataclass
-class CosineSchema:
-    name: str = "cosine"
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.01
-
-
+# ------------------------------------------- written out: no class or function of their own to derive from
 @dataclass
 class WandbSchema:
     mode: str = "offline"
@@ -191,6 +150,10 @@ class RootSchema:
     video: Optional[str] = None  # noqa: UP045 (python -m videotrain.predict video=FILE|FOLDER)
 
 
+# data.max_bad_fraction is the data group's key (the trainer reads it from there)
+TrainerSchema = schema_of_dataclass(TrainerSettings, ("max_bad_fraction",), name="TrainerSchema")
+
+
 def _data_schema(reader_options: tuple[str, ...]) -> type:
     """``build_data``'s arguments with the options of one layout's reader (the others' left out)."""
     others = {o for opts in READER_OPTIONS.values() for o in opts} - set(reader_options)
@@ -203,8 +166,10 @@ def _data_schema(reader_options: tuple[str, ...]) -> type:
 # group -> {schema name: schema}; each YAML of the group names its schema in its defaults list
 SCHEMAS: dict[str, dict[str, type]] = {
     "trainer": {"trainer_schema": TrainerSchema},
-    "optim": {"adamw_schema": AdamWSchema, "sgd_schema": SGDSchema},
-    "sched": {"cosine_schema": CosineSchema},
+    "optim": {"adamw_schema": schema_of_dataclass(AdamWSettings, name="AdamWSchema"),
+              "sgd_schema": schema_of_dataclass(SGDSettings, name="SGDSchema")},
+    "sched": {"cosine_schema": named(schema_of(warmup_cosine, ("optimizer", "total_steps"), target=False),
+                                     "cosine", "CosineSchema")},
     "logger": {"logger_schema": LoggerSchema},
     "eval": {"eval_schema": schema_of_dataclass(EvalSettings)},
     "predict": {"predict_schema": schema_of_dataclass(PredictSettings)},

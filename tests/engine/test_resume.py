@@ -56,6 +56,31 @@ def test_config_diff_ignores_math_neutral_keys() -> None:
         "auto", "force", "false", "false", "auto"]
 
 
+
+def test_math_neutral_keys_are_the_marked_fields() -> None:
+    """MATH_NEUTRAL is derived from the NEUTRAL marks on the fields that declare the keys: the
+    trainer's are the ten it always listed, and marking a field is what makes a key neutral."""
+    import dataclasses
+
+    from videotrain.engine import resume
+    from videotrain.engine.trainer import TrainerSettings
+
+    trainer = {k for k in resume.MATH_NEUTRAL if k.startswith("trainer.")}
+    assert trainer == {f"trainer.{k}" for k in (
+        "max_epochs", "max_steps", "progress", "log_every_n_steps", "checkpoint_every_n_steps",
+        "keep_last_k", "resume", "val_every_n_epochs", "test_after_fit", "cpu_metered_steps")}
+    assert resume.is_neutral("trainer.max_epochs") and not resume.is_neutral("trainer.grad_clip")
+    assert resume.is_neutral("logger.wandb.mode") and resume.is_neutral("data.num_workers")
+    assert {f.name for f in dataclasses.fields(TrainerSettings) if f.metadata.get("math_neutral")} == {
+        k.removeprefix("trainer.") for k in trainer}
+
+    @dataclasses.dataclass
+    class Settings:
+        every: int = dataclasses.field(default=1, metadata=resume.NEUTRAL)
+        lr: float = 0.1
+
+    assert resume.marked_neutral(Settings, "x.") == ("x.every",)
+
 def test_invalid_resume_value_names_the_key(run_overrides, compose_cfg, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="trainer.resume must be one of auto, force, false; got 'maybe'"):
         run.train(compose_cfg(run_overrides(trainer__resume="maybe")), tmp_path)

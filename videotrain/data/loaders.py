@@ -271,7 +271,7 @@ def build_data(
     video_dir: str | None = None,
     labels_file: str | None = None,
     video_ext: str | None = None,
-    worker_timeout: float = 0,
+    worker_timeout: float = 600,
     decoder: str = "pyav",
     sampler: str = "random",
     randaugment: tuple[int, int] = (0, 9),

@@ -4,9 +4,40 @@ schedule."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+# The optim group's options, declared once: their schemas are derived from these fields
+# (videotrain.schema) and configs/optim/<name>.yaml holds the same defaults (a test checks).
+@dataclass
+class AdamWSettings:
+    """``optim=adamw``: ``build_optimizer``'s arguments plus the LR scaling (``scaled_lr``)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: tuple[float, ...] = (0.9, 0.999)
+    lr_scaling: str = "none"  # none | linear | sqrt (LR_SCALINGS)
+    base_batch_size: int | None = 8  # the global batch lr was tuned for
+    layer_decay: float | None = None  # layer-wise LR decay; None: off
+    head_lr: float | None = None  # None: lr
+
+
+@dataclass
+class SGDSettings:
+    """``optim=sgd``: as ``AdamWSettings``, with momentum (Nesterov when > 0) for betas."""
+
+    name: str = "sgd"
+    lr: float = 0.05
+    weight_decay: float = 1e-4
+    momentum: float = 0.9
+    lr_scaling: str = "none"
+    base_batch_size: int | None = 8
+    layer_decay: float | None = None
+    head_lr: float | None = None
 
 
 def _no_decay(name: str, p: nn.Parameter) -> bool:
@@ -121,9 +152,10 @@ def scaled_lr(lr: float, scaling: str, base_batch_size: int | None, global_batch
 
 
 def warmup_cosine(
-    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 50, min_lr_ratio: float = 0.01
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup to the base LR over ``warmup_steps``, then cosine to ``min_lr_ratio``."""
+    """Linear warmup to the base LR over ``warmup_steps``, then cosine to ``min_lr_ratio``. Its
+    defaults are ``sched=cosine``'s (the group's schema is derived from this signature)."""
     total_steps = max(total_steps, 1)
     warmup_steps = min(max(warmup_steps, 0), total_steps)
 

@@ -1,9 +1,9 @@
 """Guarded resume: a checkpoint continues only the training it was written by.
 
 Every checkpoint records the run's resolved config (a plain dict). On resume it is compared
-with the current one, key by dotted key. Keys that do not change what is computed (listed in
-``MATH_NEUTRAL``: when to stop, what is logged, how often to checkpoint or validate, data
-loading parallelism, evaluation settings, the device) may change freely; any other difference,
+with the current one, key by dotted key. Keys that do not change what is computed
+(``MATH_NEUTRAL``, marked ``NEUTRAL`` on the field that declares each: when to stop, what is
+logged, how often to checkpoint or validate, data loading parallelism, evaluation settings, the device) may change freely; any other difference,
 and a different number of DDP processes, refuses the resume with the keys and their old and new
 values, unless ``trainer.resume=force`` (then it is a warning). Keys set on one side only (added
 or removed by a videotrain update) are listed in a warning but do not block.
@@ -20,6 +20,8 @@ not loaded).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -31,16 +33,39 @@ log = logging.getLogger(__name__)
 
 RESUME_MODES = ("auto", "force", "false")
 
-# Dotted keys (or prefixes, ending in ".") that may differ between a checkpoint and the run
-# resuming it. trainer.max_epochs / max_steps move where training stops, and with it the end of
-# the cosine schedule (the trainer logs the change); the rest changes no computed value.
-MATH_NEUTRAL = (
-    "trainer.max_epochs", "trainer.max_steps", "trainer.progress", "trainer.log_every_n_steps",
-    "trainer.checkpoint_every_n_steps", "trainer.keep_last_k", "trainer.resume",
-    "trainer.val_every_n_epochs", "trainer.test_after_fit", "trainer.cpu_metered_steps",
+# The mark of a config key that may differ between a checkpoint and the run resuming it, put on
+# the dataclass field that declares the key: ``field(default=..., metadata=NEUTRAL)``.
+NEUTRAL = {"math_neutral": True}
+
+# Math-neutral keys declared outside a settings dataclass of the engine: data loading parallelism
+# and the bad-video budget (build_data's arguments), the logger and eval groups whole, and the
+# root's checkpoint, run_config and device (videotrain.schema.RootSchema).
+_UNMARKED_NEUTRAL = (
     "data.num_workers", "data.worker_timeout", "data.val_batch_size", "data.max_bad_fraction",
     "logger.", "eval.", "checkpoint", "run_config", "device",
 )
+
+
+def marked_neutral(cls: type, prefix: str) -> tuple[str, ...]:
+    """``prefix`` + the name of every field of the dataclass ``cls`` marked ``NEUTRAL``."""
+    return tuple(f"{prefix}{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("math_neutral"))
+
+
+@functools.cache
+def math_neutral() -> tuple[str, ...]:
+    """Dotted keys (or prefixes, ending in ".") that may differ between a checkpoint and the run
+    resuming it. trainer.max_epochs / max_steps move where training stops, and with it the end of
+    the cosine schedule (the trainer logs the change); the rest changes no computed value."""
+    from videotrain.engine.trainer import TrainerSettings  # imports this module
+
+    return (*marked_neutral(TrainerSettings, "trainer."), *_UNMARKED_NEUTRAL)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MATH_NEUTRAL":  # computed on first use: the trainer module imports this one
+        return math_neutral()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 ABSENT = object()
 
@@ -66,7 +91,7 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def is_neutral(key: str) -> bool:
-    return any(key == n or (n.endswith(".") and key.startswith(n)) for n in MATH_NEUTRAL)
+    return any(key == n or (n.endswith(".") and key.startswith(n)) for n in math_neutral())
 
 
 def config_diff(saved: dict | None, current: dict | None) -> list[tuple[str, Any, Any]]:

@@ -43,7 +43,7 @@ import logging
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
 from videotrain.engine.preempt import StopSignals, agreed_stop, stop_run
 from videotrain.engine.recipe import BatchMix, RecipeSettings, WeightEMA, soft_target_loss
-from videotrain.engine.resume import resume_mode
+from videotrain.engine.resume import NEUTRAL, resume_mode
 from videotrain.engine.run_checkpoints import Checkpointed, RunCheckpoints, TrainState
 from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger
@@ -66,20 +66,28 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainerSettings:
-    max_epochs: int = 10
-    max_steps: int | None = None
+    """The ``trainer`` config group, declared once: its schema is derived from these fields
+    (``videotrain.schema``), ``configs/trainer/default.yaml`` holds the same defaults (a test
+    checks), and fields marked ``NEUTRAL`` may change when a run resumes (``resume.MATH_NEUTRAL``)."""
+
+    max_epochs: int = field(default=8, metadata=NEUTRAL)  # moves the stop (and the cosine's end)
+    max_steps: int | None = field(default=None, metadata=NEUTRAL)  # stop earlier when set
     grad_accum: int = 1
-    grad_clip: float | None = None
+    grad_clip: float | None = 1.0  # max grad norm; None: off
     label_smoothing: float = 0.0
-    log_every_n_steps: int = 10
-    checkpoint_every_n_steps: int | None = None
-    val_every_n_epochs: int = 1
+    precision: str = "32"  # "32" | bf16 | "16" (read by engine.precision.Precision.from_config)
+    log_every_n_steps: int = field(default=10, metadata=NEUTRAL)
+    cpu_metered_steps: int | None = field(default=10, metadata=NEUTRAL)  # CPU: meter the first N steps; None: all
+    checkpoint_every_n_steps: int | None = field(default=50, metadata=NEUTRAL)  # None: epoch ends only
+    val_every_n_epochs: int = field(default=1, metadata=NEUTRAL)
+    test_after_fit: bool = field(default=False, metadata=NEUTRAL)  # read by run.train: multi-view eval
+    progress: bool = field(default=True, metadata=NEUTRAL)
+    sync_bn: bool = False  # DDP on CUDA: SyncBatchNorm (read by build)
+    keep_last_k: int | None = field(default=2, metadata=NEUTRAL)  # step-N.ckpt files kept; None: all
+    resume: str | bool = field(default="auto", metadata=NEUTRAL)  # auto | force | false: engine.resume
+    channels_last: str | bool = "auto"  # auto | true | false (read by build)
+    # not a trainer key: build.trainer_settings passes data.max_bad_fraction (left out of the schema)
     max_bad_fraction: float = 0.1
-    progress: bool = True
-    test_after_fit: bool = False  # read by run.train: multi-view evaluation after the last step
-    cpu_metered_steps: int | None = None  # CPU: meter this process's first N steps only; None: all
-    keep_last_k: int | None = 2  # step-N.ckpt files kept (plus last.ckpt and best.ckpt); None: all
-    resume: str = "auto"  # auto | force | false: see videotrain.engine.resume
 
     def __post_init__(self) -> None:
         self.resume = resume_mode(self.resume)
