@@ -47,6 +47,26 @@ def test_settings_validation_names_the_key(kwargs: dict, key: str) -> None:
         TrainerSettings(**kwargs)
 
 
+
+def test_trainer_settings_take_every_trainer_key() -> None:
+    """build.trainer_settings copies no field by hand: every trainer key reaches TrainerSettings
+    (set away from its default here), data.max_bad_fraction too, and a key the dataclass does not
+    declare is refused naming it."""
+    from omegaconf import OmegaConf
+
+    from videotrain.schema import UnknownConfigKey
+
+    cfg = builder.compose_cfg(["trainer.max_epochs=3", "trainer.grad_clip=null", "trainer.sync_bn=true",
+                               "trainer.precision=bf16", "trainer.channels_last=false", "trainer.resume=false",
+                               "trainer.checkpoint_every_n_steps=7", "data.max_bad_fraction=0.25"])
+    s = builder.trainer_settings(cfg)
+    assert (s.max_epochs, s.grad_clip, s.sync_bn, s.precision, s.channels_last, s.resume) == (
+        3, None, True, "bf16", False, "false")
+    assert (s.checkpoint_every_n_steps, s.max_bad_fraction) == (7, 0.25)
+    plain = OmegaConf.create({"trainer": {"max_epochs": 2, "max_epoch": 3}, "data": {"max_bad_fraction": 0.1}})
+    with pytest.raises(UnknownConfigKey, match="unknown config key trainer.max_epoch "):
+        builder.trainer_settings(plain)
+
 def test_warmup_cosine_schedule() -> None:
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = warmup_cosine(opt, total_steps=10, warmup_steps=2, min_lr_ratio=0.1)
