@@ -200,3 +200,4 @@ def test_trainer_defaults_are_declared_once() -> None:
     assert (cfg.trainer.max_epochs, cfg.trainer.grad_clip, cfg.trainer.checkpoint_every_n_steps) == (8, 1.0, 50)
     assert schema.SCHEMAS["trainer"]["trainer_schema"] is schema.TrainerSchema
     assert build.trainer_settings(cfg) == TrainerSettings(max_bad_fraction=cfg.data.max_bad_fraction)
+    assert s.max_bad_fraction == cfg.data.max_bad_fraction  # data's key, read by the trainer
