@@ -21,21 +21,15 @@ not loaded).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from pathlib import Path
 from typing import Any
 
 from videotrain.engine.class_order import class_order_problem
+from videotrain.engine.settings import NEUTRAL, RESUME_MODES, TrainerSettings, resume_mode  # noqa: F401 (re-exported)
 from videotrain.untrusted import plain_tree_problem, shown
 
 log = logging.getLogger(__name__)
-
-RESUME_MODES = ("auto", "force", "false")
-
-# The mark of a config key that may differ between a checkpoint and the run resuming it, put on
-# the dataclass field that declares the key: ``field(default=..., metadata=NEUTRAL)``.
-NEUTRAL = {"math_neutral": True}
 
 # Math-neutral keys declared outside a settings dataclass of the engine: data loading parallelism
 # and the bad-video budget (build_data's arguments), the logger and eval groups whole, and the
@@ -51,33 +45,14 @@ def marked_neutral(cls: type, prefix: str) -> tuple[str, ...]:
     return tuple(f"{prefix}{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("math_neutral"))
 
 
-@functools.cache
-def math_neutral() -> tuple[str, ...]:
-    """Dotted keys (or prefixes, ending in ".") that may differ between a checkpoint and the run
-    resuming it. trainer.max_epochs / max_steps move where training stops, and with it the end of
-    the cosine schedule (the trainer logs the change); the rest changes no computed value."""
-    from videotrain.engine.trainer import TrainerSettings  # imports this module
-
-    return (*marked_neutral(TrainerSettings, "trainer."), *_UNMARKED_NEUTRAL)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "MATH_NEUTRAL":  # computed on first use: the trainer module imports this one
-        return math_neutral()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Dotted keys (or prefixes, ending in ".") that may differ between a checkpoint and the run
+# resuming it. trainer.max_epochs / max_steps move where training stops, and with it the end of
+# the cosine schedule (the trainer logs the change); the rest changes no computed value.
+MATH_NEUTRAL: tuple[str, ...] = (*marked_neutral(TrainerSettings, "trainer."), *_UNMARKED_NEUTRAL)
 
 
 ABSENT = object()
 
-
-def resume_mode(value: Any) -> str:
-    """``trainer.resume`` normalised to one of ``RESUME_MODES`` (YAML ``false`` is a bool,
-    ``true`` means ``auto``); a clear error naming the key otherwise."""
-    text = str(value).strip().lower()
-    text = "auto" if text == "true" else text
-    if text not in RESUME_MODES:
-        raise ValueError(f"trainer.resume must be one of auto, force, false; got {value!r}")
-    return text
 
 
 def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
@@ -91,7 +66,7 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def is_neutral(key: str) -> bool:
-    return any(key == n or (n.endswith(".") and key.startswith(n)) for n in math_neutral())
+    return any(key == n or (n.endswith(".") and key.startswith(n)) for n in MATH_NEUTRAL)
 
 
 def config_diff(saved: dict | None, current: dict | None) -> list[tuple[str, Any, Any]]:
