@@ -9,6 +9,7 @@ import sys
 
 from videotrain.prepare.kinetics import KineticsCsvError, prepare_kinetics
 from videotrain.prepare.reencode import EncodeSettings
+from videotrain.untrusted import UnsafeFileError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summaries = prepare_kinetics(args.csv, args.videos, args.out, resize=args.resize,
                                      workers=max(args.workers, 1), settings=settings)
-    except (KineticsCsvError, OSError) as err:  # a bad CSV; a file or folder missing or unreadable
+    except (KineticsCsvError, UnsafeFileError, OSError) as err:  # a bad CSV; a CSV that is a folder,
+        # a FIFO or too large; a file or folder missing or unreadable
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 1 if any(s.found == 0 for s in summaries) else 0
