@@ -26,3 +26,12 @@ def test_nothing_is_counted_outside_the_body():
         pass
     torch.ones(3).add_(1)
     assert not ops
+
+
+def test_bare_allocations_are_not_counted_as_launches():
+    with aten_ops() as ops:
+        torch.empty(3)
+        torch.empty_strided((2, 2), (2, 1))
+        torch.zeros(3)
+    assert "aten.empty" not in ops and "aten.empty_strided" not in ops
+    assert ops["aten.zero_"] == 1 or ops["aten.zeros"] == 1 or ops["aten.fill_"] == 1

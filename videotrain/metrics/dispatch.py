@@ -18,6 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that only make a new view or read metadata: no kernel runs for them on a GPU.
 _VIEW_TAGS = (torch.Tag.view_copy,)
+# Ops that only allocate (the caching allocator, no kernel); how many a step makes differs
+# between torch releases (torch 2.11's checkpoint allocates two sentinels per segment, 2.14's none)
+_ALLOCATIONS = frozenset({"aten.empty", "aten.empty_strided"})
 
 
 class _OpCounter(TorchDispatchMode):
@@ -27,8 +30,9 @@ class _OpCounter(TorchDispatchMode):
         self.views = views
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if self.views or not _is_view(func):
-            self.counts[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        if self.views or not (_is_view(func) or name in _ALLOCATIONS):
+            self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -42,8 +46,9 @@ def _is_view(func: torch._ops.OpOverload) -> bool:
 
 @contextmanager
 def aten_ops(views: bool = False) -> Iterator[Counter[str]]:
-    """Count the aten ops dispatched in the body, by op name; views and metadata-only ops
-    (``view``, ``t``, ``expand``, ...) are left out unless ``views`` is true."""
+    """Count the aten ops dispatched in the body, by op name; views, metadata-only ops
+    (``view``, ``t``, ``expand``, ...) and bare allocations (``empty``, ``empty_strided``) are
+    left out unless ``views`` is true: what is counted is what launches a kernel on a GPU."""
     counts: Counter[str] = Counter()
     with _OpCounter(counts, views):
         yield counts

@@ -75,7 +75,7 @@ def test_a_segment_adds_only_the_ops_it_recomputes(bn: bool) -> None:
     for block in model:
         wrap_forward(block)
     per_segment = (step_ops(model, x) - e2e) / SEGMENTS
-    assert per_segment == sum(forward.values()) >= (4 if bn else 2)  # 5 and 2 on torch 2.14
+    assert per_segment == sum(forward.values()) >= (4 if bn else 2)  # 4 and 2 (allocations left out)
     with aten_ops() as ops:
         model(x).sum().backward()
     assert "aten.clone" not in ops
