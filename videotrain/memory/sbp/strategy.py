@@ -189,6 +189,8 @@ class StochasticBackprop(SamplerStateMixin):
         self.lockstep = lockstep
         # (the backbone, its lockstep twin module or None when untraceable), built at first use
         self._traced: tuple[weakref.ref[nn.Module], fx.GraphModule | None] | None = None
+        # the backbone checked as prepared and its BN layers, so that a step walks no modules
+        self._prepared: tuple[weakref.ref[nn.Module], list[_BatchNorm]] | None = None
         self.sampler = FrameSampler(sampler, seed, rank)
         self.norm = FullBatchNorm()
         self.splitter = BlockSplitter(self.norm, self.nograd_chunk)
@@ -267,7 +269,7 @@ class StochasticBackprop(SamplerStateMixin):
         keep_rows, drop_rows = flat_rows(idx, t)  # (B*n,), (B*(T-n),)
         self.last_keep = idx
         frames = video.flatten(0, 1)  # (B*T, C, H, W)
-        needs_stats = self.bn_policy == "full_batch" and has_train_batchnorm(backbone.modules())
+        needs_stats = self.bn_policy == "full_batch" and has_train_batchnorm(self._bn_layers())
         # one pass of the lockstep code unless record/apply (BN statistics) or chunks are asked for
         use_twin = self.recompute is None and self.lockstep and (
             mixes_frames(backbone) or needs_stats or self.nograd_chunk is None)
@@ -313,9 +315,19 @@ class StochasticBackprop(SamplerStateMixin):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_traced"] = None  # a weak reference does not pickle; copies trace their own
+        state["_prepared"] = None  # and check their own backbone once
         return state
 
+    def _bn_layers(self) -> list[_BatchNorm]:
+        """The BN layers of the backbone ``_check_prepared`` last accepted."""
+        assert self._prepared is not None
+        return self._prepared[1]
+
     def _check_prepared(self, backbone: nn.Module) -> None:
+        """Refuse a backbone ``prepare`` did not patch; the module walk runs once per backbone
+        object, not every step."""
+        if self._prepared is not None and self._prepared[0]() is backbone:
+            return
         modules = list(backbone.modules())
         bn_ok = self.bn_policy != "full_batch" or all(
             is_patched_bn(m) for m in modules if isinstance(m, _BatchNorm)
@@ -326,6 +338,7 @@ class StochasticBackprop(SamplerStateMixin):
         )
         if not (bn_ok and blocks_ok):
             raise RuntimeError("StochasticBackprop.encode: call strategy.prepare(backbone) first")
+        self._prepared = (weakref.ref(backbone), [m for m in modules if isinstance(m, _BatchNorm)])
 
     # ------------------------------------------------------------------ report (state: SamplerStateMixin)
     def describe(self) -> dict[str, Any]:
