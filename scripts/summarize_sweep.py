@@ -13,12 +13,22 @@ keep_ratio comes from the ``memory.keep_ratio`` override, else ``results["memory
 ["keep_ratio"]``, else the job's resolved config, else 1.0 for e2e. Overrides that vary across
 jobs other than the strategy, keep ratio, granularity and seeds (say ``model/backbone``) split
 the lines; jobs that differ only by seed share a line, which goes through their mean.
+
+Paired against e2e: where the jobs hold e2e runs (``memory=e2e`` or ``+row=e2e``) and other rows
+of the same seeds, every job is paired with the e2e job of the same seed and the same other
+overrides (a run of one seed shares the model initialisation and the data order with e2e's), and
+the summary adds a table per metric (val top-1, val loss): per row and per group of the other
+overrides (the tasks of the accuracy sweep, ``benchmarks/conf/sweep/accuracy.yaml``) the mean and
+std over seeds with the paired difference to e2e, and per row the mean difference over every pair
+with its 95% Student-t interval. Several folders are read as one sweep (an equal-time sweep
+beside the equal-step one whose e2e it is paired with); ``--out`` writes the summary elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -28,7 +38,7 @@ from typing import Any
 import yaml
 
 # Overrides shown in their own columns or averaged over, never used to split lines.
-OWN_COLUMNS = {"memory", "memory.keep_ratio", "memory.granularity", "seed", "memory.seed"}
+OWN_COLUMNS = {"memory", "memory.keep_ratio", "memory.granularity", "seed", "memory.seed", "row"}
 TARGETS = {"EndToEnd": "e2e", "StochasticBackprop": "sbp", "FrameDropout": "frame_dropout"}
 
 
@@ -106,6 +116,9 @@ def load_job(job: Path, root: Path) -> dict[str, Any]:
         "step_time_s": results.get("step_time_s"),
         "clips_per_s": results.get("clips_per_s"),
         "epochs": results.get("epochs"),
+        "val_loss": results.get("val_loss"),
+        "param_digests": results.get("param_digests"),
+        "row": overrides.get("row"),
         "overrides": overrides,
         "status": "ok" if error is None else "failed",
         "error": error,
@@ -120,6 +133,8 @@ def varying_keys(jobs: list[dict[str, Any]]) -> list[str]:
 
 
 def line_label(job: dict[str, Any], split_by: list[str]) -> str:
+    if job.get("row"):
+        return str(job["row"])
     label = job["strategy"] + (f"/{job['granularity']}" if job["granularity"] else "")
     extra = [f"{k}={job['overrides'][k]}" for k in split_by if k in job["overrides"]]
     return label + (f" ({', '.join(extra)})" if extra else "")
@@ -199,26 +214,151 @@ def plot(jobs: list[dict[str, Any]], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def summarize(root: str | Path) -> tuple[list[dict[str, Any]], str]:
-    """Write ``summary.md`` and ``summary.png`` into ``root``; returns (jobs, table)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root} is not a directory")
-    jobs = [load_job(j, root) for j in find_jobs(root)]
-    if not jobs:
-        raise FileNotFoundError(f"no jobs (.hydra/overrides.yaml or results.json) under {root}")
-    table = markdown(jobs)
-    (root / "summary.md").write_text(f"# sweep summary: {root}\n\n{table}")
-    plot(jobs, root / "summary.png", title=str(root))
+# two-sided 95% Student-t quantiles by degrees of freedom (above 60: the normal's 1.96;
+# between tabulated values the smaller df's, the wider interval)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 24: 2.064, 29: 2.045, 40: 2.021,
+        60: 2.000}
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """Mean, sample std and the half-width of the mean's 95% t interval (nan for one value)."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, math.nan, math.nan
+    df = len(values) - 1
+    t = 1.96 if df > max(_T95) else _T95[max(k for k in _T95 if k <= df)]
+    sd = statistics.stdev(values)
+    return m, sd, t * sd / math.sqrt(len(values))
+
+
+def pair_key(job: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """What a job shares with the e2e job it is paired with: every override but the row's own
+    (strategy, ``memory.*``, ``row``), the seed and Hydra's."""
+    return tuple(sorted((k, repr(v)) for k, v in job["overrides"].items()
+                        if k not in OWN_COLUMNS and not k.startswith(("memory.", "hydra."))))
+
+
+def paired(jobs: list[dict[str, Any]], metric: str) -> dict[str, Any]:
+    """Per (row, group of the other overrides): ``metric``'s mean and std over seeds and the
+    paired difference to e2e; per row: the mean difference over every pair with its interval,
+    and whether every pair's trained weights were identical (recomputation must give e2e's)."""
+    def seed(j: dict[str, Any]) -> Any:
+        return j["overrides"].get("seed")
+
+    ok = [j for j in jobs if isinstance(j.get(metric), int | float) and not math.isnan(j[metric])]
+    ref = {(pair_key(j), seed(j)): j for j in ok if j["strategy"] == "e2e"}
+    split_by = varying_keys(jobs)
+    groups: dict[tuple[str, tuple], list[dict[str, Any]]] = {}
+    for j in ok:
+        label = line_label(j, split_by)
+        if not j.get("row") and j["strategy"] != "e2e" and j["keep_ratio"] is not None:
+            label += f" keep {j['keep_ratio']:g}"  # a keep-ratio sweep: one row per ratio
+        groups.setdefault((label, pair_key(j)), []).append(j)
+    per_group, overall = [], []
+    for label in dict.fromkeys(lab for lab, _ in groups):
+        pooled, same = [], []
+        for (lab, key), js in groups.items():
+            if lab != label:
+                continue
+            pairs = [(j, ref[key, seed(j)]) for j in js if (key, seed(j)) in ref]
+            diffs = [j[metric] - e[metric] for j, e in pairs]
+            same += [j["param_digests"] is not None and j["param_digests"] == e["param_digests"]
+                     for j, e in pairs]
+            pooled += diffs
+            m, sd, _ = mean_ci([j[metric] for j in js])
+            dm, _, dci = mean_ci(diffs) if diffs else (math.nan, math.nan, math.nan)
+            per_group.append({"row": label, "group": ", ".join(unquoted(v) for _, v in key) or "all",
+                              "seeds": len(js), "mean": m, "std": sd, "diff": dm, "diff_ci95": dci})
+        dm, dsd, dci = mean_ci(pooled) if pooled else (math.nan, math.nan, math.nan)
+        means = [g["mean"] for g in per_group if g["row"] == label]
+        overall.append({"row": label, "pairs": len(pooled), "mean": statistics.fmean(means),
+                        "diff": dm, "diff_std": dsd, "diff_ci95": dci,
+                        "weights_equal_e2e": bool(same) and all(same)})
+    return {"per_group": per_group, "overall": overall}
+
+
+def unquoted(text: str) -> str:
+    """A ``repr``-ed override value shown plainly (``'direction'`` -> ``direction``)."""
+    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
+def paired_markdown(summary: dict[str, Any], metric: str, scale: float, fmt: str) -> str:
+    """The paired table: a line per row, a column per group (mean ± std over seeds, Δ to e2e),
+    the mean over groups and the pooled Δ ± the 95% interval's half-width. ``scale``: 100 shows
+    top-1 in points."""
+    def pm(x: float, f: str) -> str:
+        return "" if math.isnan(x) else f" ± {x:{f}}"
+
+    def delta(d: float, ci: float) -> str:
+        return ("–" if math.isnan(d) else f"{scale * d:+{fmt}}") + pm(scale * ci, fmt)
+
+    groups = list(dict.fromkeys(g["group"] for g in summary["per_group"]))
+    by = {(g["row"], g["group"]): g for g in summary["per_group"]}
+    lines = [f"| row ({metric}) | " + " | ".join(groups) + " | mean | Δ to e2e (95% CI) |",
+             "|---|" + "---|" * len(groups) + "---|---|"]
+    for o in summary["overall"]:
+        cells = []
+        for grp in groups:
+            g = by.get((o["row"], grp))
+            cell = "–" if g is None else f"{g['mean']:.3f}{pm(g['std'], '.3f')}"
+            if g is not None and o["pairs"] and o["row"] != "e2e":
+                cell += f" (Δ {delta(g['diff'], g['diff_ci95'])})"
+            cells.append(cell)
+        if o["row"] == "e2e" or not o["pairs"]:
+            diff = "reference" if o["row"] == "e2e" else "no e2e job of the same seed"
+        else:
+            diff = f"{delta(o['diff'], o['diff_ci95'])} (n={o['pairs']})" + (
+                "; weights identical to e2e" if o["weights_equal_e2e"] else "")
+        lines.append(f"| {o['row']} | " + " | ".join(cells) + f" | {o['mean']:.3f} | {diff} |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_section(jobs: list[dict[str, Any]]) -> str:
+    """The paired tables (val top-1 in points, val loss), or "" where no job has an e2e partner."""
+    top1, loss = paired(jobs, "val_top1"), paired(jobs, "val_loss")
+    if not any(o["pairs"] for o in top1["overall"]):
+        return ""
+    text = ("\n## Paired against e2e\n\nMean ± std over seeds; Δ: the paired difference to the e2e "
+            "job of the same seed and other overrides (val top-1 in points), ± the half-width of "
+            "its 95% t interval.\n\n" + paired_markdown(top1, "val top-1", 100.0, ".1f"))
+    if any(o["pairs"] for o in loss["overall"]):
+        text += "\n" + paired_markdown(loss, "val loss", 1.0, ".3f")
+    return text
+
+
+def summarize(roots: str | Path | list[str | Path],
+              out: str | Path | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Write ``summary.md`` and ``summary.png`` into ``out`` (default: the first folder); returns
+    (jobs, the markdown). Several folders are summarized as one sweep."""
+    roots = [Path(r) for r in (roots if isinstance(roots, list) else [roots])]
+    jobs = []
+    for root in roots:
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} is not a directory")
+        found = [load_job(j, root) for j in find_jobs(root)]
+        if not found:
+            raise FileNotFoundError(f"no jobs (.hydra/overrides.yaml or results.json) under {root}")
+        if len(roots) > 1:
+            for j in found:
+                j["job"] = f"{root.name}/{j['job']}"
+        jobs += found
+    table = markdown(jobs) + paired_section(jobs)
+    dest = Path(out) if out is not None else roots[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "summary.md").write_text(f"# sweep summary: {', '.join(map(str, roots))}\n\n{table}")
+    plot(jobs, dest / "summary.png", title=", ".join(map(str, roots)))
     return jobs, table
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("multirun_dir", help="a Hydra multirun folder (multirun/DATE/TIME)")
+    p.add_argument("multirun_dir", nargs="+",
+                   help="a Hydra multirun folder (multirun/DATE/TIME); several: one sweep")
+    p.add_argument("--out", help="write summary.md and summary.png here (default: the first folder)")
     args = p.parse_args(argv)
     try:
-        jobs, table = summarize(args.multirun_dir)
+        jobs, table = summarize(args.multirun_dir, args.out)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

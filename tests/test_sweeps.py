@@ -53,7 +53,8 @@ def videotrain_cli(args: list[str], cwd: Path, timeout: float = 600) -> subproce
 
 
 def table_rows(table: str) -> list[list[str]]:
-    lines = [ln for ln in table.splitlines() if ln.startswith("|")][2:]
+    """The rows of the per-job table (the paired tables follow it)."""
+    lines = [ln for ln in table.split("\n## ")[0].splitlines() if ln.startswith("|")][2:]
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
 
 

@@ -55,7 +55,8 @@ def sweep(tmp_path: Path) -> Path:
 
 
 def table_rows(table: str) -> list[list[str]]:
-    lines = [ln for ln in table.splitlines() if ln.startswith("|")][2:]
+    """The rows of the first table (the per-job one; the paired tables follow it)."""
+    lines = [ln for ln in table.split("\n## ")[0].splitlines() if ln.startswith("|")][2:]
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
 
 
@@ -99,3 +100,41 @@ def test_cli_missing_dir(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not a directory" in proc.stderr
+
+
+def test_paired_summary_against_e2e_of_the_same_seed(tmp_path: Path, summarize_sweep) -> None:
+    """Rows of the accuracy sweep (``+row=``) on two tasks and three seeds, and an equal-time
+    row in a second folder: each job is paired with e2e of its task and seed."""
+    steps, at_time = tmp_path / "steps", tmp_path / "time"
+    e2e = {"direction": [0.90, 0.80, 1.00], "order": [0.50, 0.60, 0.70]}
+    sbp = {"direction": [0.88, 0.76, 1.00], "order": [0.55, 0.60, 0.70]}
+    for task in e2e:
+        for seed in range(3):
+            common = [f"data.synthetic.task={task}", f"seed={seed}", "+sweep=accuracy"]
+            make_job(steps, f"{task}/e2e/seed{seed}", ["+row=e2e", *common],
+                     {**results("e2e", e2e[task][seed], 100.0), "val_loss": 1.0,
+                      "param_digests": [f"e{task}{seed}"]})
+            # recomputation trains e2e's weights exactly
+            make_job(steps, f"{task}/recompute-optimal/seed{seed}", ["+row=recompute-optimal", *common],
+                     {**results("recompute", e2e[task][seed], 60.0), "val_loss": 1.0,
+                      "param_digests": [f"e{task}{seed}"]})
+            make_job(at_time, f"{task}/sbp-at-time/seed{seed}",
+                     ["+row=sbp-at-time", *common, "hydra.searchpath=[file:///x]"],
+                     {**results("sbp", sbp[task][seed], 50.0, keep_ratio=0.5), "val_loss": 0.5,
+                      "param_digests": ["other"]})
+    out = tmp_path / "report"
+    jobs, table = summarize_sweep.summarize([steps, at_time], out)
+    assert len(jobs) == 18 and (out / "summary.md").is_file() and (out / "summary.png").is_file()
+    paired = table.split("## Paired against e2e")[1]
+    top1 = {ln.split("|")[1].strip(): ln for ln in paired.split("\n\n")[2].splitlines()[2:]}
+    # direction: diffs -2, -4, 0 points; order: +5, 0, 0; pooled mean -1/6 point over 6 pairs
+    diffs = [-0.02, -0.04, 0.0, 0.05, 0.0, 0.0]
+    m, sd, ci = summarize_sweep.mean_ci(diffs)
+    assert ci == pytest.approx(2.571 * sd / 6 ** 0.5)  # t(5) = 2.571
+    cell = top1["sbp-at-time"]
+    assert "0.880 ± 0.120 (Δ -2.0 ± 5.0)" in cell  # direction: t(2) = 4.303 x 0.02 / sqrt 3
+    assert f"{100 * m:+.1f} ± {100 * ci:.1f} (n=6)" in cell
+    assert "weights identical to e2e" in top1["recompute-optimal"] and "+0.0" in top1["recompute-optimal"]
+    assert "weights identical" not in cell and top1["e2e"].rstrip().endswith("reference |")
+    loss = paired.split("\n\n")[3]
+    assert "| sbp-at-time |" in loss and "-0.500 ± 0.000 (n=6)" in loss

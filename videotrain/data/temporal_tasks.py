@@ -1,4 +1,4 @@
-"""Synthetic temporal tasks for the accuracy suite (``python -m videotrain.bench --suite accuracy``).
+"""Synthetic temporal tasks for the accuracy sweep (``benchmarks/conf/sweep/accuracy.yaml``).
 
 Every task has four classes built from two *reversible* events, the trick of the default
 two-stroke task (``synthetic.py``): reversing one event in time turns a clip of one class into a
