@@ -64,7 +64,8 @@ timeout "$TEST_S" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests \
     >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests: exit $? (log: gpu_tests.log)"; tail -n 5 "$OUT/gpu_tests.log"
 
-# the GPU bench: bench.json names the GPU, torch and commit (meta.machine)
+# the GPU bench: bench.json names the GPU, torch and commit (meta.machine); --out keeps it in
+# $OUT (without it the suite writes outputs/bench/gpu/<gpu>/, which the device tool does not bring back)
 bench=(python3 -m videotrain.bench --suite gpu --out "$OUT/bench" --time-budget "$BENCH_S"
        --rounds "$ROUNDS")
 [ -n "$ONLY" ] && bench+=(--only "$ONLY")

@@ -16,6 +16,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
+# modules of the lab's suites that once lived in videotrain/bench/ and are not in the wheel
+LAB_SUITES = ("data", "clips", "annotations", "accuracy")
 
 
 def test_wheel_carries_configs_and_runs_without_the_source_tree(tmp_path: Path) -> None:
@@ -26,11 +28,17 @@ def test_wheel_carries_configs_and_runs_without_the_source_tree(tmp_path: Path) 
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO / "videotrain", src / "videotrain", ignore=ignore)
     shutil.copytree(REPO / "configs", src / "configs", ignore=ignore)
+    shutil.copytree(REPO / "benchmarks", src / "benchmarks", ignore=ignore)  # beside, not in it
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
                     str(src)], check=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("videotrain-*.whl")
-    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("videotrain/configs/")}
+    names = zipfile.ZipFile(wheel).namelist()
+    # the library, not the lab: the suites beside the package (benchmarks/) stay out of it
+    assert not [n for n in names if n.split("/")[0] == "benchmarks"]
+    assert not {f"videotrain/bench/{m}.py" for m in LAB_SUITES} & set(names)
+    assert "videotrain/bench/cli.py" in names  # the strategies' cost benchmark is a user feature
+    shipped = {n for n in names if n.startswith("videotrain/configs/")}
     expected = {f"videotrain/configs/{p.relative_to(REPO / 'configs')}"
                 for p in (REPO / "configs").rglob("*.yaml")}
     assert expected and shipped == expected, shipped ^ expected

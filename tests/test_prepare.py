@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from videotrain.bench.clips import clip_set, probe, write_clip
+from benchmarks.clips import clip_set, probe, write_clip  # Kinetics-like test clips
 from videotrain.data.annotations import parse_label_csv
 from videotrain.prepare import __main__ as cli
 from videotrain.prepare import reencode

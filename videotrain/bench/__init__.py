@@ -6,12 +6,13 @@ clips/s and the bytes of activations saved for backward, each also as a ratio to
 of the same backbone in the same run. Suites are lists of row specs in ``suites.py``, each
 run at its own setting unless the command line says otherwise (``suites.setting_for``).
 The GPU suite (``--suite gpu``) is the acceptance run on a CUDA machine: resnet50 + transformer
-head, B=8 x T=16 at 224 px in bf16, written to ``docs/results/gpu/<gpu name>/``; without CUDA it
-exits at once (status 2) with one line. The checkpoint suite has torch's own planner,
-``sac_milp``, as a peer (``sac_peer.py``). The data suite (``--suite data``, ``data.py``)
-measures the loaders instead: decoded and transformed clips/s of the train and test pipelines
-with 1, 2 and N workers, against pytorchvideo's ``LabeledVideoDataset`` on the same files,
-Kinetics-like and SSv2-like videos generated once (``clips.py``).
+head, B=8 x T=16 at 224 px in bf16, written to ``outputs/bench/gpu/<gpu name>/`` unless
+``--out`` names another folder; without CUDA it exits at once (status 2) with one line. The
+checkpoint suite has torch's own planner, ``sac_milp``, as a peer (``sac_peer.py``).
+
+The lab's suites (data loaders, annotation files, accuracy) are not part of the package: they
+live beside it in the repository's ``benchmarks/`` folder, each with its own entry point
+(``python -m benchmarks.data``, ``python -m benchmarks.annotations``).
 """
 
 from videotrain.bench.child import synthetic_batch

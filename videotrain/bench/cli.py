@@ -16,16 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from videotrain.bench import report
-from videotrain.bench.accuracy import JOBS, NOT_RUN, RESULTS, RUNS, run_accuracy_bench
 from videotrain.bench.child import step_stats
-from videotrain.bench.data import run_data_bench
 from videotrain.bench.spawn import device_name, machine_info, run_child
-from videotrain.bench.suites import CHILD_KEYS, DATA_SUITES, SUITES, resolve, setting_for
+from videotrain.bench.suites import CHILD_KEYS, SUITES, resolve, setting_for
 
 DEFAULT_HEAD = "transformer"
 MIN_ROW_S = 20.0  # a row needs this much of a suite's time budget left to start
-DATA_RESULTS = "docs/results/bench_data"  # the data suite's default --out
-ANNOTATION_RESULTS = "docs/results/bench_annotations"  # the annotation suite's
 
 
 class CudaRequired(RuntimeError):
@@ -68,7 +64,8 @@ def slug(name: str) -> str:
 
 def default_out(suite: str, device: str) -> Path | None:
     """Where a suite with a ``results_root`` writes without ``--out``: one folder per GPU model
-    (``docs/results/gpu/nvidia-h100-80gb-hbm3/``), relative to the current directory."""
+    (``outputs/bench/gpu/nvidia-h100-80gb-hbm3/``), relative to the current directory; never
+    into docs/ (the published tables are written there with ``--out``)."""
     root = setting_for(suite).results_root
     if root is None or not device.startswith("cuda"):
         return None
@@ -80,11 +77,9 @@ def default_out(suite: str, device: str) -> Path | None:
 def child_main(spec_json: str) -> int:
     """Child side: measure one row, print exactly one JSON line on stdout."""
     from videotrain.bench.child import measure
-    from videotrain.bench.data import measure_data
 
     try:
-        spec = json.loads(spec_json)
-        result = (measure_data if spec.get("kind") == "data" else measure)(spec)
+        result = measure(json.loads(spec_json))
         code = 0
     except Exception as exc:  # noqa: BLE001 - recorded in the row, the parent decides
         traceback.print_exc()
@@ -218,7 +213,7 @@ def run_bench(
     for the whole run; 0: none) default to the suite's setting (``suites.setting_for``). A CUDA-only suite raises ``CudaRequired`` before it
     starts anything where there is no CUDA device. ``out``: where to write bench.json/.md/.png;
     None writes nothing, except for a suite with a ``results_root`` (gpu: one folder per GPU
-    model under docs/results/gpu/)."""
+    model under outputs/bench/gpu/)."""
     if suite not in SUITES and rows is None:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     base = setting_for(suite)
@@ -288,74 +283,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "row runs in a fresh subprocess on the same model and synthetic batch.",
         epilog="Extra arguments are Hydra overrides applied to every row after its own, e.g. "
                "model/backbone=resnet10 model/head=tconv trainer.precision=bf16.")
-    p.add_argument("--suite", default="default",
-                   choices=sorted([*SUITES, *DATA_SUITES, "annotations", "accuracy"]),
-                   help="gpu: the CUDA acceptance suite (resnet50 + transformer head, B=8 x T=16 "
-                        "at 224 px, bf16; e2e, sbp, frame dropout, checkpoint, memory=auto at half "
-                        "of e2e's peak, torch.compile), written to docs/results/gpu/<gpu>/ unless "
-                        "--out; exits with status 2 at once where there is no CUDA GPU. "
-                        "data: decoded clips/s of the train and test pipelines (this project's "
-                        "loader, pytorchvideo's, torchcodec, the segment sampler; 1, 2 and N "
-                        "workers) on generated Kinetics-like and SSv2-like videos, written to "
-                        "docs/results/bench_data/ unless --out; data.* overrides apply. "
-                        "annotations: the index builds, prepare kinetics and the preflight on "
-                        "annotation files of the official sizes (SSv2, K400, K700, UCF101, HMDB51) "
-                        "against a plain parse of the same files, written to "
-                        "docs/results/bench_annotations/ unless --out. "
-                        "accuracy: val top-1 of every memory strategy on four generated temporal "
-                        "tasks, seeds 0-2 (one training run each, resumable), written to "
-                        "docs/results/bench_accuracy/ unless --out; overrides apply to every run")
-    p.add_argument("--out", help="write bench.json, bench.md and bench.png here (gpu suite: "
-                                 "default docs/results/gpu/<gpu name>/; data suite: "
-                                 "docs/results/bench_data/)")
+    p.add_argument("--suite", default="default", choices=sorted(SUITES),
+                   help="the rows to run (suites.py): default, sbp, checkpoint, all, or gpu: the "
+                        "CUDA acceptance suite (resnet50 + transformer head, B=8 x T=16 at 224 px, "
+                        "bf16; e2e, sbp, frame dropout, checkpoint, memory=auto at half of e2e's "
+                        "peak, torch.compile), written to outputs/bench/gpu/<gpu>/ unless --out; "
+                        "exits with status 2 at once where there is no CUDA GPU. The lab's "
+                        "suites are beside the package: python -m benchmarks.data, python -m "
+                        "benchmarks.annotations (from the repository root)")
+    p.add_argument("--out", help="write bench.json, bench.md and bench.png here (default: "
+                                 "nothing written; gpu suite: outputs/bench/gpu/<gpu name>/)")
     p.add_argument("--steps", type=int, help="timed steps per row (default: 20 on CUDA, 5 on a CPU)")
     p.add_argument("--warmup", type=int, help="unmeasured steps before them (default: 5 on CUDA, 2 on a CPU)")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto; gpu suite: cuda)")
-    p.add_argument("--batch-size", type=int,
-                   help="default 2, gpu suite 8 (data suite: data.batch_size)")
-    p.add_argument("--frames", type=int, help="default 16 (data suite: data.num_frames)")
-    p.add_argument("--size", type=int,
-                   help="crop size, default 112, gpu suite 224 (data suite: data.crop_size)")
+    p.add_argument("--batch-size", type=int, help="default 2, gpu suite 8")
+    p.add_argument("--frames", type=int, help="default 16")
+    p.add_argument("--size", type=int, help="crop size, default 112, gpu suite 224")
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--only", help="comma-separated globs on row names, e.g. 'e2e,sbp-frame-*' "
                                   "(an e2e reference row is always kept)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the rows round-robin this many times, pooling their steps (each "
                         "round is a fresh subprocess per row); smooths drifting machine load")
-    p.add_argument("--timeout", type=float, help="seconds per row (default 1800, gpu suite 240, data suite 600)")
+    p.add_argument("--timeout", type=float, help="seconds per row (default 1800, gpu suite 240)")
     p.add_argument("--time-budget", type=float,
                    help="seconds for the whole run; rows that would start later are recorded as "
                         "not run (default: none; gpu suite 570; 0: none)")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads in each row (default: torch's); "
-                   "accuracy suite: threads per training run (default: CPU cores / --jobs)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads in each row (default: torch's)")
     p.add_argument("--free-grads", action="store_true",
                    help="free parameter gradients after each step (zero_grad(set_to_none=True)), "
                    "so the step peak also counts the gradients backward allocates; by default "
                    "they persist between steps like the weights and optimizer state")
-    p.add_argument("--clips", type=int,
-                   help="data suite: videos per generated clip set (default 200 Kinetics-like "
-                        "+ 200 SSv2-like; generated once into $VIDEOTRAIN_CACHE)")
-    p.add_argument("--timed-clips", type=int,
-                   help="data suite: clips timed per row (default 64 train, 60 test)")
-    p.add_argument("--target-clips-per-s", type=float,
-                   help="data suite: also print the workers of the fastest backend that would "
-                        "feed this many clips/s, per set and pipeline")
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="annotations suite: the files' sizes as a fraction of the official ones "
-                        "(default 1)")
-    p.add_argument("--tasks", help="accuracy suite: comma-separated tasks (default: all four)")
-    p.add_argument("--seeds", help="accuracy suite: comma-separated seeds (default 0,1,2)")
-    p.add_argument("--jobs", type=int, default=JOBS, help="accuracy suite: training runs at a time")
-    p.add_argument("--runs-dir", default=RUNS,
-                   help=f"accuracy suite: where the training runs go (default {RUNS})")
-    p.add_argument("--keep-checkpoints", action="store_true",
-                   help="accuracy suite: keep each finished run's checkpoints (about 150 MB a run; "
-                        "by default deleted once its results.json is written)")
-    p.add_argument("--report-only", action="store_true",
-                   help="accuracy suite: tabulate the finished runs in --out, train nothing")
-    p.add_argument("--equal-time", action="store_true",
-                   help="accuracy suite: each row trains for e2e's wall-clock time (e2e's steps x e2e's "
-                        "step time / the row's, both measured in this run; kept in --runs-dir)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
@@ -370,52 +328,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         return child_main(args.child)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
-    if args.suite == "accuracy":
-        try:
-            runs, _, table = run_accuracy_bench(
-                out=args.out or RESULTS, tasks=args.tasks.split(",") if args.tasks else None,
-                seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None, only=only,
-                extra=args.overrides, jobs=args.jobs, timeout=args.timeout or 1800,
-                train=not args.report_only, runs_dir=args.runs_dir, threads=args.threads,
-                keep_checkpoints=args.keep_checkpoints, equal_time=args.equal_time)
-        except ValueError as exc:  # --only or --tasks naming nothing, a stale run: before any run starts
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(table, end="")
-        name = "{task}/{row}/seed{seed}".format
-        missing = [name(**r) for r in runs if r.get("error") == NOT_RUN]  # --report-only
-        failed = [name(**r) for r in runs if r.get("error") and r["error"] != NOT_RUN]
-        if missing:
-            print(f"{len(missing)} run(s) not run yet: {', '.join(missing)}", file=sys.stderr)
-        if failed:
-            print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1 if failed else 0
-    if args.suite == "annotations":
-        from videotrain.bench.annotations import run_annotation_bench
-
-        rows, _, table = run_annotation_bench(out=args.out or ANNOTATION_RESULTS,
-                                              scale=args.scale, repeat=args.rounds if args.rounds > 1 else 3)
-    elif args.suite in DATA_SUITES:
-        flags = [f"data.{key}={value}" for key, value in (
-            ("batch_size", args.batch_size), ("num_frames", args.frames), ("crop_size", args.size))
-            if value is not None]
-        rows, _, table = run_data_bench(
-            suite=args.suite, out=args.out or DATA_RESULTS, device=args.device or "auto",
-            rounds=args.rounds, extra_overrides=[*flags, *args.overrides],
-            timeout=args.timeout or 600, threads=args.threads, only=only, clips=args.clips,
-            timed_clips=args.timed_clips, target=args.target_clips_per_s)
-    else:
-        try:
-            rows, _, table = run_bench(
-                suite=args.suite, out=args.out, steps=args.steps, warmup=args.warmup,
-                device=args.device, batch_size=args.batch_size, frames=args.frames,
-                size=args.size, num_classes=args.num_classes, extra_overrides=args.overrides,
-                timeout=args.timeout, threads=args.threads, rounds=args.rounds,
-                free_grads=args.free_grads, time_budget=args.time_budget, only=only,
-            )
-        except CudaRequired as err:
-            print(err, file=sys.stderr)
-            return 2
+    try:
+        rows, _, table = run_bench(
+            suite=args.suite, out=args.out, steps=args.steps, warmup=args.warmup,
+            device=args.device, batch_size=args.batch_size, frames=args.frames,
+            size=args.size, num_classes=args.num_classes, extra_overrides=args.overrides,
+            timeout=args.timeout, threads=args.threads, rounds=args.rounds,
+            free_grads=args.free_grads, time_budget=args.time_budget, only=only,
+        )
+    except CudaRequired as err:
+        print(err, file=sys.stderr)
+        return 2
     print(table, end="")
     failed = [r["name"] for r in rows if r.get("error")]
     if failed:

@@ -1,10 +1,11 @@
 """The process plumbing every suite's parent side shares: the device name its rows get
 (``device_name``), one row in a fresh interpreter (``run_child``, which runs
-``python -m videotrain.bench --child SPEC``; ``cli.child_main`` measures it there), and the
-machine the rows ran on (``machine_info``, written into every suite's ``bench.json``).
+``python -m MODULE --child SPEC``: ``videotrain.bench``, whose ``cli.child_main`` measures it,
+unless the caller names another entry point), and the machine the rows ran on
+(``machine_info``, written into every suite's ``bench.json``).
 
-It imports no suite, so the model suites (``cli``), the data suite (``data``) and the
-annotation suite (``annotations``) all build on it without importing each other's modules.
+It imports no suite, so the cost benchmark (``cli``) and the lab's suites beside the package
+(``benchmarks/``: the data loaders, the annotation files) build on it alike.
 """
 
 from __future__ import annotations
@@ -30,13 +31,19 @@ def device_name(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run one row in a fresh interpreter; the result (or the error) as a dict."""
+def run_child(spec: dict[str, Any], timeout: float, module: str = "videotrain.bench",
+              metered: bool = True, pythonpath: str | Path | None = None) -> dict[str, Any]:
+    """Run one row in a fresh interpreter, ``python -m module --child SPEC``; the result (or
+    the error) as a dict. ``metered``: the row meters the CPU's memory (glibc then hands large
+    freed blocks back at once, ``MALLOC_MMAP_THRESHOLD_``). ``pythonpath``: a folder put first
+    on the child's ``PYTHONPATH``, where ``module`` is found (a suite beside the package)."""
     env = os.environ.copy()
     env.setdefault("WANDB_MODE", "disabled")
-    if spec["device"] == "cpu" and spec.get("kind") != "data":  # memory is metered
+    if spec["device"] == "cpu" and metered:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    cmd = [sys.executable, "-m", "videotrain.bench", "--child", json.dumps(spec)]
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", module, "--child", json.dumps(spec)]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

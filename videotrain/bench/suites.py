@@ -10,7 +10,6 @@ adding a list of ``row(...)`` calls to ``SUITES``; every option passed to ``row`
 from __future__ import annotations
 
 import fnmatch
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,63 +172,13 @@ SUITES["all"] = [r for name in ("default", "checkpoint") for r in SUITES[name]]
 # rows that cost most and are least known (memory=auto's planning, torch.compile) come last.
 GPU_SETTING = Setting(batch_size=8, frames=16, size=224, device="cuda",
                       overrides=("trainer.precision=bf16",), timeout=240.0, time_budget=570.0,
-                      needs_cuda=True, results_root="docs/results/gpu")
+                      needs_cuda=True, results_root="outputs/bench/gpu")
 SETTINGS: dict[str, Setting] = {"gpu": GPU_SETTING}
 
 
 def setting_for(suite: str) -> Setting:
     """The suite's own setting; the generic bench setting for suites without one."""
     return SETTINGS.get(suite, Setting())
-
-
-# ---------------------------------------------------------------------- the data suite
-# Loader backends of the data suite: which loader builds the row (this project's or
-# pytorchvideo's ``LabeledVideoDataset``) and the data overrides that select the variant.
-# ``needs``: the data key the variant sets, reported as unavailable where the config lacks it.
-DATA_BACKENDS: dict[str, dict[str, Any]] = {
-    "pyav": {"loader": "videotrain", "overrides": []},
-    "pytorchvideo": {"loader": "pytorchvideo", "overrides": []},
-    "torchcodec": {"loader": "videotrain", "overrides": ["data.decoder=torchcodec"],
-                   "needs": "decoder", "module": "torchcodec"},
-    "segment": {"loader": "videotrain", "overrides": ["data.sampler=segment"], "needs": "sampler"},
-}
-DATA_PIPELINES = ("train", "test")
-DATA_SETS = ("kinetics", "ssv2")  # bench/clips.py CLIP_SETS
-
-
-def data_row(backend: str, num_workers: int, clip_set: str = "kinetics",
-             pipeline: str = "train") -> dict[str, Any]:
-    """A data-loading row: decoded and transformed clips/s of ``pipeline`` (``train``: one
-    random clip per video; ``test``: ``data.val_clips`` x ``data.val_crops`` views) through
-    ``backend`` (``DATA_BACKENDS``) with ``num_workers`` worker processes, on the
-    ``clip_set``-like videos (see bench/data.py, bench/clips.py)."""
-    if backend not in DATA_BACKENDS or pipeline not in DATA_PIPELINES:
-        raise ValueError(f"backend must be one of {', '.join(DATA_BACKENDS)} and pipeline one "
-                         f"of {', '.join(DATA_PIPELINES)}, got {backend!r}, {pipeline!r}")
-    b = DATA_BACKENDS[backend]
-    return {"kind": "data", "set": clip_set, "pipeline": pipeline, "backend": backend,
-            "loader": b["loader"], "num_workers": num_workers,
-            "row_overrides": list(b["overrides"]), "needs": b.get("needs"),
-            "module": b.get("module"),
-            "name": f"data/{clip_set}/{pipeline}/{backend}-w{num_workers}"}
-
-
-def worker_counts(cpus: int | None = None) -> tuple[int, ...]:
-    """1, 2 and N = the CPU count worker processes (fewer where N <= 2)."""
-    return tuple(sorted({1, 2, max(cpus or os.cpu_count() or 1, 1)}))
-
-
-def data_rows(sets: tuple[str, ...] = DATA_SETS, pipelines: tuple[str, ...] = DATA_PIPELINES,
-              backends: tuple[str, ...] = tuple(DATA_BACKENDS),
-              workers: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
-    """Every combination, grouped by set and pipeline so that each ratio's rows run close
-    together in time."""
-    return [data_row(b, w, s, p) for s in sets for p in pipelines for w in (workers or worker_counts())
-            for b in backends]
-
-
-# Rows of another kind (no model, no memory strategy), so kept out of SUITES and of "all".
-DATA_SUITES: dict[str, list[dict[str, Any]]] = {"data": data_rows()}
 
 
 # ---------------------------------------------------------------------- resolving a suite

@@ -1,7 +1,8 @@
-"""The data suite (``python -m videotrain.bench --suite data``): decoded and transformed clips
-per second through the loaders, one fresh process per row like the model rows.
+"""The data suite (``python -m benchmarks.data``, from the repository root): decoded and
+transformed clips per second through the loaders, one fresh process per row (``--child``)
+like the cost benchmark's rows.
 
-Rows (``suites.data_row``) cross a clip set shaped like a real dataset (``clips.py``:
+Rows (``data_row``) cross a clip set shaped like a real dataset (``clips.py``:
 Kinetics-like 10 s 340x256 H.264, SSv2-like 4 s 427x240 VP9), a pipeline and a backend:
 
 - ``train``: one random clip of ``data.num_frames`` frames every ``data.sampling_rate``
@@ -25,18 +26,23 @@ Test clips count ``data.val_clips`` per video (each with ``data.val_crops`` crop
 both loaders' figures are temporal clips per second.
 
 ``run_data_bench`` is the parent side: it generates the clip sets (once), prints an estimate
-of the run time, starts a process per row (``measure_data`` in it), and writes the table,
-the JSON and the bar chart (``report.write_data``) with the ratios to pytorchvideo and,
-given a target rate, the workers needed to feed it (``report.target_workers``).
+of the run time, starts a process per row (``python -m benchmarks.data --child SPEC``:
+``measure_data`` in it), and writes the table, the JSON and the bar chart
+(``data_report.write_data``) with the ratios to pytorchvideo and, given a target rate, the
+workers needed to feed it (``data_report.target_workers``), into ``outputs/bench_data/``
+unless ``--out`` names another folder (the published table: ``docs/results/bench_data/``).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,6 +87,54 @@ def unavailable(spec: dict[str, Any], data_cfg: Any) -> str | None:
     if needs and needs not in data_cfg:
         return f"unavailable: this version has no data.{needs} option"
     return None
+
+
+# ---------------------------------------------------------------------- the rows
+# Loader backends of the data suite: which loader builds the row (this project's or
+# pytorchvideo's ``LabeledVideoDataset``) and the data overrides that select the variant.
+# ``needs``: the data key the variant sets, reported as unavailable where the config lacks it.
+DATA_BACKENDS: dict[str, dict[str, Any]] = {
+    "pyav": {"loader": "videotrain", "overrides": []},
+    "pytorchvideo": {"loader": "pytorchvideo", "overrides": []},
+    "torchcodec": {"loader": "videotrain", "overrides": ["data.decoder=torchcodec"],
+                   "needs": "decoder", "module": "torchcodec"},
+    "segment": {"loader": "videotrain", "overrides": ["data.sampler=segment"], "needs": "sampler"},
+}
+DATA_PIPELINES = ("train", "test")
+DATA_SETS = ("kinetics", "ssv2")  # clips.CLIP_SETS
+
+
+def data_row(backend: str, num_workers: int, clip_set: str = "kinetics",
+             pipeline: str = "train") -> dict[str, Any]:
+    """A data-loading row: decoded and transformed clips/s of ``pipeline`` (``train``: one
+    random clip per video; ``test``: ``data.val_clips`` x ``data.val_crops`` views) through
+    ``backend`` (``DATA_BACKENDS``) with ``num_workers`` worker processes, on the
+    ``clip_set``-like videos (``clips.py``)."""
+    if backend not in DATA_BACKENDS or pipeline not in DATA_PIPELINES:
+        raise ValueError(f"backend must be one of {', '.join(DATA_BACKENDS)} and pipeline one "
+                         f"of {', '.join(DATA_PIPELINES)}, got {backend!r}, {pipeline!r}")
+    b = DATA_BACKENDS[backend]
+    return {"kind": "data", "set": clip_set, "pipeline": pipeline, "backend": backend,
+            "loader": b["loader"], "num_workers": num_workers,
+            "row_overrides": list(b["overrides"]), "needs": b.get("needs"),
+            "module": b.get("module"),
+            "name": f"data/{clip_set}/{pipeline}/{backend}-w{num_workers}"}
+
+
+def worker_counts(cpus: int | None = None) -> tuple[int, ...]:
+    """1, 2 and N = the CPU count worker processes (fewer where N <= 2)."""
+    return tuple(sorted({1, 2, max(cpus or os.cpu_count() or 1, 1)}))
+
+
+def data_rows(sets: tuple[str, ...] = DATA_SETS, pipelines: tuple[str, ...] = DATA_PIPELINES,
+              backends: tuple[str, ...] = tuple(DATA_BACKENDS),
+              workers: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+    """Every combination, grouped by set and pipeline so that each ratio's rows run close
+    together in time."""
+    return [data_row(b, w, s, p) for s in sets for p in pipelines for w in (workers or worker_counts())
+            for b in backends]
+
+
 
 
 # ---------------------------------------------------------------------- the loaders
@@ -242,33 +296,33 @@ def estimate_data_row(spec: dict[str, Any], timed_clips: dict[str, int]) -> floa
 
 
 def run_data_bench(
-    suite: str = "data", out: str | Path | None = None, device: str = "auto",
+    out: str | Path | None = None, device: str = "auto",
     extra_overrides: list[str] | None = None, rounds: int = 1, timeout: float = 600,
     threads: int | None = None, only: list[str] | None = None,
     rows: list[dict[str, Any]] | None = None, clips: int | None = None,
     timed_clips: int | None = None, target: float | None = None,
     sets: dict[str, Any] | None = None, log=print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
-    """Run a data suite (or the given ``data_row`` specs): decoded clips/s per loader row
-    (``measure_data``), each row in a fresh process (``spawn.run_child``), ``rounds`` times round-robin; a row reports
-    the median over its rounds.
+    """Run the data suite (``data_rows()``, or the given ``data_row`` specs): decoded clips/s
+    per loader row (``measure_data``), each row in a fresh process (``spawn.run_child`` of
+    ``benchmarks.data --child``), ``rounds`` times round-robin; a row reports the median over
+    its rounds. ``out``: where to write bench.json/.md/.png (None: nothing is written).
 
-    The clip sets the rows read are generated first (once, cached: bench/clips.py), with
+    The clip sets the rows read are generated first (once, cached: ``clips.py``), with
     ``clips`` videos each (default: the set's, 200); ``sets`` maps a set name to a
     ``ClipSetSpec`` to use instead (tests: tiny ones). ``timed_clips``: clips timed per row
-    (default ``data.TIMED_CLIPS`` per pipeline). ``target``: also work out the workers that
-    feed this many clips/s (``report.target_workers``)."""
+    (default ``TIMED_CLIPS`` per pipeline). ``target``: also work out the workers that
+    feed this many clips/s (``data_report.target_workers``)."""
     import fnmatch
 
-    from videotrain.bench import clips as clip_sets
-    from videotrain.bench import report
+    from benchmarks import clips as clip_sets
+    from benchmarks import data_report as report
     from videotrain.bench.spawn import device_name, machine_info, run_child
-    from videotrain.bench.suites import DATA_SUITES
     from videotrain.build import compose_cfg
 
     device = device_name(device)
     extra = list(extra_overrides or [])
-    specs = [r for r in (rows if rows is not None else DATA_SUITES[suite])
+    specs = [r for r in (rows if rows is not None else data_rows())
              if not only or any(fnmatch.fnmatch(r["name"], p) for p in only)]
     if not specs:
         raise ValueError(f"no rows left after --only {only}")
@@ -306,7 +360,8 @@ def run_data_bench(
                 base = cfgs[spec["set"]][0]
                 res = run_child({**spec, "overrides": [*base, *spec["row_overrides"]],
                                  "device": device, "threads": threads,
-                                 "timed_clips": timed[spec["pipeline"]]}, timeout)
+                                 "timed_clips": timed[spec["pipeline"]]}, timeout,
+                                module="benchmarks.data", metered=False, pythonpath=REPO)
             per_row[i].append(res)
             tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
             if res.get("unavailable"):
@@ -323,7 +378,7 @@ def run_data_bench(
     targets = report.target_workers(results, target) if target else []
     machine = machine_info(device)
     d = next(iter(cfgs.values()))[1]
-    setting = {"suite": suite, "rounds": rounds, "extra_overrides": extra, "only": only,
+    setting = {"suite": "data", "rounds": rounds, "extra_overrides": extra, "only": only,
                "threads": threads, "timed_clips": timed, "sets": infos,
                "roots": {k: str(v) for k, v in roots.items()},
                "num_frames": int(d.num_frames), "sampling_rate": int(d.sampling_rate),
@@ -342,3 +397,94 @@ def run_data_bench(
     else:
         table = report.data_markdown(results, targets)
     return results, meta, table
+
+
+# ---------------------------------------------------------------------- the command line
+REPO = Path(__file__).resolve().parent.parent  # the children import benchmarks from here
+RESULTS = "outputs/bench_data"  # the default --out (the published table: --out docs/...)
+
+
+def child_main(spec_json: str) -> int:
+    """Child side: measure one row, print exactly one JSON line on stdout (the error, with
+    status 1, where the row raised)."""
+    try:
+        result = measure_data(json.loads(spec_json))
+        code = 0
+    except Exception as exc:  # noqa: BLE001 - recorded in the row, the parent decides
+        traceback.print_exc()
+        cause = exc.__cause__ or exc
+        result = {"error": f"{type(exc).__name__}: {exc}"
+                           + (f" ({type(cause).__name__}: {cause})" if cause is not exc else "")}
+        code = 1
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return code
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.data",
+        description="Decoded and transformed clips/s of the train and test pipelines (this "
+                    "project's loader, pytorchvideo's, torchcodec, the segment sampler; 1, 2 "
+                    "and N workers) on generated Kinetics-like and SSv2-like videos; each row "
+                    "in a fresh process. Run from the repository root.",
+        epilog="Extra arguments are data.* Hydra overrides applied to every row, e.g. "
+               "data.num_frames=8.")
+    p.add_argument("--out", default=RESULTS,
+                   help=f"write bench.json, bench.md and bench.png here (default {RESULTS}/; the "
+                        "published table is docs/results/bench_data/)")
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda: pins memory for CUDA (default auto)")
+    p.add_argument("--batch-size", type=int, help="data.batch_size (default 4)")
+    p.add_argument("--frames", type=int, help="data.num_frames (default 16)")
+    p.add_argument("--size", type=int, help="data.crop_size (default 224)")
+    p.add_argument("--only", help="comma-separated globs on row names, e.g. "
+                                  "'data/kinetics/train/*'")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the rows round-robin this many times; a row reports the median")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per row (default 600)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads in each row (default: torch's)")
+    p.add_argument("--clips", type=int,
+                   help="videos per generated clip set (default 200 Kinetics-like + 200 "
+                        "SSv2-like; generated once into $VIDEOTRAIN_CACHE)")
+    p.add_argument("--timed-clips", type=int,
+                   help="clips timed per row (default 64 train, 60 test)")
+    p.add_argument("--target-clips-per-s", type=float,
+                   help="also print the workers of the fastest backend that would feed this "
+                        "many clips/s, per set and pipeline")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or any(v is not None and v < 1 for v in (
+            args.batch_size, args.frames, args.size, args.clips, args.timed_clips)):
+        p.error("--rounds, --batch-size, --frames, --size, --clips and --timed-clips must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child is not None:
+        return child_main(args.child)
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    flags = [f"data.{key}={value}" for key, value in (
+        ("batch_size", args.batch_size), ("num_frames", args.frames), ("crop_size", args.size))
+        if value is not None]
+    try:
+        rows, _, table = run_data_bench(
+            out=args.out, device=args.device, rounds=args.rounds,
+            extra_overrides=[*flags, *args.overrides], timeout=args.timeout,
+            threads=args.threads, only=only, clips=args.clips, timed_clips=args.timed_clips,
+            target=args.target_clips_per_s)
+    except ValueError as exc:  # --only naming no row: before any row starts
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(table, end="")
+    failed = [r["name"] for r in rows if r.get("error")]
+    if failed:
+        print(f"{len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
-"""The annotation suite (``python -m videotrain.bench --suite annotations``): what a training
-start pays to read the official annotation files at their real sizes, against a plain parse
-of the same files in the same run.
+"""The annotation suite (``python -m benchmarks.annotations``, from the repository root): what
+a training start pays to read the official annotation files at their real sizes, against a
+plain parse of the same files in the same run.
 
 The files are written in the official formats (docs/data.md, "Real annotation files"):
 
@@ -20,11 +20,13 @@ Rows: every index build a training start pays (``loaders.read_index``) against `
 missing, at a first start (every file stat-ed) and a second one (the cache). Each figure is
 the best of ``repeat`` runs in this process, plain parse and build alternating, because the
 machine is shared. The files live in a temporary folder under ``$VIDEOTRAIN_CACHE``, removed
-at the end.
+at the end. ``bench.json`` and ``bench.md`` go to ``outputs/bench_annotations/`` unless
+``--out`` names another folder (the published table: ``docs/results/bench_annotations/``).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import gc
 import json
@@ -182,6 +184,37 @@ def compare(name: str, files: list[Path], plain: Callable[[], Any], build: Calla
             "meets_target": ratio <= TARGET_RATIO, "paid": paid}
 
 
+# ---------------------------------------------------------------------- the report
+def annotations_markdown(rows: list[dict[str, Any]]) -> str:
+    """The annotation suite's table: each file's plain parse against what videotrain pays."""
+    def s(v: Any) -> str:
+        return "" if v is None else f"{v:.3f}"
+
+    lines = ["| what a start reads | entries | plain parse s | videotrain s | × plain | target | "
+             "met | paid under torchrun with N ranks |",
+             "|---|---:|---:|---:|---:|---|---|---|"]
+    for r in rows:
+        met = {True: "yes", False: "**no**", None: ""}[r["meets_target"]]
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(f"| {r['name']} | {r['entries']:,} | {s(r['plain_s'])} | {s(r['build_s'])} | "
+                     f"{ratio} | {r['target']} | {met} | {r['paid']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_annotations(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """``bench.json`` and ``bench.md`` of the annotation suite; returns the table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = annotations_markdown(rows)
+    (out_dir / "bench.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2) + "\n")
+    m = meta["machine"]
+    title = (f"{m.get('cpus')} CPUs ({m.get('processor')}), python {m.get('python')}, torch "
+             f"{meta['torch']}; x{meta['scale']:g} the official sizes, best of {meta['repeat']} "
+             f"runs each; load average {meta['load_avg_start']} at the start (a shared machine)")
+    (out_dir / "bench.md").write_text(f"# videotrain bench: annotation files at official sizes\n\n"
+                                      f"{title}\n\n{table}")
+    return table
+
+
 PAID_INDEX = ("once per rank per start (each rank reads the lists itself, all at once); "
               "videotrain.eval: once")
 PAID_PREFLIGHT = "rank 0 only, once per start; the other ranks receive its list"
@@ -191,7 +224,6 @@ def run_annotation_bench(out: str | Path | None = None, scale: float = 1.0, repe
                          log: Callable[..., None] = print) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Write the files (``scale`` x the official sizes), time every row, write ``bench.json``
     and ``bench.md`` into ``out``; returns (rows, meta, markdown table)."""
-    from videotrain.bench import report
     from videotrain.bench.spawn import machine_info
     from videotrain.data.layouts import default_cache_root
     from videotrain.data.loaders import preflight, read_index
@@ -295,5 +327,40 @@ def run_annotation_bench(out: str | Path | None = None, scale: float = 1.0, repe
             "machine": machine, "torch": machine["torch"], "load_avg_start": load_start,
             "load_avg_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "wall_s": time.perf_counter() - t_start, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    table = report.write_annotations(Path(out), rows, meta) if out else report.annotations_markdown(rows)
+    table = write_annotations(Path(out), rows, meta) if out else annotations_markdown(rows)
     return rows, meta, table
+
+
+# ---------------------------------------------------------------------- the command line
+RESULTS = "outputs/bench_annotations"  # the default --out (the published table: --out docs/...)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.annotations",
+        description="Index builds, prepare kinetics and the preflight on annotation files of the "
+                    "official sizes (SSv2, K400, K700, UCF101, HMDB51), each against a plain "
+                    "parse of the same files. Run from the repository root.")
+    p.add_argument("--out", default=RESULTS,
+                   help=f"write bench.json and bench.md here (default {RESULTS}/; the published "
+                        "table is docs/results/bench_annotations/)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="the files' sizes as a fraction of the official ones (default 1; 0.1 for "
+                        "a quick look)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed runs of each row, the best kept (default 3)")
+    args = p.parse_args(argv)
+    if args.scale <= 0 or args.repeat < 1:
+        p.error("--scale must be > 0 and --repeat >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _, _, table = run_annotation_bench(out=args.out, scale=args.scale, repeat=args.repeat)
+    print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

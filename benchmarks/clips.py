@@ -1,4 +1,4 @@
-"""Clip sets shaped like the real datasets, for the data suite (``bench/data.py``).
+"""Clip sets shaped like the real datasets, for the data suite (``benchmarks/data.py``).
 
 The synthetic training set (``data/synthetic.py``) is 64 px and 2 s long: decoding it costs
 next to nothing, so it cannot tell how fast a loader feeds a model on Kinetics. These sets copy
