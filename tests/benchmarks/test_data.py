@@ -1,6 +1,6 @@
-"""The data suite beside the package (``benchmarks/data.py``, ``clips.py``, ``data_report.py``):
-its rows, the generated clip sets, one row measured in-process and through the runner's fresh
-processes, the report's arithmetic, and its command line."""
+"""The data suite beside the package (``benchmarks/data.py``, ``data_child.py``, ``clips.py``,
+``data_report.py``): its rows, the generated clip sets, one row measured in-process and through
+the runner's fresh processes, the report's arithmetic, and its command line."""
 
 from __future__ import annotations
 
@@ -12,18 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.clips import CLIP_SETS, clip_set, ensure_clip_set, probe, set_info
-from benchmarks.data import (
-    DATA_BACKENDS,
-    REPO,
-    data_row,
-    data_rows,
-    measure_data,
-    run_data_bench,
-    set_overrides,
-    timed_batches,
-    unavailable,
-    worker_counts,
-)
+from benchmarks.data import DATA_BACKENDS, REPO, data_row, data_rows, run_data_bench, worker_counts
+from benchmarks.data_child import measure_data, set_overrides, timed_batches, unavailable
 from benchmarks.data_report import add_data_ratios, combine_data, target_workers, workers_needed
 from videotrain.bench import SUITES
 from videotrain.bench.spawn import run_child
