@@ -36,7 +36,7 @@ from videotrain.config_files import (
     shipped_targets,
 )
 from videotrain.engine import checkpoint as ckpt
-from videotrain.eval import evaluate
+from videotrain.eval import run_eval
 from videotrain.export import export
 from videotrain.predict import predict
 
@@ -105,7 +105,11 @@ def test_allowlist_is_the_shipped_configs_targets() -> None:
     assert set(targets) == {"model.backbone", "model.head", "memory"}
     for group in ("model/backbone", "model/head", "memory"):
         for path in (Path(CONFIG_DIR) / group).glob("*.yaml"):
-            assert yaml.safe_load(path.read_text())["_target_"] in targets[group.replace("/", ".")]
+            data = yaml.safe_load(path.read_text())
+            if "_target_" not in data:  # an alias of a deprecated name (memory=checkpoint)
+                assert data["defaults"][0] in {p.stem for p in path.parent.glob("*.yaml")}, path
+                continue
+            assert data["_target_"] in targets[group.replace("/", ".")]
     # memory=auto's candidates write the class's own module path: both spellings are allowed
     assert "videotrain.memory.sbp.strategy.StochasticBackprop" in targets["memory"]
     assert "torch.load" not in {t for ts in targets.values() for t in ts}
@@ -228,7 +232,7 @@ def _command(name: str, attack: dict[str, Path], variant: str, tiny_root: Path,
 
 def _run_in_process(name: str, cfg, overrides: list[str], out: Path):
     if name == "eval":
-        return evaluate(cfg, overrides, out)
+        return run_eval(cfg, overrides, out)
     if name == "predict":
         return predict(cfg, overrides)
     return export(cfg, overrides, out)
@@ -278,8 +282,8 @@ def test_run_config_false_evaluates_and_predicts_the_crafted_checkpoint(
     groups = [o for o in run_overrides() if not o.startswith(("trainer.", "device="))]
     trusted = [*_command("eval", attack, variant, tiny_root, tmp_path), "run_config=false", *groups]
     untouched = _command("eval", attack, "run", tiny_root, tmp_path)
-    assert evaluate(validate(compose_cfg(trusted)), trusted, tmp_path / "a") == \
-        evaluate(validate(compose_cfg(untouched)), untouched, tmp_path / "b")
+    assert run_eval(validate(compose_cfg(trusted)), trusted, tmp_path / "a") == \
+        run_eval(validate(compose_cfg(untouched)), untouched, tmp_path / "b")
 
     trusted = [*_command("predict", attack, variant, tiny_root, tmp_path), "run_config=false", *groups]
     untouched = _command("predict", attack, "run", tiny_root, tmp_path)
@@ -305,9 +309,9 @@ def test_a_lone_checkpoint_evaluates_from_its_stored_config(attack: dict[str, Pa
     shutil.copyfile(attack["run"], lone)
     overrides = ["eval.clips=1", "eval.crops=1", "trainer.progress=false", "device=cpu"]
     untouched = [f"checkpoint={attack['run']}", *overrides]
-    assert evaluate(validate(compose_cfg([f"checkpoint={lone}", *overrides])),
+    assert run_eval(validate(compose_cfg([f"checkpoint={lone}", *overrides])),
                     [f"checkpoint={lone}", *overrides], tmp_path / "a") == \
-        evaluate(validate(compose_cfg(untouched)), untouched, tmp_path / "b")
+        run_eval(validate(compose_cfg(untouched)), untouched, tmp_path / "b")
 
 
 def test_run_config_false_drops_the_runs_config(attack: dict[str, Path],
@@ -319,4 +323,4 @@ def test_run_config_false_drops_the_runs_config(attack: dict[str, Path],
                  "data=kinetics", f"data.root={tiny_root}", "data.crop_size=32", "data.short_side=32",
                  "data.num_frames=4", "data.num_workers=0"]
     with pytest.raises(ValueError, match="does not fit the configured model"):
-        evaluate(validate(compose_cfg(overrides)), overrides, tmp_path)
+        run_eval(validate(compose_cfg(overrides)), overrides, tmp_path)

@@ -238,7 +238,7 @@ def test_issue46_options_compose(compose_cfg) -> None:
     for value, on in (("true", True), ("false", False), ("auto", False)):  # auto: off on a CPU
         cfg = compose_cfg([f"trainer.channels_last={value}", "device=cpu"])
         assert build_model(cfg, num_classes=3).channels_last is on
-    cfg = compose_cfg(["memory=checkpoint", "memory.policy=optimal", "memory.cost_model=measured",
+    cfg = compose_cfg(["memory=recompute", "memory.policy=optimal", "memory.cost_model=measured",
                        "memory.device_profile=h200", "memory.segment_cost_us=120", "data.num_workers=3"])
     strategy = instantiate(cfg.memory)
     assert (strategy.cost_model, strategy.device_profile, strategy.segment_cost_us) == ("measured", "h200", 120)

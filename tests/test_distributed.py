@@ -73,7 +73,7 @@ STRATEGIES = {
     "frame_dropout": ["memory=frame_dropout", "memory.keep_ratio=0.5", "trainer.max_steps=2"],
     "sbp_block": ["model/backbone=resnet10", "memory=sbp", "memory.granularity=block",
                   "trainer.max_steps=2"],
-    "checkpoint": ["memory=checkpoint", "trainer.max_steps=2"],
+    "recompute": ["memory=recompute", "trainer.max_steps=2"],
     "e2e_accum": ["trainer.grad_accum=2", "data.batch_size=1", "trainer.max_steps=2"],
 }
 

@@ -9,14 +9,14 @@ import pytest
 
 from videotrain.plan import main
 
-SMALL = ["data.batch_size=1", "data.num_frames=2", "data.crop_size=32", "memory=checkpoint"]
+SMALL = ["data.batch_size=1", "data.num_frames=2", "data.crop_size=32", "memory=recompute"]
 
 
 def test_plan_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     assert main(["--out", str(out), *SMALL, "memory.policy=optimal", "memory.budget_frac=0.8"]) == 0
     text = capsys.readouterr().out
-    for word in ("predicted peak", "predicted overhead", "e2e peak", "smallest budget", "segment  0"):
+    for word in ("estimated peak", "estimated overhead", "e2e peak", "smallest budget", "segment  0"):
         assert word in text
     report = json.loads(out.read_text())
     assert report["input_shape"] == [2, 3, 32, 32]
@@ -36,19 +36,19 @@ def test_plan_cli_infeasible_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 AUTO = ["data.batch_size=1", "data.num_frames=2", "data.crop_size=32", "device=cpu", "memory=auto",
-        "memory.checkpoint_fracs=[0.5]"]
+        "memory.recompute_fracs=[0.5]"]
 
 
 def test_plan_cli_auto_prints_the_decision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     assert main(["--out", str(out), *AUTO, "memory.budget_mb=100000"]) == 0  # above the e2e peak
     text = capsys.readouterr().out
-    for word in ("| plan |", "predicted peak MB", "measured peak MB", "predicted step s", "| e2e |",
+    for word in ("| plan |", "estimated peak MB", "measured peak MB", "estimated step s", "| e2e |",
                  "**chosen**", "chosen: e2e fits"):
         assert word in text
     report = json.loads(out.read_text())
     assert report["chosen"] == "e2e" and report["budget_mb"] == 100000
-    assert {c["kind"] for c in report["candidates"]} >= {"e2e", "checkpoint", "sbp"}
+    assert {c["kind"] for c in report["candidates"]} >= {"e2e", "recompute", "sbp"}
 
 
 def test_plan_cli_auto_impossible_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,7 +43,7 @@ def test_fit_rows_order_as_their_strategies_say(report: dict) -> None:
     e2e = peak[("e2e", None, None)]
     assert peak[("sbp", 0.25, None)] < peak[("sbp", 0.5, None)] < e2e
     assert peak[("frame_dropout", 0.5, None)] < e2e
-    assert peak[("checkpoint", None, "optimal")] < e2e
+    assert peak[("recompute", None, "optimal")] < e2e
     assert peak[("sbp", 0.5, "optimal")] < peak[("sbp", 0.5, None)]
     for r in rows.values():  # a row that fits at its batch allows at least that batch
         assert r["fits"] == (r["max_batch_size"] >= 2)
@@ -110,9 +110,9 @@ def test_fit_predicts_the_frozen_backbone_step_training_builds(report: dict) -> 
     assert row["held_gb"] < unfrozen["held_gb"]
 
 
-def test_a_shifting_backbone_skips_the_frame_level_sbp_checkpoint_row(tmp_path) -> None:
+def test_a_shifting_backbone_skips_the_frame_level_sbp_recompute_row(tmp_path) -> None:
     """The default resnet10 mixes frames: SBP rows resolve to block granularity, and the
-    frame-level SBP + checkpoint row is skipped with a reason, not a failure (exit 0)."""
+    frame-level SBP + recompute row is skipped with a reason, not a failure (exit 0)."""
     args = ["model.backbone.temporal_shift=0.125" if a.startswith("model.backbone.temporal_shift")
             else a for a in TINY]
     out = tmp_path / "f.json"

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 import videotrain.run as run
 from videotrain.build import clean_errors, validate
 from videotrain.engine import checkpoint as ckpt
-from videotrain.eval import evaluate
+from videotrain.eval import run_eval
 from videotrain.export import export
 from videotrain.predict import predict
 
@@ -99,7 +99,7 @@ def _in_process(name: str, overrides: list[str], out: Path, compose_cfg,
         with clean_errors():
             cfg = validate(compose_cfg(overrides))
             if name == "eval":
-                evaluate(cfg, overrides, out)
+                run_eval(cfg, overrides, out)
             elif name == "predict":
                 predict(cfg, overrides)
             elif name == "export":
@@ -572,7 +572,7 @@ def test_a_dataset_behind_links_still_works(shared: Path, tiny_root: Path, tmp_p
     link = tmp_path / "data-link"
     link.symlink_to(tiny_root)
     base = _command("eval", _last(shared), tiny_root, tmp_path)
-    direct = evaluate(validate(compose_cfg(base)), base, tmp_path / "a")
+    direct = run_eval(validate(compose_cfg(base)), base, tmp_path / "a")
     linked = [*base, f"data.root={link}"]
-    assert evaluate(validate(compose_cfg(linked)), linked, tmp_path / "b") == direct
+    assert run_eval(validate(compose_cfg(linked)), linked, tmp_path / "b") == direct
     assert json.loads((tmp_path / "b" / "eval.json").read_text())["videos"] == 8

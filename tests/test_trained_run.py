@@ -19,7 +19,7 @@ import videotrain.run as run
 from videotrain.build import clean_errors, validate
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.inference import run_exported
-from videotrain.eval import evaluate
+from videotrain.eval import run_eval
 from videotrain.export import export
 from videotrain.predict import predict
 from videotrain.trained_run import apply_overrides, find_run_config, load_trained, open_run
@@ -103,7 +103,7 @@ def _run(name: str, compose_cfg, checkpoint: Path, video: Path, out: Path) -> di
     cfg = validate(compose_cfg(overrides))
     with clean_errors():
         if name == "eval":
-            evaluate(cfg, overrides, out)
+            run_eval(cfg, overrides, out)
             return json.loads((out / "eval.json").read_text())
         if name == "predict":
             return predict(cfg, overrides)

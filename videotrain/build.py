@@ -27,21 +27,23 @@ from typing import Any
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from videotrain import schema
 from videotrain.data.loaders import BadDataError, DataBundle, build_data, check_data_values
 from videotrain.engine import distributed
-from videotrain.engine.distributed import SINGLE_PROCESS, DistContext
+from videotrain.engine.distributed import SINGLE_PROCESS, DistContext, resolve_device  # noqa: F401 (the commands')
 from videotrain.engine.evaluate import EvalSettings
 from videotrain.engine.optim import build_optimizer, scaled_lr
 from videotrain.engine.precision import Precision
 from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.base import SelfPlanning
+from videotrain.memory.renamed import warn_renamed_choices
 from videotrain.memory.simulate import StepMemory
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier, wants_channels_last
@@ -126,12 +128,17 @@ def check_required(cfg: DictConfig, prefix: str = "") -> None:
             raise ValueError(f"{prefix}{key} is required here: {what} ({prefix}{key}=...)")
 
 
-def validate(cfg: DictConfig) -> DictConfig:
+def validate(cfg: DictConfig, choices: dict[str, Any] | None = None) -> DictConfig:
     """Reject keys no schema has (``+trainer.max_epoch=3``), naming the nearest valid one, and
-    keys an experiment requires that are not set; the types were checked while composing. Every
-    app calls it on the config it runs."""
+    keys an experiment requires that are not set; the types were checked while composing; warn
+    once for a group option chosen by its deprecated name (``memory=checkpoint``, from
+    ``choices``: Hydra's ``runtime.choices``, by default the running app's). Every app calls it
+    on the config it runs."""
     schema.check_keys(cfg)
     check_required(cfg)
+    if choices is None and HydraConfig.initialized():
+        choices = dict(HydraConfig.get().runtime.choices)
+    warn_renamed_choices(choices or {})
     return cfg
 
 
@@ -222,7 +229,11 @@ def compose_cfg(overrides: list[str]) -> DictConfig:
     """The root config with ``overrides``, composed outside a Hydra app (plan, bench) and
     validated."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return validate(compose(config_name="config", overrides=list(overrides)))
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]  # what compose() does without return_hydra_config
+    return validate(cfg, choices)
 
 
 def config_mixes_frames(cfg: DictConfig) -> bool:
@@ -245,10 +256,6 @@ def device_type(cfg: DictConfig) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name).type
-
-
-def resolve_device(name: str, ctx: DistContext = SINGLE_PROCESS) -> torch.device:
-    return distributed.resolve_device(name, ctx)
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -280,7 +287,7 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
     numbers the same classes in another order.
 
     ``sync_bn`` converts BatchNorm layers to SyncBatchNorm *before* the strategy prepares the
-    backbone, so that wrappers the strategy installs (checkpointed blocks) see the final layers.
+    backbone, so that wrappers the strategy installs (recomputed blocks) see the final layers.
     """
     if cfg.model.get("pretrained_path") and cfg.model.get("pretrained"):
         raise ValueError("set at most one of model.pretrained (download) and "
@@ -328,22 +335,22 @@ def use_sync_bn(cfg: DictConfig, ctx: DistContext, device: torch.device) -> bool
 
 def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision | None,
                 device: torch.device, num_classes: int,
-                predictor: Callable[[DictConfig, int, str], Callable[[dict[str, Any]], StepMemory]],
+                estimator: Callable[[DictConfig, int, str], Callable[[dict[str, Any]], StepMemory]],
                 ) -> dict[str, Any] | None:
     """Let a self-planning strategy (``memory=auto``) choose its plan before training: from
-    fake-tensor predictions of the configured run at full size (``memory.budget_gb``, or CUDA
+    fake-tensor estimates of the configured run at full size (``memory.budget_gb``, or CUDA
     with no budget), or from profiling steps of the configured model and batch (in
-    ``precision``; predictions need none). A no-op (None) for every other strategy. Raises
+    ``precision``; estimates need none). A no-op (None) for every other strategy. Raises
     ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget.
 
-    ``predictor(cfg, num_classes, device_type)`` makes the predictor of a ``memory:`` node's
-    step: the commands pass ``videotrain.simulate.config_run.ConfigPredictor``, which builds
+    ``estimator(cfg, num_classes, device_type)`` makes the estimator of a ``memory:`` node's
+    step: the commands pass ``videotrain.simulate.config_run.ConfigEstimator``, which builds
     the model here through this module (so build does not import it)."""
     if not isinstance(model.strategy, SelfPlanning):
         return None
     d = cfg.data
-    if model.strategy.predicts(device):
-        return model.strategy.plan_predicted(predictor(cfg, num_classes, device.type),
+    if model.strategy.estimates(device):
+        return model.strategy.plan_estimated(estimator(cfg, num_classes, device.type),
                                              int(d.num_frames), device)
     from videotrain.memory.auto.profile import StepProbe
 

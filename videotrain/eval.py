@@ -69,10 +69,10 @@ def evaluate_checkpoint(cfg: DictConfig, out_dir: str | Path,
 def main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     with clean_errors():
-        return evaluate(validate(cfg), list(hc.overrides.task), hc.runtime.output_dir)
+        return run_eval(validate(cfg), list(hc.overrides.task), hc.runtime.output_dir)
 
 
-def evaluate(cfg: DictConfig, overrides: list[str], out_dir: str | Path) -> float:
+def run_eval(cfg: DictConfig, overrides: list[str], out_dir: str | Path) -> float:
     """What the command runs: the checkpoint (``weights_only``), then its run's checked config
     (``run_config``) with the command line's ``overrides`` over it, then
     ``evaluate_checkpoint``; returns the video top-1."""

@@ -1,13 +1,13 @@
 """Plan before you queue: ``python -m videotrain.plan [--fit GB] [hydra overrides]``.
 
 With ``--fit GB``: will this run fit a GPU with GB GiB of memory? For the configured model and
-batch at full size, every memory strategy's training-step and validation peak is predicted on
+batch at full size, every memory strategy's training-step and validation peak is estimated on
 fake tensors (:func:`fit_report`: one simulation of the configured run per row, each in a
 process of its own, ``videotrain.simulate.config_run``; no GPU, no dataset, no weights), with
 whether it fits and the largest ``data.batch_size`` and ``data.num_frames`` that would; printed
 as a table and written to ``--out`` as JSON.
 
-What is predicted is ``torch.cuda.max_memory_allocated`` during a training step (parameters,
+What is estimated is ``torch.cuda.max_memory_allocated`` during a training step (parameters,
 gradients, optimizer state, the batch, and what the strategy keeps and allocates), and during
 a validation forward. A row fits when that peak plus the headroom stays within the card: the
 CUDA context (not in ``max_memory_allocated``) and a share for what fake tensors cannot see
@@ -21,21 +21,21 @@ Without ``--fit``, the recomputation plan viewer:
 Builds the configured model (``videotrain.build.build_model``) and plans the backbone for the
 training input ``(data.batch_size * data.num_frames, 3, data.crop_size, data.crop_size)``
 without running any activations (shape propagation uses fake tensors). Prints the segments, the
-predicted peak, the predicted recompute overhead, the e2e peak and the smallest
+estimated peak, the estimated recompute overhead, the e2e peak and the smallest
 feasible budget, and writes ``plan.json`` (``--out``). Why a separate tool: choosing
 ``memory.budget_mb`` needs those numbers before a run, and an infeasible budget should be
 found here rather than at the first training step.
 
 With ``memory=auto`` it prints ``memory=auto``'s decision instead: it profiles the configured
 model and batch on ``device`` (real training steps on a copy of the model, nothing is trained),
-or with ``memory.budget_gb=G`` predicts each candidate it reaches at full size on fake tensors
+or with ``memory.budget_gb=G`` estimates each candidate it reaches at full size on fake tensors
 (``device=cuda`` plans for a G GiB GPU from any machine), prints the table of candidates with
-their peaks, predicted step times and the reason for the choice, and writes it to ``--out``; a
+their peaks, estimated step times and the reason for the choice, and writes it to ``--out``; a
 budget no plan fits exits with status 2 and the smallest budget that would work.
 
-With any other ``memory`` than ``checkpoint`` the viewer plans ``memory.policy=optimal`` with no
+With any other ``memory`` than ``recompute`` the viewer plans ``memory.policy=optimal`` with no
 budget (the smallest feasible), for reference. ``memory.policy=blocks`` is reported as the
-graph's e2e figures only (block checkpointing is not a graph plan).
+graph's e2e figures only (per-block recomputation is not a graph plan).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from videotrain.memory.simulate import (
     device_need,
     usable_bytes,
 )
-from videotrain.simulate.config_run import ConfigPredictor, num_classes_of, run_isolated
+from videotrain.simulate.config_run import ConfigEstimator, num_classes_of, run_isolated
 
 # (strategy, keep_ratio, policy, overrides): the rows of the fit table, by memory= name
 FIT_ROWS: list[tuple[str, float | None, str | None, list[str]]] = [
@@ -78,11 +78,11 @@ FIT_ROWS: list[tuple[str, float | None, str | None, list[str]]] = [
     ("sbp", 0.5, None, ["memory=sbp", "memory.keep_ratio=0.5"]),
     ("sbp", 0.25, None, ["memory=sbp", "memory.keep_ratio=0.25"]),
     ("frame_dropout", 0.5, None, ["memory=frame_dropout", "memory.keep_ratio=0.5"]),
-    ("checkpoint", None, "blocks", ["memory=checkpoint", "memory.policy=blocks"]),
-    ("checkpoint", None, "sqrt", ["memory=checkpoint", "memory.policy=sqrt"]),
-    ("checkpoint", None, "optimal", ["memory=checkpoint", "memory.policy=optimal",
-                                     "memory.budget_mb=null", "memory.budget_frac=null"]),
-    ("sbp", 0.5, "optimal", ["memory=sbp", "memory.keep_ratio=0.5", "memory.checkpoint=optimal"]),
+    ("recompute", None, "blocks", ["memory=recompute", "memory.policy=blocks"]),
+    ("recompute", None, "sqrt", ["memory=recompute", "memory.policy=sqrt"]),
+    ("recompute", None, "optimal", ["memory=recompute", "memory.policy=optimal",
+                                    "memory.budget_mb=null", "memory.budget_frac=null"]),
+    ("sbp", 0.5, "optimal", ["memory=sbp", "memory.keep_ratio=0.5", "memory.recompute=optimal"]),
 ]
 
 
@@ -116,7 +116,7 @@ def make_report(cfg: DictConfig) -> dict[str, Any]:
 
 def auto_report(cfg: DictConfig) -> dict[str, Any]:
     """``memory=auto``'s decision for ``cfg`` (raises ``NoPlanFits`` when nothing fits). With
-    ``memory.budget_gb`` it is made from predictions and nothing runs on a device, so
+    ``memory.budget_gb`` it is made from estimates and nothing runs on a device, so
     ``device=cuda`` plans for a GPU on a machine without one."""
     seed_everything(cfg.seed)
     num_classes = int(cfg.data.get("num_classes") or 2)
@@ -124,11 +124,11 @@ def auto_report(cfg: DictConfig) -> dict[str, Any]:
     if OmegaConf.select(cfg, "memory.budget_gb") is not None:
         device = torch.device(name) if name.startswith("cuda") else resolve_device(name)
         model = build_model(cfg, num_classes, init=False)  # stays on the CPU: only its structure is read
-        return plan_memory(cfg, model, None, device, num_classes, ConfigPredictor) or {}
+        return plan_memory(cfg, model, None, device, num_classes, ConfigEstimator) or {}
     device = resolve_device(name)
     precision = build_precision(cfg, device)
     model = build_model(cfg, num_classes, init=False).to(device)
-    return plan_memory(cfg, model, precision, device, num_classes, ConfigPredictor) or {}
+    return plan_memory(cfg, model, precision, device, num_classes, ConfigEstimator) or {}
 
 
 def is_auto(cfg: DictConfig) -> bool:
@@ -144,8 +144,8 @@ def render(report: dict[str, Any]) -> str:
         *([] if report["exact"] or report["policy"] != "optimal" else [
             "approximate plan: it may recompute more than the optimum (docs/memory.md)"]),
         f"e2e peak            {report['e2e_peak_bytes'] / mib:10.2f} MiB",
-        f"predicted peak      {report['predicted_peak_bytes'] / mib:10.2f} MiB",
-        f"predicted overhead  {report['overhead_frac_of_forward']:10.1%} of a forward",
+        f"estimated peak      {report['predicted_peak_bytes'] / mib:10.2f} MiB",
+        f"estimated overhead  {report['overhead_frac_of_forward']:10.1%} of a forward",
     ]
     if report["smallest_feasible_bytes"] is not None:
         lines.append(f"smallest budget     {report['smallest_feasible_bytes'] / mib:10.2f} MiB")
@@ -172,15 +172,15 @@ def _largest(mem: StepMemory, current: int, budget: float, frames: bool, cap: in
 def fit_report(overrides: list[str], device_gb: float | None, target: str = "cuda",
                processes: int = 2) -> dict[str, Any]:
     """The fit table for the config ``overrides``, each row's memory strategy substituted:
-    predicted training and validation peaks (GiB), and with ``device_gb`` (GiB, as cards are
+    estimated training and validation peaks (GiB), and with ``device_gb`` (GiB, as cards are
     sold: a "24 GB" card has 24 GiB) whether the row fits and the largest batch size and
     frame count that would."""
     base = compose_cfg(overrides)
     choices = group_choices(overrides)
     d = base.data
     b, t = int(d.batch_size), int(d.num_frames)
-    # SBP + checkpoint is frame-level: a backbone that mixes frames (TSM's shift, on in the
-    # default resnet10) cannot use it, which is not a failure of the prediction
+    # SBP + recompute is frame-level: a backbone that mixes frames (TSM's shift, on in the
+    # default resnet10) cannot use it, which is not a failure of the estimate
     mixes = config_mixes_frames(base)
     not_here = [(s, k, p) for s, k, p, _ in FIT_ROWS if mixes and s == "sbp" and p is not None]
     rows = [(s, k, p, [*overrides, *row_ov]) for s, k, p, row_ov in FIT_ROWS
@@ -211,7 +211,7 @@ def fit_report(overrides: list[str], device_gb: float | None, target: str = "cud
                         "max_num_frames": _largest(mem, t, budget, frames=True)})
         out_rows.append(row)
     out_rows += [{"strategy": s, "keep_ratio": k, "policy": p,
-                  "skipped": "frame-level SBP + checkpoint; model.backbone.temporal_shift mixes frames"}
+                  "skipped": "frame-level SBP + recompute; model.backbone.temporal_shift mixes frames"}
                  for s, k, p in not_here]
     return {
         "device": target, "device_memory_gb": device_gb,
@@ -266,10 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m videotrain.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="plan.json", help="where to write the JSON report")
     parser.add_argument("--fit", type=float, metavar="GB", default=None,
-                        help="predict every strategy's peak for a CUDA device with GB GiB of memory")
+                        help="estimate every strategy's peak for a CUDA device with GB GiB of memory")
     parser.add_argument("--jobs", type=int, default=2,
                         help="--fit: simulations run at once, one process each (default 2)")
-    parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. memory=checkpoint")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. memory=recompute")
     args = parser.parse_args(argv)
     if args.fit is not None:
         return fit_main(args.fit, list(args.overrides), Path(args.out), args.jobs)

@@ -41,7 +41,7 @@ from videotrain.engine.run_checkpoints import RunCheckpoints
 from videotrain.engine.trainer import Trainer, plan_steps
 from videotrain.memory.base import SelfPlanning
 from videotrain.metrics.logger import MetricsLogger
-from videotrain.simulate.config_run import ConfigPredictor
+from videotrain.simulate.config_run import ConfigEstimator
 from videotrain.untrusted import check_run_folder, write_text
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     seed_everything(cfg.seed, cfg.deterministic)  # the same initial weights on every rank
     data, bad = build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size, report_dir=out_dir)
     model = build_model(cfg, data.num_classes, sync_bn=sync_bn, class_names=data.class_names).to(device)
-    plan_memory(cfg, model, precision, device, data.num_classes, ConfigPredictor)  # memory=auto: fails here
+    plan_memory(cfg, model, precision, device, data.num_classes, ConfigEstimator)  # memory=auto: fails here
     optimizer = optimizer_from_cfg(cfg, model, ctx.world_size)
     model = wrap_ddp(model, device, ctx)  # broadcasts rank 0's parameters and buffers
     wait = float(cfg.data.worker_timeout)

@@ -183,7 +183,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "model/head": {f"{cls.__name__.lower()}_schema": schema_of(cls, ("in_dim", "num_classes"))
                    for cls in (heads.MeanHead, heads.TConvHead, heads.TransformerHead, heads.LSTMHead)},
     "memory": {"e2e_schema": schema_of(EndToEnd), "frame_dropout_schema": schema_of(FrameDropout, ("rank",)),
-               "sbp_schema": schema_of(StochasticBackprop, ("rank",)), "checkpoint_schema": schema_of(Recompute),
+               "sbp_schema": schema_of(StochasticBackprop, ("rank",)), "recompute_schema": schema_of(Recompute),
                "auto_schema": schema_of(AutoStrategy, ("rank",))},
 }
 

@@ -159,7 +159,7 @@ def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str]
 
 
 @dataclasses.dataclass
-class TrainedRun:
+class OpenedRun:
     """A checkpoint read (``state``, from ``path``) and the config that describes its model
     (``cfg``, by :func:`run_config`'s rule); ``run_dir`` is its run folder, if it is in one."""
 
@@ -169,13 +169,13 @@ class TrainedRun:
     run_dir: Path | None
 
 
-def open_run(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()) -> TrainedRun:
+def open_run(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()) -> OpenedRun:
     """``cfg.checkpoint`` read (``weights_only``, first) and its run's checked config with the
     command line's ``overrides`` (and the app's own nodes ``keep``) over it: steps 1 and 2 of
     the module docstring, what eval, predict and export all start with."""
     path, state = read_checkpoint(cfg)
     cfg, run_dir = run_config(cfg, overrides, keep, state)
-    return TrainedRun(cfg, path, state, run_dir)
+    return OpenedRun(cfg, path, state, run_dir)
 
 
 # ---------------------------------------------------------------------- the model
@@ -290,7 +290,7 @@ def _names(names: Any, num_classes: int) -> bool:
 
 # ---------------------------------------------------------------------- all of it
 @dataclasses.dataclass
-class Trained:
+class TrainedModel:
     """A checkpoint's model, ready for inference, with the config that describes it."""
 
     cfg: DictConfig
@@ -301,7 +301,7 @@ class Trained:
 
 
 def load_trained(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = (),
-                 device: str | None = None) -> Trained:
+                 device: str | None = None) -> TrainedModel:
     """``cfg.checkpoint``'s model (evaluation mode, on ``device``, default ``cfg.device``), its
     run's config and its class names: the whole module docstring, for predict and export."""
     run = open_run(cfg, overrides, keep)
@@ -309,4 +309,4 @@ def load_trained(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = 
     model = trained_model(run.cfg, run.state, run.path, resolve_device(device or run.cfg.device),
                           num_classes)
     names = class_names_of(run.cfg, run.run_dir, num_classes, run.state)
-    return Trained(run.cfg, model, names, run.state, run.path)
+    return TrainedModel(run.cfg, model, names, run.state, run.path)

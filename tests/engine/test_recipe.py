@@ -142,8 +142,8 @@ def _step(cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_drop_path_replays_its_masks_under_block_checkpointing(compose_cfg) -> None:
     out_e2e, grad_e2e = _step(compose_cfg(DROP_PATH))
-    out_ckpt, grad_ckpt = _step(compose_cfg([*DROP_PATH, "memory=checkpoint"]))
+    out_ckpt, grad_ckpt = _step(compose_cfg([*DROP_PATH, "memory=recompute"]))
     assert not torch.equal(out_e2e, _step(compose_cfg([*DROP_PATH, "model.backbone.drop_path_rate=0"]))[0])
     assert torch.equal(out_ckpt, out_e2e) and torch.allclose(grad_ckpt, grad_e2e, atol=1e-6)
     with pytest.raises(ValueError, match="memory.policy=optimal does not support drop-path yet"):
-        builder.build_model(compose_cfg([*DROP_PATH, "memory=checkpoint", "memory.policy=optimal"]), 4)
+        builder.build_model(compose_cfg([*DROP_PATH, "memory=recompute", "memory.policy=optimal"]), 4)

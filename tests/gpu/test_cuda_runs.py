@@ -51,7 +51,7 @@ def test_training_run_on_cuda(cuda: torch.device, run_overrides, compose_cfg, me
 
 
 @pytest.mark.parametrize("memory", [["memory=e2e"], ["memory=sbp"], ["memory=sbp", "memory.bn_policy=frozen"],
-                                    ["memory=checkpoint", "memory.policy=sqrt"]],
+                                    ["memory=recompute", "memory.policy=sqrt"]],
                          ids=["e2e", "sbp", "sbp-frozen", "checkpoint-sqrt"])
 def test_fit_prediction_against_the_cuda_peak(cuda: torch.device, compose_cfg, tmp_path: Path,
                                               memory: list[str]) -> None:

@@ -26,10 +26,10 @@ STRATEGIES = {
     "sbp_block": lambda: StochasticBackprop(keep_ratio=0.5, granularity="block"),
     "sbp_block_frozen_bn": lambda: StochasticBackprop(keep_ratio=0.5, granularity="block",
                                                       bn_policy="frozen"),
-    "sbp_checkpoint": lambda: StochasticBackprop(keep_ratio=0.5, checkpoint="blocks"),
-    "checkpoint_blocks": lambda: Recompute("blocks"),
-    "checkpoint_sqrt": lambda: Recompute("sqrt"),
-    "checkpoint_optimal": lambda: Recompute("optimal", objective="memory"),
+    "sbp_recompute": lambda: StochasticBackprop(keep_ratio=0.5, recompute="blocks"),
+    "recompute_blocks": lambda: Recompute("blocks"),
+    "recompute_sqrt": lambda: Recompute("sqrt"),
+    "recompute_optimal": lambda: Recompute("optimal", objective="memory"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _FP32: dict[tuple[str, str, str], set[str]] = {}  # (backbone, strategy, device) -> fp32's set

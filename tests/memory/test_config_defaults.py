@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-CONFIGS = sorted((Path(__file__).parents[2] / "configs" / "memory").glob("*.yaml"))
+# every option but the aliases of deprecated names (checkpoint.yaml composes recompute.yaml)
+CONFIGS = sorted(p for p in (Path(__file__).parents[2] / "configs" / "memory").glob("*.yaml")
+                 if "_target_" in p.read_text())
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -23,9 +23,9 @@ STRATEGIES = {
     "sbp": lambda: StochasticBackprop(0.5, sampler="uniform"),
     "sbp_frozen": lambda: StochasticBackprop(0.5, bn_policy="frozen"),
     "frame_dropout": lambda: FrameDropout(0.5),
-    "checkpoint_sqrt": lambda: Recompute("sqrt"),
-    "checkpoint_optimal": lambda: Recompute("optimal"),
-    "sbp_checkpoint": lambda: StochasticBackprop(0.5, checkpoint="blocks"),
+    "recompute_sqrt": lambda: Recompute("sqrt"),
+    "recompute_optimal": lambda: Recompute("optimal"),
+    "sbp_recompute": lambda: StochasticBackprop(0.5, recompute="blocks"),
 }
 
 
@@ -69,7 +69,7 @@ def test_held_is_parameters_gradients_adamw_state_and_batch() -> None:
     assert mem.held == 4 * p_bytes + buffers + steps + batch + labels  # weights, grads, 2 moments
 
 
-@pytest.mark.parametrize("strategy", ["sbp", "frame_dropout", "checkpoint_sqrt", "sbp_checkpoint"])
+@pytest.mark.parametrize("strategy", ["sbp", "frame_dropout", "recompute_sqrt", "sbp_recompute"])
 def test_strategies_keep_less_than_e2e(strategy: str) -> None:
     """What a strategy controls: the forward and backward (at this tiny scale the optimizer's
     step, with its parameter-sized temporaries, sets the whole step's peak)."""

@@ -1,5 +1,5 @@
 """Frame dropout, ``memory=auto`` and the fake-tensor step simulation with TSM's temporal shift.
-(SBP: tests/memory/sbp/test_sbp_temporal_shift.py; checkpoint: tests/memory/recompute/.)"""
+(SBP: tests/memory/sbp/test_sbp_temporal_shift.py; recompute: tests/memory/recompute/.)"""
 
 from __future__ import annotations
 
@@ -43,12 +43,12 @@ def test_frame_dropout_shifts_over_the_kept_frames_in_time_order(kit) -> None:
 
 
 def test_auto_plans_without_frame_sbp_and_trains(kit) -> None:
-    strategy = AutoStrategy(budget_mb=1e6, seed=0, rank=0, checkpoint_fracs=[0.5], max_profiles=4)
+    strategy = AutoStrategy(budget_mb=1e6, seed=0, rank=0, recompute_fracs=[0.5], max_profiles=4)
     model = _model(strategy).train()
     probe = StepProbe(model, lambda m: build_optimizer(m, "adamw", 1e-3, 0.05), Precision("32", CPU),
                       CPU, (2, 4, 3, 32, 32), num_classes=4, grad_clip=1.0)
     report = strategy.plan(probe)
-    sbp = [c for c in strategy.candidates if c.kind in ("sbp", "sbp_checkpoint")]
+    sbp = [c for c in strategy.candidates if c.kind in ("sbp", "sbp_recompute")]
     assert sbp and all("temporal shift" in c.skip for c in sbp)
     assert report["chosen"] == "e2e"  # fits a huge budget
     kit.step(model, kit.video())

@@ -56,8 +56,8 @@ SBP = ["memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=frame"]
 
 
 @pytest.mark.parametrize("memory", [["memory=e2e"],
-                                    ["memory=checkpoint", "memory.policy=optimal", "memory.budget_frac=0.5"],
-                                    SBP, [*SBP, "memory.checkpoint=optimal"]],
+                                    ["memory=recompute", "memory.policy=optimal", "memory.budget_frac=0.5"],
+                                    SBP, [*SBP, "memory.recompute=optimal"]],
                          ids=["e2e", "checkpoint-optimal", "sbp-frame", "sbp-checkpoint"])
 def test_channels_last_forced_on_cpu_matches_nchw(memory: list[str]) -> None:
     """Every conv output is channels_last in training (recompute included) and evaluation;

@@ -32,9 +32,9 @@ def prepare_row(model: torch.nn.Module, cfg: Any, spec: dict[str, Any], device: 
                               device, spec["sac_milp"], precision.autocast,
                               bool(spec.get("free_grads", False)))
     from videotrain.build import plan_memory
-    from videotrain.simulate.config_run import ConfigPredictor
+    from videotrain.simulate.config_run import ConfigEstimator
 
     plan = plan_memory(cfg, model, precision, device, spec["num_classes"],
-                       ConfigPredictor)  # memory=auto only
+                       ConfigEstimator)  # memory=auto only
     return {"auto_plan": {k: plan.get(k) for k in (
         "budget_mb", "chosen", "reason", "predicted_peak_mb", "profiled_peak_mb")}} if plan else {}

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 R18, R50, VIT, VIT_B16 = "resnet18", "resnet50", "vit_tiny", "vit_b_16"
+# A row's strategy label -> its memory= option where they differ: the recomputation rows keep
+# the names they were measured under (resnet18/checkpoint-sqrt), memory=recompute builds them
+GROUP_OF = {"checkpoint": "recompute"}
+LABEL_OF = {group: label for label, group in GROUP_OF.items()}
 # timm models are backbones "timm:NAME": model/backbone=timm model.backbone.name=NAME
 TIMM_PREFIX = "timm:"
 CONVNEXT, TIMM_VIT = f"{TIMM_PREFIX}convnext_atto", f"{TIMM_PREFIX}vit_tiny_patch16_224"
@@ -61,7 +65,7 @@ def row(
     frame gets a backward), so e2e and checkpoint rows sit at keep ratio 1 in the plots."""
     trainer = {k[len("trainer_"):]: options.pop(k) for k in list(options) if k.startswith("trainer_")}
     memory = {"keep_ratio": keep_ratio, "granularity": granularity, "policy": policy, **options}
-    overrides = [*backbone_overrides(backbone), f"memory={strategy}"]
+    overrides = [*backbone_overrides(backbone), f"memory={GROUP_OF.get(strategy, strategy)}"]
     overrides += [f"memory.{k}={v}" for k, v in memory.items() if v is not None]
     overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in trainer.items()]
     return {
@@ -127,7 +131,7 @@ CHECKPOINT_ROWS = [
     *(row(R18, "checkpoint", policy="optimal", budget_frac=f) for f in (0.7, 0.5)),
     {**row(R18, "checkpoint", policy="optimal"), "budget": "min"},
     {**row(R18, "e2e"), "policy": "torch.compile", "budget_frac": 0.5, "compile_budget": 0.5},
-    *({**row(R18, "sbp", 0.5, "frame", checkpoint=c), "policy": f"checkpoint:{c}"}
+    *({**row(R18, "sbp", 0.5, "frame", recompute=c), "policy": f"checkpoint:{c}"}
       for c in ("blocks", "optimal")),
     *({**row(R18, "e2e"), "policy": "sac_milp", "budget_frac": f, "sac_milp": f} for f in (0.7, 0.5)),
     {**row(R18, "e2e"), "policy": "sac_milp", "budget": "min", "sac_milp": "min"},
@@ -152,7 +156,7 @@ GPU_ROWS = [
     row(R50, "frame_dropout", 0.5),
     row(R50, "checkpoint", policy="sqrt"),
     row(R50, "checkpoint", policy="optimal", budget_frac=0.5),
-    {**row(R50, "sbp", 0.5, "frame", checkpoint="optimal"), "policy": "checkpoint:optimal"},
+    {**row(R50, "sbp", 0.5, "frame", recompute="optimal"), "policy": "checkpoint:optimal"},
     *VIT_B16_ROWS,
     {**row(R50, "auto"), "budget_frac": 0.5, "auto_budget_of_e2e": 0.5},
     {**row(R50, "e2e"), "policy": "torch.compile", "compile": True},
@@ -253,7 +257,8 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
         seen.add(key)
         spec = {**spec, "overrides": ovs}
         spec["backbone"] = backbone_of(ovs) or spec["backbone"]
-        spec["strategy"] = _value(ovs, "memory") or spec["strategy"]
+        group = _value(ovs, "memory")
+        spec["strategy"] = LABEL_OF.get(group, group) if group else spec["strategy"]
         for field in ("keep_ratio", "granularity", "policy"):
             v = _value(ovs, f"memory.{field}")
             if v is not None:

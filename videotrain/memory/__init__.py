@@ -12,10 +12,12 @@ Where each family lives:
 - ``sampling.py``: the frame sampler shared by frame dropout, SBP and ``memory=auto``.
 - ``sbp/``: ``memory=sbp``, Stochastic Backpropagation (forward over every frame, backward
   through a random subset).
-- ``recompute/``: ``memory=checkpoint``, recomputation: the fx graph of the backbone, the
-  Kusumoto / Chen planner, and the checkpointed executor.
-- ``auto/``: ``memory=auto``, give it a budget and it profiles, predicts and picks the fastest
+- ``recompute/``: ``memory=recompute``, recomputation: the fx graph of the backbone, the
+  Kusumoto / Chen planner, and the recomputing executor (``torch.utils.checkpoint``).
+- ``auto/``: ``memory=auto``, give it a budget and it profiles, estimates and picks the fastest
   plan of the families above that fits.
+
+- ``renamed.py``: the deprecated spellings (``memory=checkpoint`` and the old recomputation keys).
 
 ``docs/memory.md`` describes each strategy's semantics and its measured cost.
 """

@@ -1,7 +1,7 @@
 """The memory-strategy seam: how the backbone is run over the frames of a clip in training.
 
 Every strategy is a small object with two methods. ``prepare`` may wrap the backbone's blocks
-once (block-level SBP, per-block checkpointing). ``encode`` runs the backbone over a clip and
+once (block-level SBP, per-block recomputation). ``encode`` runs the backbone over a clip and
 returns per-frame features plus the *positions* of the frames they belong to, so strategies
 that drop frames (frame dropout) hand the head a subset without lying about time.
 
@@ -53,15 +53,15 @@ class StepObserver(Protocol):
 @runtime_checkable
 class SelfPlanning(Protocol):
     """Optional: a strategy that chooses itself before training (``memory=auto``), from
-    measured training steps or, where ``predicts(device)``, from fake-tensor predictions at full
-    size. ``videotrain.build.plan_memory`` hands it a ``StepProbe`` or a predictor and records
+    measured training steps or, where ``estimates(device)``, from fake-tensor estimates at full
+    size. ``videotrain.build.plan_memory`` hands it a ``StepProbe`` or an estimator and records
     ``plan_report()`` in results.json as ``memory_plan``."""
 
     def plan(self, probe: Any) -> dict[str, Any]: ...
 
-    def predicts(self, device: torch.device) -> bool: ...
+    def estimates(self, device: torch.device) -> bool: ...
 
-    def plan_predicted(self, predict: Any, num_frames: int, device: torch.device) -> dict[str, Any]: ...
+    def plan_estimated(self, estimate: Any, num_frames: int, device: torch.device) -> dict[str, Any]: ...
 
     def plan_report(self) -> dict[str, Any]: ...
 

@@ -2,7 +2,7 @@
 
 The model, the optimizer and a batch are built under ``FakeTensorMode`` (shapes, dtypes and
 autograd, no data) and the trainer's step runs on them as it would on a device, memory
-strategy included: SBP's kept and dropped frames, checkpoint plans and their recompute,
+strategy included: SBP's kept and dropped frames, recompute plans and their recompute,
 AdamW's state. :class:`~videotrain.metrics.live_bytes.LiveStorageBytes` counts every storage
 alive, so the figures are what a caching allocator would report as ``memory_allocated`` and
 ``max_memory_allocated`` (no workspaces, rounding or fragmentation). A ResNet-50 step over
@@ -12,7 +12,7 @@ Mixed precision runs under CPU autocast, whose casting rules match CUDA's for th
 here (convolutions and matmuls in low precision; BatchNorm and LayerNorm on the dtype they
 are given, their statistics in fp32). fp16's GradScaler is left out (its state is a few
 scalars). Callers run this in a process of its own (``videotrain.simulate.config_run``): garbage-collecting
-some fake-tensor graphs (checkpointed segments under a transformer head) crashes torch 2.14.
+some fake-tensor graphs (recomputed segments under a transformer head) crashes torch 2.14.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def simulate_step(
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        # shape-dependent preparation (checkpoint plans, traced graphs) on a first forward,
+        # shape-dependent preparation (recompute plans, traced graphs) on a first forward,
         # not counted: on a device it leaves nothing behind, but on fake tensors the planner's
         # per-node trace leaves parameter-sized gradients cached by torch
         with live.paused(), _autocast(autocast_dtype):

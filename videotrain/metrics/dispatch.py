@@ -1,4 +1,4 @@
-"""How many aten ops a step dispatches: the CPU's predictor of a GPU step's kernel launches.
+"""How many aten ops a step dispatches: the CPU's estimate of a GPU step's kernel launches.
 
 On a GPU every aten op that computes is a kernel launch, and a step that launches several
 thousand of them waits on the host (docs/design: GPU busy 36-87% at 3,000-12,000 kernels a

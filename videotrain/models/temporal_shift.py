@@ -15,7 +15,7 @@ The backbone sees frames flattened to ``(N = B*T, C, H, W)``, so the shift needs
 strategies set it before every backbone call (``FrameBackbone.set_clip_length``, through
 ``videotrain.memory.base.set_clip_length``), to the frames the backbone actually sees (frame
 dropout: the kept ones, in time order). It is kept on the :class:`TemporalShift` modules until the
-next call, so recomputation in backward (``memory=checkpoint``) shifts with the same ``T``; fx
+next call, so recomputation in backward (``memory=recompute``) shifts with the same ``T``; fx
 traces keep the module as a leaf (:class:`FrameTracer`), so a traced graph reads ``T`` when it
 runs, not when it was traced.
 

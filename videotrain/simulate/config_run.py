@@ -4,8 +4,8 @@
 read), its optimizer and a full-size batch, and counts one training step and validation
 forward on fake tensors (:func:`videotrain.memory.simulate.simulate_step`).
 :func:`run_isolated` runs such simulations in fresh processes (two at a time, from a fork
-server): ``python -m videotrain.plan --fit`` predicts its rows with it, the benchmark its
-predicted column, and :class:`ConfigPredictor` is ``memory=auto``'s predictor, which the
+server): ``python -m videotrain.plan --fit`` estimates its rows with it, the benchmark its
+estimated column, and :class:`ConfigEstimator` is ``memory=auto``'s estimator, which the
 commands hand to ``build.plan_memory`` (build does not import this module: it imports build).
 """
 
@@ -104,8 +104,8 @@ def run_isolated(jobs: list[Job], processes: int = 2) -> list[dict[str, Any]]:
         return list(pool.map(_child, jobs))
 
 
-class ConfigPredictor:
-    """``memory=auto``'s predictor: the configured run (``cfg``, with the dataset's real number
+class ConfigEstimator:
+    """``memory=auto``'s estimator: the configured run (``cfg``, with the dataset's real number
     of classes) with another ``memory:`` node, simulated in a process of its own."""
 
     def __init__(self, cfg: DictConfig, num_classes: int, target: str) -> None:

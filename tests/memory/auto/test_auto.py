@@ -31,7 +31,7 @@ from videotrain.memory.auto.candidates import (
     sbp_time,
 )
 from videotrain.memory.auto.choice import choose
-from videotrain.memory.auto.profile import MB, Measured, Profile
+from videotrain.memory.auto.profile import MB, Profile, ProfiledStep
 from videotrain.memory.auto.strategy import AutoStrategy
 from videotrain.memory.base import MemoryStrategy, SelfPlanning, StepObserver
 from videotrain.memory.recompute.planner import InfeasibleBudget
@@ -102,13 +102,13 @@ def test_time_prediction_orders_plans() -> None:
     assert sbp_time(p, 0.5, record_pass=True) > sbp_time(p, 0.5, record_pass=False)  # extra fwd
     cs = by_name(cands())
     assert cs["ckpt-a"].predicted_time < cs["ckpt-b"].predicted_time  # less recompute
-    assert cs["sbp+checkpoint r=0.500"].predicted_time > cs["sbp r=0.500"].predicted_time
+    assert cs["sbp+recompute r=0.500"].predicted_time > cs["sbp r=0.500"].predicted_time
     # a backbone that traces runs full-batch SBP in lockstep: one forward, no record pass
     lock = by_name(cands(profile(lockstep=True)))
     assert lock["sbp r=0.500"].predicted_time == pytest.approx(sbp_time(p, 0.5, record_pass=False))
     assert lock["sbp r=0.500"].predicted_time < cs["sbp r=0.500"].predicted_time
-    assert lock["sbp+checkpoint r=0.500"].predicted_time == pytest.approx(  # still record/apply
-        cs["sbp+checkpoint r=0.500"].predicted_time)
+    assert lock["sbp+recompute r=0.500"].predicted_time == pytest.approx(  # still record/apply
+        cs["sbp+recompute r=0.500"].predicted_time)
 
 
 def test_keep_counts_are_distinct_frame_counts() -> None:
@@ -122,7 +122,7 @@ def test_keep_counts_are_distinct_frame_counts() -> None:
 def test_ranking_is_expected_accuracy_then_speed() -> None:
     order = [c.name for c in ranked(cands(allow_frame_dropout=True))]
     assert order[:3] == ["e2e", "ckpt-a", "ckpt-b"]  # exact gradients first, fastest first
-    assert order[3:6] == ["sbp r=0.875", "sbp+checkpoint r=0.875", "sbp r=0.750"]
+    assert order[3:6] == ["sbp r=0.875", "sbp+recompute r=0.875", "sbp r=0.750"]
     tiers = [c.tier for c in ranked(cands(allow_frame_dropout=True))]
     assert tiers == sorted(tiers)
     assert tiers[-1] == TIER_DROPOUT and TIER_SBP_FROZEN in tiers and TIER_EXACT == tiers[0]
@@ -143,7 +143,7 @@ def test_budget_above_e2e_chooses_e2e_without_profiling_anything() -> None:
     assert all(c.note.startswith("not needed") for c in cs if c is not chosen and not c.skip)
 
 
-def test_checkpoint_fastest_plan_that_fits() -> None:
+def test_recompute_fastest_plan_that_fits() -> None:
     measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70})
     assert choose(cands(), 85 * MB, measure).name == "ckpt-a"  # fits: the slower one not profiled
     assert measure.calls == ["ckpt-a"]
@@ -153,7 +153,7 @@ def test_checkpoint_fastest_plan_that_fits() -> None:
 
 
 def test_sbp_largest_keep_ratio_that_fits_and_is_verified() -> None:
-    cs = cands(sbp_checkpoint=None)
+    cs = cands(sbp_recompute=None)
     measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70})
     chosen = choose(cs, 55 * MB, measure)  # sbp k=3: 20 + 3/8 * 82 = 50.75 MB; k=4 61 MB
     assert chosen.name == "sbp r=0.375"
@@ -163,7 +163,7 @@ def test_sbp_largest_keep_ratio_that_fits_and_is_verified() -> None:
 
 
 def test_verification_over_budget_moves_on() -> None:
-    cs = cands(sbp_checkpoint=None)
+    cs = cands(sbp_recompute=None)
     measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70}, scale=1.1)  # predictions 10% low
     chosen = choose(cs, 55 * MB, measure)  # k=3 measures 55.8 MB > 55: next is k=2 (44.6 MB)
     assert chosen.name == "sbp r=0.250"
@@ -172,38 +172,38 @@ def test_verification_over_budget_moves_on() -> None:
 
 def test_verify_off_trusts_predictions() -> None:
     measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70}, scale=1.1)
-    assert choose(cands(sbp_checkpoint=None), 55 * MB, measure, verify=False).name == "sbp r=0.375"
+    assert choose(cands(sbp_recompute=None), 55 * MB, measure, verify=False).name == "sbp r=0.375"
     assert "sbp r=0.375" not in measure.calls
 
 
-def test_sbp_checkpoint_keeps_more_frames_than_plain_sbp() -> None:
-    measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70, "sbp+checkpoint r=0.875": 70,
-                           "sbp+checkpoint r=0.750": 60, "sbp+checkpoint r=0.625": 52})
+def test_sbp_recompute_keeps_more_frames_than_plain_sbp() -> None:
+    measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70, "sbp+recompute r=0.875": 70,
+                           "sbp+recompute r=0.750": 60, "sbp+recompute r=0.625": 52})
     chosen = choose(cands(), 55 * MB, measure)
-    assert chosen.name == "sbp+checkpoint r=0.625"  # before plain sbp at r=0.375
-    assert chosen.kind == "sbp_checkpoint" and chosen.params["checkpoint"] == "blocks"
+    assert chosen.name == "sbp+recompute r=0.625"  # before plain sbp at r=0.375
+    assert chosen.kind == "sbp_recompute" and chosen.params["recompute"] == "blocks"
 
 
-def test_sbp_checkpoint_skipped_with_its_reason() -> None:
-    cs = cands(sbp_checkpoint_error="sbp+checkpoint: StochasticBackprop does not take checkpoint= yet")
+def test_sbp_recompute_skipped_with_its_reason() -> None:
+    cs = cands(sbp_recompute_error="sbp+recompute: StochasticBackprop does not take recompute= yet")
     chosen = choose(cs, 55 * MB, FakeMeasure({"ckpt-a": 80, "ckpt-b": 70}))
     assert chosen.name == "sbp r=0.375"
-    assert "not considered: sbp+checkpoint: StochasticBackprop does not take" in render_table(cs, 55 * MB)
+    assert "not considered: sbp+recompute: StochasticBackprop does not take" in render_table(cs, 55 * MB)
 
 
 def test_frozen_bn_after_every_full_batch_plan_and_only_if_allowed() -> None:
     # below the record-pass floor (40 MB) only frozen BN fits: 20 + 82/8 = 30.25 MB
     measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70})
-    assert choose(cands(sbp_checkpoint=None), 35 * MB, measure).name == "sbp r=0.125 bn=frozen"
+    assert choose(cands(sbp_recompute=None), 35 * MB, measure).name == "sbp r=0.125 bn=frozen"
     with pytest.raises(NoPlanFits) as err:
-        choose(cands(sbp_checkpoint=None, allow_frozen_bn=False), 35 * MB,
+        choose(cands(sbp_recompute=None, allow_frozen_bn=False), 35 * MB,
                FakeMeasure({"ckpt-a": 80, "ckpt-b": 70}))
     assert err.value.min_budget == pytest.approx(40 * MB)
 
 
 def test_frame_dropout_only_when_allowed() -> None:
     p = profile(nograd_peak=90 * MB)  # no full-batch sbp goes below 90 MB; frame dropout does
-    opts = dict(sbp_checkpoint=None, allow_frozen_bn=False)
+    opts = dict(sbp_recompute=None, allow_frozen_bn=False)
     with pytest.raises(NoPlanFits):
         choose(cands(p, **opts), 60 * MB, FakeMeasure({"ckpt-a": 95, "ckpt-b": 95}))
     chosen = choose(cands(p, **opts, allow_frame_dropout=True), 59 * MB,
@@ -212,7 +212,7 @@ def test_frame_dropout_only_when_allowed() -> None:
 
 
 def test_no_plan_fits_names_the_smallest_budget_measured() -> None:
-    cs = cands(sbp_checkpoint=None)
+    cs = cands(sbp_recompute=None)
     measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70, "sbp r=0.125 bn=frozen": 31})
     with pytest.raises(NoPlanFits) as err:
         choose(cs, 5 * MB, measure)
@@ -227,7 +227,7 @@ def test_no_plan_fits_names_the_smallest_budget_measured() -> None:
 def test_extrapolated_e2e_is_only_a_prediction() -> None:
     """After an out-of-memory e2e profile, e2e is verified like any predicted plan, and a plan
     that runs out of memory in its profiling step is skipped."""
-    cs = cands(profile(measured_clips=1), sbp_checkpoint=None)
+    cs = cands(profile(measured_clips=1), sbp_recompute=None)
     e2e = by_name(cs)["e2e"]
     assert e2e.measured_peak is None and e2e.predicted_peak == 100 * MB
 
@@ -242,7 +242,7 @@ def test_extrapolated_e2e_is_only_a_prediction() -> None:
 
 
 def test_max_profiles_caps_profiling_steps() -> None:
-    cs, measure = cands(sbp_checkpoint=None), FakeMeasure({"ckpt-a": 80, "ckpt-b": 70})
+    cs, measure = cands(sbp_recompute=None), FakeMeasure({"ckpt-a": 80, "ckpt-b": 70})
     chosen = choose(cs, 55 * MB, measure, max_profiles=1)
     assert measure.calls == ["ckpt-a"]
     assert by_name(cs)["ckpt-b"].note.startswith("not profiled")
@@ -250,7 +250,7 @@ def test_max_profiles_caps_profiling_steps() -> None:
 
 
 def test_table_lists_predicted_and_measured() -> None:
-    cs = cands(sbp_checkpoint=None)
+    cs = cands(sbp_recompute=None)
     chosen = choose(cs, 55 * MB, FakeMeasure({"ckpt-a": 80, "ckpt-b": 70}))
     table = render_table(cs, 55 * MB, chosen)
     assert "| 1 | e2e | exact (e2e gradients) | 100.0 | 100.0 |" in table
@@ -268,11 +268,11 @@ def tiny_model(strategy) -> VideoClassifier:
 
 class FakeProbe:
     """A StepProbe that returns the synthetic profile and fake measurements (no timing); the
-    checkpoint plans are planned for real on a tiny backbone."""
+    recompute plans are planned for real on a tiny backbone."""
 
     def __init__(self, model: VideoClassifier, peaks: dict[str, float], p: Profile | None = None) -> None:
         self.model, self.device, self.p = model, torch.device("cpu"), p or profile()
-        self.precision = Precision("32", self.device)  # what the checkpoint plans are made under
+        self.precision = Precision("32", self.device)  # what the recompute plans are made under
         self.peaks, self.measured, self.closed = peaks, [], False
 
     def profile(self) -> Profile:
@@ -281,20 +281,20 @@ class FakeProbe:
     def frames(self) -> torch.Tensor:
         return torch.randn(4, 3, 32, 32)  # (N, C, H, W)
 
-    def measure(self, strategy: MemoryStrategy, isolated: bool = False) -> Measured:
+    def measure(self, strategy: MemoryStrategy, isolated: bool = False) -> ProfiledStep:
         key = strategy.describe()
         self.measured.append(key)
         if isinstance(strategy, Recompute):
-            return Measured(95 * MB, 1.0)
+            return ProfiledStep(95 * MB, 1.0)
         r = key.get("keep_ratio", 1.0)
-        return Measured(self.peaks.get(f"{key['strategy']} {r}", sbp_peak(self.p, round(r * 8), True, 8) / MB) * MB, 1.0)
+        return ProfiledStep(self.peaks.get(f"{key['strategy']} {r}", sbp_peak(self.p, round(r * 8), True, 8) / MB) * MB, 1.0)
 
     def close(self) -> None:
         self.closed = True
 
 
 def planned(budget_mb: float = 55, **kw) -> tuple[AutoStrategy, VideoClassifier, FakeProbe]:
-    auto = AutoStrategy(budget_mb=budget_mb, sbp_checkpoint=None, checkpoint_fracs=[0.5], **kw)
+    auto = AutoStrategy(budget_mb=budget_mb, sbp_recompute=None, recompute_fracs=[0.5], **kw)
     model = tiny_model(auto)
     probe = FakeProbe(model, {})
     auto.plan(probe)
@@ -390,8 +390,8 @@ def test_budget_sources() -> None:
 @pytest.mark.parametrize("kwargs,key", [
     ({"budget_mb": 1, "budget_frac": 0.5}, "memory.budget_mb and memory.budget_frac"),
     ({"budget_mb": 0}, "memory.budget_mb"), ({"budget_frac": -1}, "memory.budget_frac"),
-    ({"free_frac": 1.5}, "memory.free_frac"), ({"checkpoint_fracs": [0.5, 0]}, "memory.checkpoint_fracs"),
-    ({"sampler": "best"}, "memory.sampler"), ({"sbp_checkpoint": "all"}, "memory.sbp_checkpoint"),
+    ({"free_frac": 1.5}, "memory.free_frac"), ({"recompute_fracs": [0.5, 0]}, "memory.recompute_fracs"),
+    ({"sampler": "best"}, "memory.sampler"), ({"sbp_recompute": "all"}, "memory.sbp_recompute"),
     ({"max_profiles": -1}, "memory.max_profiles"), ({"recheck_tolerance": -0.1}, "memory.recheck_tolerance"),
     ({"nograd_chunk": 0}, "memory.nograd_chunk"),
 ])
@@ -401,7 +401,7 @@ def test_bad_values_name_the_key(kwargs: dict, key: str) -> None:
 
 
 def test_plan_fails_before_training_with_the_smallest_budget() -> None:
-    auto = AutoStrategy(budget_mb=1, sbp_checkpoint=None, checkpoint_fracs=[0.5])
+    auto = AutoStrategy(budget_mb=1, sbp_recompute=None, recompute_fracs=[0.5])
     probe = FakeProbe(tiny_model(auto), {})
     with pytest.raises(NoPlanFits, match="smallest budget that would work"):
         auto.plan(probe)
@@ -434,7 +434,7 @@ def test_run_records_memory_plan(run_overrides, compose_cfg, tmp_path: Path) -> 
 def test_run_with_an_impossible_budget_fails_before_training(run_overrides, compose_cfg,
                                                              tmp_path: Path) -> None:
     cfg = compose_cfg(resnet_run(run_overrides, memory="auto", memory__budget_mb=0.0001,
-                                 memory__checkpoint_fracs="[0.5]"))
+                                 memory__recompute_fracs="[0.5]"))
     with pytest.raises(NoPlanFits, match=r"smallest budget that would work is .* MB"):
         run.train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # no outputs, no checkpoint: nothing was trained
@@ -456,7 +456,7 @@ def test_run_steps_down_when_a_step_goes_over(run_overrides, compose_cfg, tmp_pa
 
     monkeypatch.setattr(trainer_mod, "StepPeakMemory", Inflated)
     cfg = compose_cfg(resnet_run(run_overrides, memory="auto", memory__budget_mb=100000,
-                                 memory__checkpoint_fracs="[0.5]", trainer__max_steps=4))
+                                 memory__recompute_fracs="[0.5]", trainer__max_steps=4))
     results = run.train(cfg, tmp_path)
     plan = results["memory_plan"]
     (down,) = plan["step_downs"]

@@ -18,12 +18,12 @@ from videotrain.memory.auto.candidates import (
     Candidate,
     NoPlanFits,
     Options,
-    predicted_candidates,
+    estimated_candidates,
     ranked,
 )
 from videotrain.memory.auto.choice import (
     INFEASIBLE,
-    choose_predicted,
+    choose_estimated,
     walk,
 )
 from videotrain.memory.auto.profile import MB
@@ -40,14 +40,14 @@ T = 16
 
 
 def peak_mb(c: Candidate) -> float:
-    """Synthetic peaks that fall along every family: e2e 100, checkpoint 90 down to 40, sbp
-    20 + 80 r (checkpointed kept path: 10 + 60 r), frozen BN 5 + 80 r."""
+    """Synthetic peaks that fall along every family: e2e 100, recompute 90 down to 40, sbp
+    20 + 80 r (recomputed kept path: 10 + 60 r), frozen BN 5 + 80 r."""
     if c.kind == "e2e":
         return 100.0
-    if c.kind == "checkpoint":
+    if c.kind == "recompute":
         return 40.0 if "budget_frac" not in c.params else 100 * c.params["budget_frac"]
     r = c.keep_ratio
-    if c.kind == "sbp_checkpoint":
+    if c.kind == "sbp_recompute":
         return 10 + 60 * r
     return (5 if c.params.get("bn_policy") == "frozen" else 20) + 80 * r
 
@@ -69,7 +69,7 @@ class FakePredict:
 
 
 def cands(**opts) -> list[Candidate]:
-    return predicted_candidates(T, True, [0.9, 0.75, 0.6, 0.5, 0.4], Options(**opts))
+    return estimated_candidates(T, True, [0.9, 0.75, 0.6, 0.5, 0.4], Options(**opts))
 
 
 def by_name(cs: list[Candidate]) -> dict[str, Candidate]:
@@ -93,8 +93,8 @@ class Listed:
 def test_one_walk_serves_both_evaluators() -> None:
     """``walk`` asks in ranked order, skipped plans left out, each with the rest of the ranking;
     chooses the first that fits and notes the rest not needed; else raises the evaluator's
-    error (``choose`` and ``choose_predicted`` are that walk with ``Measured`` and
-    ``Simulated``, tested in test_auto.py and below)."""
+    error (``choose`` and ``choose_estimated`` are that walk with ``MeasuredPeaks`` and
+    ``SimulatedPeaks``, tested in test_auto.py and below)."""
     cs = cands()
     order = [c for c in ranked(cs) if not c.skip]
     target = order[5]
@@ -111,28 +111,28 @@ def test_one_walk_serves_both_evaluators() -> None:
 def test_candidates_are_specs_without_figures() -> None:
     cs = cands()
     assert cs[0].name == "e2e" and all(c.predicted_peak is None for c in cs)
-    ckpt = [c.params.get("budget_frac") for c in cs if c.kind == "checkpoint"]
+    ckpt = [c.params.get("budget_frac") for c in cs if c.kind == "recompute"]
     assert ckpt == [0.9, 0.75, 0.6, 0.5, 0.4, None]  # from the least recompute down
     assert {c.keep_ratio for c in cs if c.kind == "sbp"} == {k / T for k in range(1, T)}
     assert by_name(cs)["frame_dropout r=0.500"].skip  # not allowed by default
-    assert not [c for c in predicted_candidates(T, False, [0.5], Options()) if "frozen" in c.name]
+    assert not [c for c in estimated_candidates(T, False, [0.5], Options()) if "frozen" in c.name]
 
 
 def test_e2e_fits_with_one_prediction() -> None:
     cs, predict = cands(), FakePredict()
-    assert choose_predicted(cs, 120 * MB, predict).name == "e2e"
+    assert choose_estimated(cs, 120 * MB, predict).name == "e2e"
     assert predict.calls == ["e2e"]
 
 
 def test_bisection_finds_the_largest_keep_ratio_in_log_predictions() -> None:
     cs, predict = cands(), FakePredict()
-    # checkpoint >= 40 MB; sbp 20 + 80 r fits up to r = 3/16 (35 MB), and sbp+checkpoint
+    # recompute >= 40 MB; sbp 20 + 80 r fits up to r = 3/16 (35 MB), and sbp+recompute
     # 10 + 60 r up to r = 7/16 (36.25 MB): it wins on expected accuracy
-    chosen = choose_predicted(cs, 38 * MB, predict)
-    assert chosen.name == "sbp+checkpoint r=0.438" and chosen.tier == TIER_SBP
+    chosen = choose_estimated(cs, 38 * MB, predict)
+    assert chosen.name == "sbp+recompute r=0.438" and chosen.tier == TIER_SBP
     assert len(predict.calls) <= 1 + 3 + 2 * 4  # e2e, the 6 plans, 2 families of 15 members
     named = by_name(cs)
-    assert named["sbp+checkpoint r=0.500"].note.startswith("over budget")
+    assert named["sbp+recompute r=0.500"].note.startswith("over budget")
     assert "inferred" in named["sbp r=0.938"].note  # never predicted, over by inference
     assert named["sbp r=0.938"].predicted_peak is None
     predicted = [c for c in cs if c.predicted_peak is not None]
@@ -140,30 +140,30 @@ def test_bisection_finds_the_largest_keep_ratio_in_log_predictions() -> None:
         assert (c.predicted_peak <= 38 * MB) == (c.note in ("chosen", "not needed: a preferred plan fits", ""))
 
 
-def test_checkpoint_plans_below_the_planners_least_are_skipped_not_inferred_over() -> None:
+def test_recompute_plans_below_the_planners_least_are_skipped_not_inferred_over() -> None:
     cs, predict = cands(), FakePredict(infeasible_below=0.7)
-    chosen = choose_predicted(cs, 80 * MB, predict)  # 0.75 fits (75 MB), 0.6 and lower are infeasible
-    assert chosen.name == "checkpoint optimal (budget_frac=0.75)"
+    chosen = choose_estimated(cs, 80 * MB, predict)  # 0.75 fits (75 MB), 0.6 and lower are infeasible
+    assert chosen.name == "recompute optimal (budget_frac=0.75)"
     named = by_name(cs)
-    assert named["checkpoint optimal (budget_frac=0.4)"].skip.startswith(INFEASIBLE)
+    assert named["recompute optimal (budget_frac=0.4)"].skip.startswith(INFEASIBLE)
     # the least-memory plan is never infeasible: an infeasible fraction does not rule it out
     cs, predict = cands(), FakePredict(infeasible_below=0.95)
-    assert choose_predicted(cs, 45 * MB, predict).name == "checkpoint optimal (least memory)"
-    assert "checkpoint optimal (budget_frac=0.4)" not in predict.calls  # inferred infeasible
+    assert choose_estimated(cs, 45 * MB, predict).name == "recompute optimal (least memory)"
+    assert "recompute optimal (budget_frac=0.4)" not in predict.calls  # inferred infeasible
 
 
 def test_nothing_fits_names_the_smallest_and_the_advice() -> None:
     with pytest.raises(NoPlanFits, match=r"smallest budget that would work is 10\.0 MB \(sbp r=0\.062 bn=frozen\): ADVICE"):
-        choose_predicted(cands(), 1 * MB, FakePredict(), max_predictions=100,
+        choose_estimated(cands(), 1 * MB, FakePredict(), max_estimates=100,
                          advice=lambda peak: "ADVICE")
 
 
-def test_prediction_cap() -> None:
+def test_estimate_cap() -> None:
     cs, predict = cands(), FakePredict()
     with pytest.raises(NoPlanFits):
-        choose_predicted(cs, 30 * MB, predict, max_predictions=3)
+        choose_estimated(cs, 30 * MB, predict, max_estimates=3)
     assert len(predict.calls) == 3
-    assert any(c.note == "not predicted (memory.max_profiles)" for c in cs)
+    assert any(c.note == "not estimated (memory.max_profiles)" for c in cs)
 
 
 # ---------------------------------------------------------------------- the strategy
@@ -178,7 +178,7 @@ def step_memory(node: dict) -> StepMemory:
     strategy = instantiate(node)
     c = Candidate("x", "e2e", {}, 0)
     if isinstance(strategy, Recompute):
-        c.kind, c.params = "checkpoint", {"budget_frac": strategy.budget_frac} if strategy.budget_frac else {}
+        c.kind, c.params = "recompute", {"budget_frac": strategy.budget_frac} if strategy.budget_frac else {}
     elif isinstance(strategy, (StochasticBackprop, FrameDropout)):
         c.kind, c.keep_ratio = "sbp", strategy.keep_ratio
         c.params = {"bn_policy": getattr(strategy, "bn_policy", "full_batch")}
@@ -198,15 +198,15 @@ def test_memory_nodes_instantiate_the_candidates_strategies() -> None:
     assert checked == {c.kind for c in all_cands} == set(STRATEGIES), checked
 
 
-def test_plan_predicted_budget_is_on_the_trainers_scale() -> None:
+def test_plan_estimated_budget_is_on_the_trainers_scale() -> None:
     gb = 0.09  # on a CPU target: all of it for the allocator
-    auto = AutoStrategy(budget_gb=gb, sbp_checkpoint=None, checkpoint_fracs=[0.5])
+    auto = AutoStrategy(budget_gb=gb, sbp_recompute=None, recompute_fracs=[0.5])
     tiny_model(auto)
-    assert auto.predicts(torch.device("cpu")) and not AutoStrategy(budget_mb=5).predicts(torch.device("cpu"))
+    assert auto.estimates(torch.device("cpu")) and not AutoStrategy(budget_mb=5).estimates(torch.device("cpu"))
     seen: list[dict] = []
-    report = auto.plan_predicted(lambda node: seen.append(node) or step_memory(node), T, torch.device("cpu"))
+    report = auto.plan_estimated(lambda node: seen.append(node) or step_memory(node), T, torch.device("cpu"))
     # budget: 0.09 GiB / 1.1 (unseen share), less the 40 MB held between steps without the
-    # batch: 43.8 MB; e2e (110) and the least-memory checkpoint plan (50) are over
+    # batch: 43.8 MB; e2e (110) and the least-memory recompute plan (50) are over
     budget = gb * GIB / (1 + UNSEEN_FRAC) - 40 * MB
     assert report["budget_mb"] == pytest.approx(budget / MB) and report["mode"] == "predicted"
     # a step's peak on that scale: what it adds, plus the batch (held, but inside the meter's step)
@@ -221,10 +221,10 @@ def test_a_step_over_budget_predicts_its_way_down() -> None:
     """The first steps verify the choice: a step measured over the budget steps down to the
     next plan that fits the budget less the misprediction, predicting plans the first walk
     never needed."""
-    auto = AutoStrategy(budget_gb=0.09, sbp_checkpoint=None, checkpoint_fracs=[0.5])
+    auto = AutoStrategy(budget_gb=0.09, sbp_recompute=None, recompute_fracs=[0.5])
     tiny_model(auto)
     seen: list[dict] = []
-    auto.plan_predicted(lambda node: seen.append(node) or step_memory(node), T, torch.device("cpu"))
+    auto.plan_estimated(lambda node: seen.append(node) or step_memory(node), T, torch.device("cpu"))
     first, before = auto.active, len(seen)
     auto.observe_step(1, 1e6)  # the first step allocates gradients and optimizer state: ignored
     assert auto.active is first and not auto.step_downs
@@ -250,13 +250,13 @@ def test_plan_cli_predicts_for_a_cuda_card_on_this_machine(tmp_path: Path, capsy
     fit, a recomputation plan does; no GPU is used and nothing is profiled."""
     out = tmp_path / "auto.json"
     assert plan.main(["--out", str(out), "memory=auto", "memory.budget_gb=0.7", "device=cuda",
-                      "memory.checkpoint_fracs=[0.9]"]) == 0
+                      "memory.recompute_fracs=[0.9]"]) == 0
     report = json.loads(out.read_text())
     assert report["mode"] == "predicted" and report["profile"] is None
     named = {c["name"]: c for c in report["candidates"]}
-    assert named["e2e"]["note"] == "over budget (predicted)"
+    assert named["e2e"]["note"] == "over budget (estimated)"
     chosen = named[report["chosen"]]
-    assert chosen["kind"] == "checkpoint" and chosen["predicted_peak_mb"] <= report["budget_mb"]
+    assert chosen["kind"] == "recompute" and chosen["predicted_peak_mb"] <= report["budget_mb"]
     assert named["e2e"]["predicted_peak_mb"] > report["budget_mb"]
     assert "chosen:" in capsys.readouterr().out
 

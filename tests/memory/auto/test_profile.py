@@ -25,7 +25,7 @@ from torch import nn
 from videotrain.engine.optim import build_optimizer
 from videotrain.engine.precision import Precision
 from videotrain.memory.auto.profile import MB, StepProbe, device_free_bytes, unprepare
-from videotrain.memory.recompute.execute import CheckpointedForward
+from videotrain.memory.recompute.execute import RecomputedForward
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.split import PatchedBN
 from videotrain.memory.sbp.strategy import StochasticBackprop
@@ -48,7 +48,7 @@ def model_and_probe(strategy=None) -> tuple[VideoClassifier, StepProbe]:
 
 def _wrapped(backbone: nn.Module) -> list[object]:
     return [m.__dict__["forward"] for m in backbone.modules()
-            if isinstance(m.__dict__.get("forward"), PatchedBN | CheckpointedForward)]
+            if isinstance(m.__dict__.get("forward"), PatchedBN | RecomputedForward)]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from torch import nn
 
 from videotrain.memory.recompute.costs import PROFILES, profile_for
 from videotrain.memory.recompute.graph import Graph, trace
-from videotrain.memory.recompute.planner import evaluate, plan
+from videotrain.memory.recompute.planner import chain_cost, plan
 from videotrain.memory.recompute.strategy import Recompute
 
 
@@ -72,13 +72,13 @@ def test_segment_cost_prefers_fewer_larger_segments() -> None:
     mem, cost = [1e5] * n, [10.0 if i % 2 else 1.0 for i in range(n)]
     free_g = Graph(names, preds, mem, cost)
     _, smallest, _ = plan(free_g, None)
-    budget = smallest + 0.2 * (evaluate(free_g, [free_g.full])[0] - smallest)
+    budget = smallest + 0.2 * (chain_cost(free_g, [free_g.full])[0] - smallest)
     many, _, _ = plan(free_g, budget)
     paid = Graph(names, preds, mem, cost, segment_cost=5.0)
     few, _, _ = plan(paid, budget)
     assert few.peak <= budget and many.peak <= budget
     assert (len(many.chain), len(few.chain)) == (7, 3)
-    assert evaluate(paid, few.chain)[1] == few.overhead < evaluate(paid, many.chain)[1]
+    assert chain_cost(paid, few.chain)[1] == few.overhead < chain_cost(paid, many.chain)[1]
 
 
 def test_auto_and_sbp_plan_with_the_same_prices() -> None:
@@ -86,7 +86,7 @@ def test_auto_and_sbp_plan_with_the_same_prices() -> None:
     the roofline on the training device prices all of them."""
     from videotrain.memory.sbp.strategy import StochasticBackprop
 
-    sbp = StochasticBackprop(keep_ratio=0.5, checkpoint="optimal")
+    sbp = StochasticBackprop(keep_ratio=0.5, recompute="optimal")
     assert sbp.recompute.cost_model == "roofline" and sbp.recompute.device_profile == "auto"
     mine = Recompute("optimal")
     torch.manual_seed(0)

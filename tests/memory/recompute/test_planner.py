@@ -12,8 +12,8 @@ from videotrain.memory.recompute.planner import (
     InfeasibleBudget,
     approximate_family,
     brute_force,
+    chain_cost,
     dp,
-    evaluate,
     min_peak,
     plan,
     sqrt_plan,
@@ -57,11 +57,11 @@ def test_chain_has_n_plus_1_lower_sets_and_cap() -> None:
 def test_exact_dp_equals_brute_force(seed: int) -> None:
     g = random_dag(6, seed)
     sets = lower_sets(g)
-    top = evaluate(g, [g.full])[0]
+    top = chain_cost(g, [g.full])[0]
     smallest = min_peak(g, sets)
     # the smallest feasible budget is the least peak over all chains
     chains_peaks = [
-        evaluate(g, [*c, g.full])[0]
+        chain_cost(g, [*c, g.full])[0]
         for r in range(len(sets))
         for c in itertools.combinations([s for s in sets if s not in (0, g.full)], r)
         if all(b & a == a for a, b in itertools.pairwise(c))
@@ -75,7 +75,7 @@ def test_exact_dp_equals_brute_force(seed: int) -> None:
         else:
             assert got is not None and got.overhead == pytest.approx(want)
             assert got.peak <= budget + 1e-9
-            assert evaluate(g, got.chain) == (got.peak, got.overhead)
+            assert chain_cost(g, got.chain) == (got.peak, got.overhead)
 
 
 def test_no_budget_pressure_means_no_recompute() -> None:
@@ -96,7 +96,7 @@ def test_memory_objective_reaches_the_smallest_peak() -> None:
     g = random_dag(8, 5)
     p, smallest, _ = plan(g, budget=None, objective="memory")
     assert p.peak == pytest.approx(smallest)
-    fast, _, _ = plan(g, budget=evaluate(g, [g.full])[0], objective="time")
+    fast, _, _ = plan(g, budget=chain_cost(g, [g.full])[0], objective="time")
     assert fast.overhead <= p.overhead
 
 
@@ -105,7 +105,7 @@ def test_sqrt_plan_on_a_chain_cuts_about_sqrt_n_segments() -> None:
     assert articulation_points(g) == list(range(15))
     p = sqrt_plan(g)
     assert len(p.chain) == 4 and p.chain[-1] == g.full
-    assert p.peak < evaluate(g, [g.full])[0]
+    assert p.peak < chain_cost(g, [g.full])[0]
 
 
 def test_articulation_points_skip_parallel_branches() -> None:
@@ -119,7 +119,7 @@ def test_approximate_family_is_never_better_than_exact(seed: int) -> None:
     g = random_dag(9, seed, p=0.2)
     exact, approx = lower_sets(g), approximate_family(g)
     assert set(approx) <= set(exact)
-    budget = (min_peak(g, exact) + evaluate(g, [g.full])[0]) / 2
+    budget = (min_peak(g, exact) + chain_cost(g, [g.full])[0]) / 2
     best, rough = dp(g, budget, exact), dp(g, budget, approx)
     assert best is not None
     assert rough is None or rough.overhead >= best.overhead - 1e-9
@@ -139,9 +139,9 @@ def test_a_block_that_saves_nothing_is_never_recomputed() -> None:
     chain_ = [0b00011, 0b01111, 0b11111]  # {v0, v1} | {v2, v3} | {v4}
     saving = Graph(names, preds, mem, cost)
     silent = Graph(names, preds, mem, cost, saves=[True, True, False, False, True])
-    assert evaluate(saving, chain_)[1] == 1.0 + 3.0  # each block recomputes all but its boundary
-    assert evaluate(silent, chain_)[1] == 1.0  # the middle block is never recomputed
-    assert evaluate(silent, chain_)[0] <= evaluate(saving, chain_)[0]
+    assert chain_cost(saving, chain_)[1] == 1.0 + 3.0  # each block recomputes all but its boundary
+    assert chain_cost(silent, chain_)[1] == 1.0  # the middle block is never recomputed
+    assert chain_cost(silent, chain_)[0] <= chain_cost(saving, chain_)[0]
 
 
 def random_chain(n: int, seed: int) -> Graph:
@@ -159,7 +159,7 @@ def test_rounded_costs_make_a_plan_approximate_and_it_says_so() -> None:
     for seed in range(32):
         g = random_chain(17 + seed % 14, seed)
         sets = lower_sets(g)
-        smallest, top = min_peak(g, sets), evaluate(g, [g.full])[0]
+        smallest, top = min_peak(g, sets), chain_cost(g, [g.full])[0]
         budget = smallest + (top - smallest) * random.Random(seed).random() * 0.5
         best = dp(g, budget, sets)  # no rounding: the optimum over a chain's n+1 lower sets
         rounded, _, exact = plan(g, budget)

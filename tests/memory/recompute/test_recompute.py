@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from videotrain.memory.recompute.execute import checkpoint_call
+from videotrain.memory.recompute.execute import recompute_call
 from videotrain.metrics.saved import collect_held
 
 
@@ -36,7 +36,7 @@ def test_input_is_released_after_the_recompute_not_after_the_segment() -> None:
     x = a * 2  # mul by a constant saves nothing: only the checkpoint can hold x
     Probe.watched, Probe.seen = StorageWeakRef(x.untyped_storage()), []
     with collect_held() as held:
-        y = checkpoint_call(lambda t: Probe.apply(t.relu()), [], x)  # relu saves its result, not t
+        y = recompute_call(lambda t: Probe.apply(t.relu()), [], x)  # relu saves its result, not t
         assert [h is x for h in held()] == [True]  # held between forward and recompute
         del x
         y.sum().backward()
@@ -61,7 +61,7 @@ def test_plain_checkpoint_would_still_hold_the_input() -> None:
 
 def test_second_recompute_is_refused() -> None:
     a = torch.randn(4, 8, requires_grad=True)
-    y = checkpoint_call(lambda t: t.sin(), [], a * 2)
+    y = recompute_call(lambda t: t.sin(), [], a * 2)
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="recomputed twice"):
         y.sum().backward()
@@ -70,7 +70,7 @@ def test_second_recompute_is_refused() -> None:
 def test_in_place_change_of_an_input_is_refused() -> None:
     a = torch.randn(4, 8, requires_grad=True)
     x = a * 2
-    y = checkpoint_call(lambda t: t.sin(), [], x)
+    y = recompute_call(lambda t: t.sin(), [], x)
     with torch.no_grad():
         x.add_(1)
     with pytest.raises(RuntimeError, match="modified in place"):
@@ -84,7 +84,7 @@ def test_gradients_match_plain_autograd_with_kwargs_and_non_tensors() -> None:
     def fn(x: torch.Tensor, scale: float, *, other: torch.Tensor) -> torch.Tensor:
         return (x.sin() * other).relu() * scale
 
-    checkpoint_call(fn, [], a, 3.0, other=b).sum().backward()
+    recompute_call(fn, [], a, 3.0, other=b).sum().backward()
     got = a.grad.clone(), b.grad.clone()
     a.grad = b.grad = None
     fn(a, 3.0, other=b).sum().backward()

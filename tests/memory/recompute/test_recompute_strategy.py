@@ -1,4 +1,4 @@
-"""memory=checkpoint: every policy reproduces e2e (loss, gradients, BN running stats, dropout)."""
+"""memory=recompute: every policy reproduces e2e (loss, gradients, BN running stats, dropout)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from videotrain.memory.recompute.execute import checkpoint_call, is_wrapped
+from videotrain.memory.recompute.execute import is_wrapped, recompute_call
 from videotrain.memory.recompute.planner import InfeasibleBudget
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.models.backbones import FrameBackbone, resnet
@@ -91,7 +91,7 @@ def test_bn_stats_once_and_plain_checkpoint_would_update_twice() -> None:
     checkpoint(block, x.requires_grad_(), use_reentrant=False).sum().backward()
     assert int(block[1].num_batches_tracked) == 2
     block[1].reset_running_stats()
-    checkpoint_call(block, [block[1]], x).sum().backward()
+    recompute_call(block, [block[1]], x).sum().backward()
     assert int(block[1].num_batches_tracked) == 1
 
 

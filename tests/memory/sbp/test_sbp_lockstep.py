@@ -190,10 +190,10 @@ def test_twin_is_built_once_per_backbone_and_not_pickled(kit, monkeypatch) -> No
 
 def test_composed_with_recomputation_uses_record_apply(kit, monkeypatch) -> None:
     def refuse(*_a, **_k):
-        raise AssertionError("the lockstep code ran with memory.checkpoint")
+        raise AssertionError("the lockstep code ran with memory.recompute")
 
     monkeypatch.setattr(sbp_strategy, "lockstep_forward", refuse)
-    _, model = kit.model_pair("resnet", sbp(checkpoint="sqrt"))
+    _, model = kit.model_pair("resnet", sbp(recompute="sqrt"))
     kit.step(model, kit.video())
 
 

@@ -42,8 +42,8 @@ def test_frame_granularity_without_lockstep_is_refused_naming_the_key(kit) -> No
 
 @pytest.mark.parametrize("granularity", ["auto", "frame"])
 def test_checkpoint_with_the_shift_is_refused(kit, granularity: str) -> None:
-    with pytest.raises(ValueError, match="memory.checkpoint .*temporal_shift"):
-        kit.shifted_pair(sbp(granularity=granularity, checkpoint="blocks"))
+    with pytest.raises(ValueError, match="memory.recompute .*temporal_shift"):
+        kit.shifted_pair(sbp(granularity=granularity, recompute="blocks"))
 
 
 def _detached_reference(kit, ref: nn.Module, keep: torch.Tensor, x: torch.Tensor,

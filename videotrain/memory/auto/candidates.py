@@ -1,23 +1,23 @@
-"""``memory=auto``'s candidate plans, their predicted cost, their ranking and the decision table.
+"""``memory=auto``'s candidate plans, their estimated cost, their ranking and the decision table.
 
 Everything here is decision logic over numbers (a :class:`~videotrain.memory.auto.profile.Profile`
 and a budget in bytes), so it is tested on synthetic profiles without running a model.
 
 Expected accuracy (the first sort key). Plans are grouped into tiers, best first:
 
-0. **exact**: ``e2e`` and ``checkpoint`` (recomputation gives e2e's gradients exactly);
+0. **exact**: ``e2e`` and ``recompute`` (recomputation gives e2e's gradients exactly);
 1. **sbp**: the backbone's backward runs through ``r`` of the frames (with or without
-   checkpointing of the kept path, which changes cost, not the gradients); larger ``r`` first;
+   recomputation of the kept path, which changes cost, not the gradients); larger ``r`` first;
 2. **sbp with frozen BatchNorm**: as 1, but BN normalizes with its running statistics and never
    updates them (``bn_policy=frozen``; no full-batch record pass, so it goes lower). It changes
    the model being trained, so it comes after every full-batch SBP plan;
 3. **frame dropout** (only with ``memory.allow_frame_dropout=true``): the head also trains on
    ``r`` of the frames, a train/test gap for temporal heads.
 
-Within a tier and keep ratio the fastest predicted plan comes first. ``choice.walk`` walks
+Within a tier and keep ratio the fastest estimated plan comes first. ``choice.walk`` walks
 that ranking and takes the first plan whose peak fits the budget.
 
-Predicted peak, on the trainer's ``train_peak_mem_mb`` scale (bytes). With the e2e profile's
+Estimated peak, on the trainer's ``train_peak_mem_mb`` scale (bytes). With the e2e profile's
 step peak ``P``, saved activations ``A`` (backbone ``A_bb``, head ``A_head = A - A_bb``), the
 overhead ``O = P - A`` (gradients in flight, optimizer temporaries), input bytes ``X`` and the
 peak ``N`` of a ``no_grad`` backbone forward over all frames:
@@ -27,15 +27,15 @@ peak ``N`` of a ``no_grad`` backbone forward over all frames:
   chunks of ``c`` frames and the transient is ``N * c / (B*T)``. ``r*X``: the kept frames are a
   new tensor that the first layer saves (e2e saves the input, which is not counted);
 - frame dropout: ``O + r*(A + X)``;
-- checkpoint plans and sbp+checkpoint: no formula; one profiling step measures each (the
+- recompute plans and sbp+recompute: no formula; one profiling step measures each (the
   planner's push-aware peak is a loose upper bound on another scale).
 
-Predicted step time (seconds), from the profile's phase times with the backbone's share of the
+Estimated step time (seconds), from the profile's phase times with the backbone's share of the
 forward ``s = t_fwd_backbone / t_fwd`` (the backward is split in the same proportion): e2e
-``t_fwd + t_bwd + t_opt``; checkpoint adds ``overhead_frac * t_fwd_backbone``; sbp runs ``r`` of
+``t_fwd + t_bwd + t_opt``; recompute adds ``overhead_frac * t_fwd_backbone``; sbp runs ``r`` of
 the backbone's backward and its forward once, or ``1 + r`` times where full-batch BN statistics
 are recorded by a separate pass (the backbone does not trace for lockstep, ``Profile.lockstep``,
-and always for sbp+checkpoint, which adds ``r * t_fwd_backbone`` of recompute); frame dropout
+and always for sbp+recompute, which adds ``r * t_fwd_backbone`` of recompute); frame dropout
 is ``r`` of fwd+bwd. Times only break ties; memory decides.
 """
 
@@ -60,7 +60,7 @@ TIER_NAMES = {
 @dataclass
 class Candidate:
     name: str
-    kind: str  # e2e | checkpoint | sbp | sbp_checkpoint | frame_dropout
+    kind: str  # e2e | recompute | sbp | sbp_recompute | frame_dropout
     params: dict[str, Any]  # the strategy's constructor arguments
     tier: int
     keep_ratio: float = 1.0
@@ -71,12 +71,12 @@ class Candidate:
     isolated: bool = False  # profile on a fresh copy of the model
     skip: str | None = None  # why it is not considered at all
     note: str = ""  # what the decision made of it
-    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the checkpoint plan's segments
-    seq: int = 0  # build order: the last tie-breaker (e.g. checkpoint plans from most to least memory)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the recompute plan's segments
+    seq: int = 0  # build order: the last tie-breaker (e.g. recompute plans from most to least memory)
 
     @property
     def peak(self) -> float | None:
-        """The best estimate: measured if a profiling step ran, else predicted."""
+        """The best estimate: measured if a profiling step ran, else estimated."""
         return self.measured_peak if self.measured_peak is not None else self.predicted_peak
 
     def rank_key(self) -> tuple:
@@ -112,7 +112,7 @@ class NoPlanFits(InfeasibleBudget):
         self.budget, self.min_budget, self.smallest = budget, min_budget, smallest
 
 
-# ---------------------------------------------------------------------- predictions
+# ---------------------------------------------------------------------- estimates
 def _split(p: Profile) -> tuple[float, float, float, float]:
     """(backbone fwd, head fwd, backbone bwd, head bwd) seconds."""
     share = min(max(p.backbone_fwd_s / p.fwd_s, 0.0), 1.0) if p.fwd_s > 0 else 1.0
@@ -147,7 +147,7 @@ def dropout_time(p: Profile, r: float) -> float:
     return r * (p.fwd_s + p.bwd_s) + p.opt_s
 
 
-def checkpoint_time(p: Profile, overhead_frac: float) -> float:
+def recompute_time(p: Profile, overhead_frac: float) -> float:
     return p.step_s + overhead_frac * _split(p)[0]
 
 
@@ -162,24 +162,24 @@ class Options:
 
     allow_frame_dropout: bool = False
     allow_frozen_bn: bool = True
-    sbp_checkpoint: str | None = "blocks"  # None: no sbp+checkpoint candidates
-    sbp_checkpoint_error: str | None = None  # set when StochasticBackprop rejects `checkpoint`
+    sbp_recompute: str | None = "blocks"  # None: no sbp+recompute candidates
+    sbp_recompute_error: str | None = None  # set when StochasticBackprop rejects `recompute`
     sampler: str = "uniform"  # the configs' default (configs/memory/*.yaml)
     nograd_chunk: int = 8
     seed: int = 0
 
 
-def build_candidates(p: Profile, checkpoint_plans: list[dict[str, Any]], opt: Options) -> list[Candidate]:
-    """Every candidate with its predictions. ``checkpoint_plans``: ``{"params", "name",
+def build_candidates(p: Profile, recompute_plans: list[dict[str, Any]], opt: Options) -> list[Candidate]:
+    """Every candidate with its estimates. ``recompute_plans``: ``{"params", "name",
     "overhead_frac", ...}`` per distinct recomputation plan (planned by the caller)."""
     t = p.num_frames
     measured = None if p.extrapolated else p.e2e_peak  # else its own profiling step must tell
     cands = [Candidate("e2e", "e2e", {}, TIER_EXACT, 1.0, p.e2e_peak, p.step_s, measured,
                        None if p.extrapolated else p.step_s)]
-    for plan in checkpoint_plans:
+    for plan in recompute_plans:
         extra = {k: v for k, v in plan.items() if k not in ("params", "name", "overhead_frac")}
-        cands.append(Candidate(plan["name"], "checkpoint", plan["params"], TIER_EXACT, 1.0, None,
-                               checkpoint_time(p, plan["overhead_frac"]),
+        cands.append(Candidate(plan["name"], "recompute", plan["params"], TIER_EXACT, 1.0, None,
+                               recompute_time(p, plan["overhead_frac"]),
                                extra={"overhead_frac": plan["overhead_frac"], **extra}))
     common = {"sampler": opt.sampler, "seed": opt.seed, "nograd_chunk": opt.nograd_chunk}
     for k in keep_counts(t):
@@ -188,12 +188,12 @@ def build_candidates(p: Profile, checkpoint_plans: list[dict[str, Any]], opt: Op
         cands.append(Candidate(f"sbp r={r:.3f}", "sbp", {"keep_ratio": r, "bn_policy": "full_batch", **common},
                                TIER_SBP, r, sbp_peak(p, k, full, opt.nograd_chunk),
                                sbp_time(p, r, full and not p.lockstep)))
-        if opt.sbp_checkpoint:
-            c = Candidate(f"sbp+checkpoint r={r:.3f}", "sbp_checkpoint",
-                          {"keep_ratio": r, "bn_policy": "full_batch", "checkpoint": opt.sbp_checkpoint, **common},
+        if opt.sbp_recompute:
+            c = Candidate(f"sbp+recompute r={r:.3f}", "sbp_recompute",
+                          {"keep_ratio": r, "bn_policy": "full_batch", "recompute": opt.sbp_recompute, **common},
                           TIER_SBP, r, None, sbp_time(p, r, full) + r * _split(p)[0],  # record/apply
                           isolated=True)
-            c.skip = opt.sbp_checkpoint_error
+            c.skip = opt.sbp_recompute_error
             cands.append(c)
         if p.has_batchnorm:
             c = Candidate(f"sbp r={r:.3f} bn=frozen", "sbp", {"keep_ratio": r, "bn_policy": "frozen", **common},
@@ -210,30 +210,30 @@ def build_candidates(p: Profile, checkpoint_plans: list[dict[str, Any]], opt: Op
     return cands
 
 
-def predicted_candidates(num_frames: int, has_batchnorm: bool, checkpoint_fracs: list[float],
+def estimated_candidates(num_frames: int, has_batchnorm: bool, recompute_fracs: list[float],
                          opt: Options, lower_set_cap: int = 500) -> list[Candidate]:
     """Every candidate of the profiled decision, with no peak or time yet: for the choice from
-    simulations at full size (``choice.Simulated``). Recomputation plans
-    are specs (the planner plans each inside its prediction), from the largest budget down
+    simulations at full size (``choice.SimulatedPeaks``). Recomputation plans
+    are specs (the planner plans each inside its estimate), from the largest budget down
     to the least-memory plan."""
     cands = [Candidate("e2e", "e2e", {}, TIER_EXACT, 1.0)]
-    fracs = sorted({float(f) for f in checkpoint_fracs}, reverse=True)
+    fracs = sorted({float(f) for f in recompute_fracs}, reverse=True)
     specs = [({"policy": "optimal", "budget_frac": f, "objective": "time", "lower_set_cap": lower_set_cap},
               f"budget_frac={f:g}") for f in fracs]
     specs.append(({"policy": "optimal", "objective": "memory", "lower_set_cap": lower_set_cap}, "least memory"))
     for seq, (params, label) in enumerate(specs, start=1):
-        cands.append(Candidate(f"checkpoint optimal ({label})", "checkpoint", params, TIER_EXACT, 1.0,
+        cands.append(Candidate(f"recompute optimal ({label})", "recompute", params, TIER_EXACT, 1.0,
                                seq=seq))
     common = {"sampler": opt.sampler, "seed": opt.seed, "nograd_chunk": opt.nograd_chunk}
     for k in keep_counts(num_frames):
         r = k / num_frames
         cands.append(Candidate(f"sbp r={r:.3f}", "sbp", {"keep_ratio": r, "bn_policy": "full_batch", **common},
                                TIER_SBP, r, seq=0))
-        if opt.sbp_checkpoint:
-            c = Candidate(f"sbp+checkpoint r={r:.3f}", "sbp_checkpoint",
-                          {"keep_ratio": r, "bn_policy": "full_batch", "checkpoint": opt.sbp_checkpoint,
+        if opt.sbp_recompute:
+            c = Candidate(f"sbp+recompute r={r:.3f}", "sbp_recompute",
+                          {"keep_ratio": r, "bn_policy": "full_batch", "recompute": opt.sbp_recompute,
                            **common}, TIER_SBP, r, seq=1)
-            c.skip = opt.sbp_checkpoint_error
+            c.skip = opt.sbp_recompute_error
             cands.append(c)
         if has_batchnorm:
             c = Candidate(f"sbp r={r:.3f} bn=frozen", "sbp", {"keep_ratio": r, "bn_policy": "frozen", **common},
@@ -263,9 +263,9 @@ def reason(chosen: Candidate, cands: list[Candidate], budget: float) -> str:
     closest = min(better, key=lambda c: c.peak, default=None)
     why_not = (f"no plan with better expected accuracy fits (the smallest of them, {closest.name}, "
                f"needs {closest.peak / MB:.1f} MB)" if closest else "the preferred plans were not profiled")
-    what = {"checkpoint": "exact gradients at the least recompute that fits",
+    what = {"recompute": "exact gradients at the least recompute that fits",
             "sbp": f"the largest keep ratio that fits (r={chosen.keep_ratio:.3f})",
-            "sbp_checkpoint": f"the largest keep ratio that fits (r={chosen.keep_ratio:.3f}), with checkpointing",
+            "sbp_recompute": f"the largest keep ratio that fits (r={chosen.keep_ratio:.3f}), with recomputation",
             "frame_dropout": f"frame dropout allowed, largest keep ratio that fits (r={chosen.keep_ratio:.3f})"}
     equals = [c for c in cands if c is not chosen and not c.skip and c.tier == chosen.tier
               and c.keep_ratio == chosen.keep_ratio]
@@ -283,7 +283,7 @@ def render_table(cands: list[Candidate], budget: float, chosen: Candidate | None
     lines = [
         f"memory budget {budget / MB:.1f} MB (per-step peak, as train_peak_mem_mb)",
         "",
-        "| # | plan | expected accuracy | predicted peak MB | measured peak MB | predicted step s | outcome |",
+        "| # | plan | expected accuracy | estimated peak MB | measured peak MB | estimated step s | outcome |",
         "|---|---|---|---|---|---|---|",
     ]
     rows = [c for c in ranked(cands) if show_skipped or c.note or not c.skip]

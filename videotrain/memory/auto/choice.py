@@ -1,25 +1,25 @@
 """``memory=auto``'s choice: one walk down the ranked candidates, with two ways to know a peak.
 
 :func:`walk` takes the candidates in :func:`~videotrain.memory.auto.candidates.ranked` order
-(expected accuracy, then predicted step time) and chooses the first whose peak fits the budget;
+(expected accuracy, then estimated step time) and chooses the first whose peak fits the budget;
 when none does it raises :class:`~videotrain.memory.auto.candidates.NoPlanFits` with the
 smallest peak known. What tells a candidate's peak is the evaluator:
 
-- :class:`Measured` (:func:`choose`; ``AutoStrategy.plan``): the peaks predicted from the e2e
+- :class:`MeasuredPeaks` (:func:`choose`; ``AutoStrategy.plan``): the peaks estimated from the e2e
   profile (``candidates.build_candidates``), and one profiling step for a plan that has no
-  prediction when the walk reaches it, and (``verify``) for the plan about to be chosen.
-- :class:`Simulated` (:func:`choose_predicted`; ``AutoStrategy.plan_predicted``, with
+  estimate when the walk reaches it, and (``verify``) for the plan about to be chosen.
+- :class:`SimulatedPeaks` (:func:`choose_estimated`; ``AutoStrategy.plan_estimated``, with
   ``memory.budget_gb`` or on CUDA with no budget set): a real profiling step at full size can
   itself run out of memory, so each candidate reached is simulated on fake tensors instead
   (:func:`videotrain.memory.simulate.simulate_step`, in a process of its own, through
   ``videotrain.simulate.config_run``), its training step and validation forward together, as
-  ``python -m videotrain.plan --fit GB`` predicts its rows. The first steps of training then
+  ``python -m videotrain.plan --fit GB`` estimates its rows. The first steps of training then
   verify the choice, as for a profiled plan (``AutoStrategy.observe_step``).
 
-Simulated candidates (``candidates.predicted_candidates``) have no timings: nothing is timed,
+Simulated candidates (``candidates.estimated_candidates``) have no timings: nothing is timed,
 so the ranking is expected accuracy (tier, then keep ratio), then the structural order of cost
 (e2e before recomputation, recomputation plans from the largest planner budget down, plain SBP
-before SBP with checkpointing). Simulating all of them at full size would take minutes, so each
+before SBP with recomputation). Simulating all of them at full size would take minutes, so each
 *family* (the same plan at falling keep ratios, or the recomputation plans at falling budgets)
 is searched by bisection: its peak falls along the family, so the first member that fits is
 found in ``log2(n)`` simulations, and the members before it are over budget by inference
@@ -69,8 +69,8 @@ def walk(cands: list[Candidate], evaluator: Evaluator) -> Candidate:
     raise evaluator.no_plan_fits(cands)
 
 
-class Measured:
-    """Peaks predicted from the e2e profile, or measured: ``measure(c)`` runs one profiling
+class MeasuredPeaks:
+    """Peaks estimated from the e2e profile, or measured: ``measure(c)`` runs one profiling
     step and sets ``c.measured_peak`` (or ``c.skip``), at most ``max_profiles`` times."""
 
     def __init__(self, budget: float, measure: Callable[[Candidate], None] | None = None,
@@ -113,30 +113,30 @@ class Measured:
                 return NoPlanFits(self.budget, best.peak, best.name, render_table(cands, self.budget))
 
 
-class Simulated:
-    """Peaks simulated at full size: ``predict(c)`` sets ``c.predicted_peak`` (or ``c.skip``),
-    at most ``max_predictions`` times. On reaching a family not searched yet, the rest of it is
+class SimulatedPeaks:
+    """Peaks simulated at full size: ``estimate(c)`` sets ``c.predicted_peak`` (or ``c.skip``),
+    at most ``max_estimates`` times. On reaching a family not searched yet, the rest of it is
     bisected for its first member that fits; ``advice`` words the budget that would work in the
     caller's units."""
 
-    def __init__(self, budget: float, predict: Callable[[Candidate], None], max_predictions: int = 16,
+    def __init__(self, budget: float, estimate: Callable[[Candidate], None], max_estimates: int = 16,
                  advice: Callable[[float], str] | None = None) -> None:
-        self.budget, self.predict, self.max_predictions, self.advice = budget, predict, max_predictions, advice
+        self.budget, self.estimate, self.max_estimates, self.advice = budget, estimate, max_estimates, advice
         self.calls = 0
         self.searched: set[tuple] = set()
 
     def _fits(self, c: Candidate) -> bool:
         if c.predicted_peak is None and not c.skip:
-            if self.calls >= self.max_predictions:
-                c.note = "not predicted (memory.max_profiles)"
+            if self.calls >= self.max_estimates:
+                c.note = "not estimated (memory.max_profiles)"
                 return False
             self.calls += 1
-            self.predict(c)
+            self.estimate(c)
         if c.skip or c.predicted_peak is None:
             c.note = c.note or f"skipped: {c.skip}"
             return False
         if c.predicted_peak > self.budget:
-            c.note = "over budget (predicted)"
+            c.note = "over budget (estimated)"
             return False
         return True
 
@@ -146,8 +146,8 @@ class Simulated:
             self.searched.add(key)
             _bisect([m for m in rest if family_key(m) == key], self._fits)
         if c.note or c.skip or c.predicted_peak is None or c.predicted_peak > self.budget:
-            c.note = c.note or (f"skipped: {c.skip}" if c.skip else "over budget (predicted)"
-                                if c.predicted_peak is not None else "not predicted (memory.max_profiles)")
+            c.note = c.note or (f"skipped: {c.skip}" if c.skip else "over budget (estimated)"
+                                if c.predicted_peak is not None else "not estimated (memory.max_profiles)")
             return False
         return True
 
@@ -164,18 +164,18 @@ class Simulated:
 def choose(cands: list[Candidate], budget: float, measure: Callable[[Candidate], None] | None = None,
            verify: bool = True, max_profiles: int = 16) -> Candidate:
     """The first plan in :func:`ranked` order whose peak fits ``budget`` (bytes), profiling
-    where there is no prediction and (``verify``) before choosing (:class:`Measured`). Raises
+    where there is no estimate and (``verify``) before choosing (:class:`MeasuredPeaks`). Raises
     :class:`NoPlanFits` with the smallest budget that would work (the least estimated peak,
     measured first where possible)."""
-    return walk(cands, Measured(budget, measure, verify, max_profiles))
+    return walk(cands, MeasuredPeaks(budget, measure, verify, max_profiles))
 
 
-def choose_predicted(cands: list[Candidate], budget: float, predict: Callable[[Candidate], None],
-                     max_predictions: int = 16, advice: Callable[[float], str] | None = None) -> Candidate:
+def choose_estimated(cands: list[Candidate], budget: float, estimate: Callable[[Candidate], None],
+                     max_estimates: int = 16, advice: Callable[[float], str] | None = None) -> Candidate:
     """The first plan in :func:`ranked` order whose simulated peak fits ``budget`` (bytes),
-    each family bisected (:class:`Simulated`, at most ``max_predictions`` simulations). Raises
+    each family bisected (:class:`SimulatedPeaks`, at most ``max_estimates`` simulations). Raises
     :class:`NoPlanFits` with the smallest simulated peak."""
-    return walk(cands, Simulated(budget, predict, max_predictions, advice))
+    return walk(cands, SimulatedPeaks(budget, estimate, max_estimates, advice))
 
 
 def family_key(c: Candidate) -> tuple:
@@ -186,9 +186,9 @@ def family_key(c: Candidate) -> tuple:
 
 def _bisect(family: list[Candidate], fits: Callable[[Candidate], bool]) -> None:
     """Find the first member of ``family`` (peaks falling along it) that fits, by bisection;
-    note the members before it that were not predicted as over budget by inference. A member
+    note the members before it that were not estimated as over budget by inference. A member
     that yields no figure (skipped, e.g. a recomputation budget below the planner's least, or
-    past the prediction cap) says nothing about its neighbours: it leaves the search."""
+    past the estimate cap) says nothing about its neighbours: it leaves the search."""
     fam = list(family)
     lo, hi = 0, len(fam)  # fam[:lo] are over budget; fam[hi] fits (or hi is the end)
     while lo < hi:
@@ -208,6 +208,6 @@ def _bisect(family: list[Candidate], fits: Callable[[Candidate], bool]) -> None:
             lo = mid + 1
     for j, m in enumerate(fam[:lo]):
         if m.predicted_peak is None and not m.note:
-            # fam[lo - 1] was predicted over budget, and needs less than every member before it
+            # fam[lo - 1] was estimated over budget, and needs less than every member before it
             over = next(x for x in fam[j + 1:lo] if x.predicted_peak is not None)
             m.note = f"over budget (inferred: {over.name} is over and needs less)"

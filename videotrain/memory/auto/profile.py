@@ -15,7 +15,7 @@ they would be without profiling. Every measured step is an increase over what th
 between steps (weights, gradients, optimizer state), so holding the copy does not change the
 figures. The price is one extra copy of those while planning.
 
-The e2e profile (:meth:`StepProbe.profile`) is what predictions are built from: the step peak,
+The e2e profile (:meth:`StepProbe.profile`) is what estimates are built from: the step peak,
 the bytes autograd saves for backward (whole model and backbone alone), the peak of a
 ``no_grad`` backbone forward over all frames (SBP's dropped-frame pass), and the step's phase
 times. :meth:`StepProbe.measure` runs steps under any other strategy.
@@ -46,7 +46,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from videotrain.memory.base import MemoryStrategy
 from videotrain.memory.e2e import EndToEnd
-from videotrain.memory.recompute.execute import CheckpointedForward
+from videotrain.memory.recompute.execute import RecomputedForward
 from videotrain.memory.sbp.lockstep import lockstep_graph
 from videotrain.memory.sbp.split import PatchedBN
 from videotrain.metrics.memory import StepPeakMemory, _status_kb
@@ -119,7 +119,9 @@ class Profile:
 
 
 @dataclass
-class Measured:
+class ProfiledStep:
+    """One profiling step of a candidate plan (``StepProbe.measure``): what it measured."""
+
     peak: float  # bytes, the step's peak
     time_s: float  # seconds, one step (noisy on a CPU)
 
@@ -127,15 +129,15 @@ class Measured:
 def unprepare(backbone: nn.Module) -> nn.Module:
     """Undo, in place, what the strategies' ``prepare`` did to ``backbone`` so that another
     strategy can be prepared on it: SBP's BatchNorm patches (``PatchedBN``) and per-block
-    checkpoint wrappers (``CheckpointedForward``). Why: a second SBP's ``prepare`` would keep the
-    first one's patches, whose owner it does not control, and a leftover checkpoint wrapper would
+    recompute wrappers (``RecomputedForward``). Why: a second SBP's ``prepare`` would keep the
+    first one's patches, whose owner it does not control, and a leftover recompute wrapper would
     change what another plan computes."""
     for module in backbone.modules():
         while True:
             fwd = module.__dict__.get("forward")
             if isinstance(fwd, PatchedBN):
                 _restore(module, fwd.orig)
-            elif isinstance(fwd, CheckpointedForward):
+            elif isinstance(fwd, RecomputedForward):
                 _restore(module, fwd.original)
             else:
                 break
@@ -336,7 +338,7 @@ class StepProbe:
         lockstep = has_bn and lockstep_graph(model.backbone) is not None
         return peak, float(saved_total), float(saved_bb), nograd, times, bb_fwd, held, has_bn, lockstep
 
-    def measure(self, strategy: MemoryStrategy, isolated: bool = False) -> Measured:
+    def measure(self, strategy: MemoryStrategy, isolated: bool = False) -> ProfiledStep:
         """The second of two steps under ``strategy``. ``isolated``: on a fresh warmed-up copy
         (for strategies whose ``prepare`` changes the backbone in ways :func:`unprepare` may not
         undo)."""
@@ -351,7 +353,7 @@ class StepProbe:
             strategy.prepare(unprepare(model.backbone))
             times: list[float] = []
             try:
-                # the first step after a switch pays for one-off work (a checkpoint plan is traced
+                # the first step after a switch pays for one-off work (a recompute plan is traced
                 # and split, allocator state settles): measure the second, as the trainer's
                 # reported peak leaves out the first step
                 self._step(model, optimizer)
@@ -363,7 +365,7 @@ class StepProbe:
             finally:
                 unprepare(model.backbone)
                 model.strategy = EndToEnd()
-        return Measured(peak=peak, time_s=sum(times))
+        return ProfiledStep(peak=peak, time_s=sum(times))
 
     def close(self) -> None:
         """Drop the copies (and, on CUDA, give their cached blocks back)."""

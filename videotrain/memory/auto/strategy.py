@@ -1,6 +1,6 @@
 """``memory=auto``: give it a memory budget, get the fastest training plan that fits.
 
-A user facing an out-of-memory error otherwise guesses among batch size, checkpointing and frame
+A user facing an out-of-memory error otherwise guesses among batch size, recomputation and frame
 sampling. ``AutoStrategy`` decides, says why, and checks itself:
 
 1. **Profile** (``plan``, called by ``videotrain.build.plan_memory`` before training, and by
@@ -9,9 +9,9 @@ sampling. ``AutoStrategy`` decides, says why, and checks itself:
    per-step peak meter, so the budget means what ``train_peak_mem_mb`` means.
 2. **Candidates** (:mod:`videotrain.memory.auto.candidates`): e2e; recomputation plans of the
    Kusumoto planner at several of its budgets; frame-level SBP at every keep ratio ``k/T``;
-   SBP with checkpointing of the kept path (when ``StochasticBackprop`` takes ``checkpoint``);
+   SBP with recomputation of the kept path (when ``StochasticBackprop`` takes ``recompute``);
    SBP with frozen BatchNorm; frame dropout only when allowed. SBP and frame dropout peaks are
-   predicted from the e2e profile; recomputation plans are measured by one profiling step each,
+   estimated from the e2e profile; recomputation plans are measured by one profiling step each,
    when the walk reaches them.
 3. **Choice**: the best expected accuracy that fits, the fastest among equals; the chosen plan
    is verified by one profiling step (``verify``). The decision table goes to the log and to
@@ -20,7 +20,7 @@ sampling. ``AutoStrategy`` decides, says why, and checks itself:
 4. **Re-check**: the trainer reports every step's measured peak (``observe_step``). The first
    one is skipped (it allocates the gradient buffers and optimizer state). A later step over the
    budget (by more than ``recheck_tolerance``) steps down to the next plan in the ranking that
-   fits, shifting the predictions by the observed misprediction, and the step-down is logged
+   fits, shifting the estimates by the observed misestimate, and the step-down is logged
    and recorded. Strategies hold no parameters, so the optimizer is untouched.
 
 The concrete strategy is swapped in place: :func:`~videotrain.memory.auto.profile.unprepare` undoes
@@ -42,18 +42,19 @@ from videotrain.memory.auto.candidates import (
     NoPlanFits,
     Options,
     build_candidates,
-    predicted_candidates,
+    estimated_candidates,
     ranked,
     reason,
     render_table,
 )
-from videotrain.memory.auto.choice import INFEASIBLE, choose, choose_predicted
+from videotrain.memory.auto.choice import INFEASIBLE, choose, choose_estimated
 from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
 from videotrain.memory.base import FrameFeatures, MemoryStrategy, mixes_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute.planner import InfeasibleBudget
 from videotrain.memory.recompute.strategy import Recompute
+from videotrain.memory.renamed import normalise_memory, renamed_argument
 from videotrain.memory.sampling import SAMPLERS
 from videotrain.memory.sbp.strategy import StochasticBackprop
 from videotrain.memory.simulate import (
@@ -69,25 +70,27 @@ log = logging.getLogger(__name__)
 __all__ = ["AutoStrategy", "NoPlanFits", "build_strategy"]
 
 
-STRATEGIES: dict[str, type] = {"e2e": EndToEnd, "checkpoint": Recompute, "sbp": StochasticBackprop,
-                                "sbp_checkpoint": StochasticBackprop, "frame_dropout": FrameDropout}
+STRATEGIES: dict[str, type] = {"e2e": EndToEnd, "recompute": Recompute, "sbp": StochasticBackprop,
+                                "sbp_recompute": StochasticBackprop, "frame_dropout": FrameDropout}
+# candidate kinds as checkpoints written before the rename (issue 47) name them
+RENAMED_KINDS: dict[str, str] = {"checkpoint": "recompute", "sbp_checkpoint": "sbp_recompute"}
 
 
 def build_strategy(c: Candidate, rank: int | None = None) -> MemoryStrategy:
     """The concrete strategy of a candidate (a new, unprepared instance)."""
     if c.kind not in STRATEGIES:
         raise ValueError(f"unknown memory=auto candidate kind {c.kind!r}")
-    ranked_kw = {} if c.kind in ("e2e", "checkpoint") else {"rank": rank}
+    ranked_kw = {} if c.kind in ("e2e", "recompute") else {"rank": rank}
     return STRATEGIES[c.kind](**c.params, **ranked_kw)
 
 
 def memory_node(c: Candidate) -> dict[str, Any]:
-    """The candidate as a ``memory:`` config node (what a prediction process instantiates)."""
+    """The candidate as a ``memory:`` config node (what an estimating process instantiates)."""
     cls = STRATEGIES[c.kind]
     return {"_target_": f"{cls.__module__}.{cls.__qualname__}", **c.params}
 
 
-def checkpoint_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[float],
+def recompute_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[float],
                      cap: int) -> list[dict[str, Any]]:
     """Distinct recomputation plans: the planner's least-recompute plan at each of ``fracs`` x
     its own e2e peak estimate, plus its least-memory plan. Plans of one segment are e2e."""
@@ -108,7 +111,7 @@ def checkpoint_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[floa
         label = f"budget_frac={spec['budget_frac']}" if "budget_frac" in spec else "least memory"
         plans.append({
             "params": spec, "overhead_frac": report["overhead_frac_of_forward"],
-            "name": f"checkpoint optimal ({label}, {len(chain)} segments)",
+            "name": f"recompute optimal ({label}, {len(chain)} segments)",
             "segments": len(chain), "planner_peak_mb": report["predicted_peak_bytes"] / MB,
         })
     return plans
@@ -119,7 +122,7 @@ def skip_frame_sbp(cands: list[Candidate], backbone: nn.Module) -> None:
     (``StochasticBackprop.prepare`` refuses it): its candidates are skipped, saying why."""
     if mixes_frames(backbone):
         for c in cands:
-            if c.kind in ("sbp", "sbp_checkpoint") and not c.skip:
+            if c.kind in ("sbp", "sbp_recompute") and not c.skip:
                 c.skip = "sbp at frame granularity: the backbone's temporal shift mixes frames"
 
 
@@ -144,8 +147,8 @@ class AutoStrategy:
         free_frac: float = 0.9,
         allow_frame_dropout: bool = False,
         allow_frozen_bn: bool = True,
-        sbp_checkpoint: str | None = "blocks",
-        checkpoint_fracs: list[float] | tuple[float, ...] = (0.9, 0.75, 0.6, 0.5, 0.4),
+        sbp_recompute: str | None = "blocks",
+        recompute_fracs: list[float] | tuple[float, ...] = (0.9, 0.75, 0.6, 0.5, 0.4),
         verify: bool = True,
         max_profiles: int = 16,
         recheck_tolerance: float = 0.02,
@@ -154,7 +157,13 @@ class AutoStrategy:
         lower_set_cap: int = 500,
         seed: int = 0,
         rank: int | None = None,
+        sbp_checkpoint: str | None = None,
+        checkpoint_fracs: list[float] | None = None,
     ) -> None:
+        # deprecated spellings (videotrain.memory.renamed): sbp_checkpoint, checkpoint_fracs
+        sbp_recompute = renamed_argument("sbp_checkpoint", sbp_checkpoint, "sbp_recompute", sbp_recompute, "blocks")
+        recompute_fracs = renamed_argument("checkpoint_fracs", checkpoint_fracs, "recompute_fracs",
+                                           list(recompute_fracs), [0.9, 0.75, 0.6, 0.5, 0.4])
         if sum(b is not None for b in (budget_mb, budget_frac, budget_gb)) > 1:
             raise ValueError("set at most one of memory.budget_gb, memory.budget_mb and memory.budget_frac")
         if budget_gb is not None and not budget_gb > 0:
@@ -165,25 +174,25 @@ class AutoStrategy:
             raise ValueError(f"memory.budget_frac must be > 0 (a fraction of the measured e2e peak), got {budget_frac}")
         if not 0 < free_frac <= 1:
             raise ValueError(f"memory.free_frac must be in (0, 1], got {free_frac}")
-        if any(not 0 < f for f in checkpoint_fracs):
-            raise ValueError(f"memory.checkpoint_fracs must be positive fractions, got {list(checkpoint_fracs)}")
+        if any(not 0 < f for f in recompute_fracs):
+            raise ValueError(f"memory.recompute_fracs must be positive fractions, got {list(recompute_fracs)}")
         if max_profiles < 0:
             raise ValueError(f"memory.max_profiles must be >= 0, got {max_profiles}")
         if recheck_tolerance < 0:
             raise ValueError(f"memory.recheck_tolerance must be >= 0, got {recheck_tolerance}")
         if sampler not in SAMPLERS:
             raise ValueError(f"memory.sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
-        if sbp_checkpoint not in (None, "blocks", "sqrt"):
-            raise ValueError(f"memory.sbp_checkpoint must be null, blocks or sqrt; got {sbp_checkpoint!r}")
+        if sbp_recompute not in (None, "blocks", "sqrt"):
+            raise ValueError(f"memory.sbp_recompute must be null, blocks or sqrt; got {sbp_recompute!r}")
         if nograd_chunk < 1:
             raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
         self.budget_mb, self.budget_frac, self.free_frac = budget_mb, budget_frac, free_frac
         self.budget_gb = None if budget_gb is None else float(budget_gb)
-        self.mode = ""  # profiled (real steps) | predicted (fake-tensor steps), once planned
+        self.mode = ""  # profiled (real steps) | estimated (fake-tensor steps), once planned
         self.options = Options(allow_frame_dropout=bool(allow_frame_dropout),
-                               allow_frozen_bn=bool(allow_frozen_bn), sbp_checkpoint=sbp_checkpoint,
+                               allow_frozen_bn=bool(allow_frozen_bn), sbp_recompute=sbp_recompute,
                                sampler=sampler, nograd_chunk=int(nograd_chunk), seed=int(seed))
-        self.checkpoint_fracs = [float(f) for f in checkpoint_fracs]
+        self.recompute_fracs = [float(f) for f in recompute_fracs]
         self.verify, self.max_profiles = bool(verify), int(max_profiles)
         self.recheck_tolerance, self.lower_set_cap, self.rank = float(recheck_tolerance), int(lower_set_cap), rank
         self.backbone: nn.Module | None = None
@@ -196,10 +205,10 @@ class AutoStrategy:
         self.inner: MemoryStrategy | None = None
         self.reason = ""
         self.step_downs: list[dict[str, Any]] = []
-        self.recheck: dict[str, Any] | None = None  # the first comparison of measured vs predicted
+        self.recheck: dict[str, Any] | None = None  # the first comparison of measured vs estimated
         self.observed_max: dict[str, float] = {}  # plan name -> largest measured step peak (MB)
         self._observed = 0
-        self._predict: Callable[[Candidate], None] | None = None  # predicted mode: for step-downs
+        self._estimate: Callable[[Candidate], None] | None = None  # estimated mode: for step-downs
 
     # ------------------------------------------------------------------ the decision
     def resolve_budget(self, profile: Profile, free_bytes: float | None) -> tuple[float, str]:
@@ -218,13 +227,13 @@ class AutoStrategy:
                 f"memory.free_frac={self.free_frac} x (free device memory {free_bytes / MB:.0f} MB - "
                 f"gradients and optimizer state {profile.held_growth / MB:.1f} MB)")
 
-    def _sbp_checkpoint_error(self) -> str | None:
-        if not self.options.sbp_checkpoint:
-            return "sbp+checkpoint: disabled (memory.sbp_checkpoint=null)"
+    def _sbp_recompute_error(self) -> str | None:
+        if not self.options.sbp_recompute:
+            return "sbp+recompute: disabled (memory.sbp_recompute=null)"
         try:
-            StochasticBackprop(0.5, checkpoint=self.options.sbp_checkpoint)
+            StochasticBackprop(0.5, recompute=self.options.sbp_recompute)
         except TypeError as err:
-            return f"sbp+checkpoint: StochasticBackprop does not take checkpoint= yet ({err})"
+            return f"sbp+recompute: StochasticBackprop does not take recompute= yet ({err})"
         return None
 
     def _measure(self, probe: StepProbe, c: Candidate) -> None:
@@ -238,7 +247,7 @@ class AutoStrategy:
             log.warning("memory=auto: %s: %s", c.name, c.skip)
             return
         except Exception as err:  # an experimental composition must not stop the decision
-            if c.kind != "sbp_checkpoint":
+            if c.kind != "sbp_recompute":
                 raise
             c.skip = f"failed in its profiling step: {type(err).__name__}: {err}"
             log.warning("memory=auto: %s %s", c.name, c.skip)
@@ -255,10 +264,10 @@ class AutoStrategy:
         try:
             self.profile = profile = probe.profile()
             self.budget, self.budget_source = self.resolve_budget(profile, free)
-            self.options.sbp_checkpoint_error = self._sbp_checkpoint_error()
+            self.options.sbp_recompute_error = self._sbp_recompute_error()
             with probe.precision.autocast():  # planned as the profiling steps will re-plan
-                plans = checkpoint_plans(probe.model.backbone, probe.frames(),
-                                         self.checkpoint_fracs, self.lower_set_cap)
+                plans = recompute_plans(probe.model.backbone, probe.frames(),
+                                        self.recompute_fracs, self.lower_set_cap)
             self.candidates = build_candidates(profile, plans, self.options)
             skip_frame_sbp(self.candidates, probe.model.backbone)
             # NoPlanFits carries the table in its message
@@ -272,17 +281,17 @@ class AutoStrategy:
                  render_table(self.candidates, self.budget, chosen), self.reason)
         return self.plan_report()
 
-    def predicts(self, device: torch.device) -> bool:
-        """Whether to plan from predictions (:meth:`plan_predicted`) instead of profiling real
+    def estimates(self, device: torch.device) -> bool:
+        """Whether to plan from estimates (:meth:`plan_estimated`) instead of profiling real
         steps: with ``memory.budget_gb``, and on CUDA when no budget is set (a full-size
         profiling step could itself run out of memory)."""
         unset = self.budget_mb is None and self.budget_frac is None
         return self.budget_gb is not None or (unset and device.type == "cuda")
 
-    def plan_predicted(self, predict: Callable[[dict[str, Any]], StepMemory], num_frames: int,
+    def plan_estimated(self, estimate: Callable[[dict[str, Any]], StepMemory], num_frames: int,
                        device: torch.device) -> dict[str, Any]:
-        """Choose from fake-tensor predictions at full size, before anything runs on the device
-        (:mod:`videotrain.memory.auto.choice`). ``predict(memory_node)`` predicts the
+        """Choose from fake-tensor estimates at full size, before anything runs on the device
+        (:mod:`videotrain.memory.auto.choice`). ``estimate(memory_node)`` simulates the
         configured run with that ``memory:`` node. Raises :class:`NoPlanFits`."""
         target = device.type
         if self.budget_gb is not None:
@@ -291,20 +300,20 @@ class AutoStrategy:
         else:  # CUDA, no budget: a share of what the allocator can still get, weights included
             usable = self.free_frac * (device_free_bytes(device) + torch.cuda.memory_allocated(device))
             source = f"memory.free_frac={self.free_frac} x free device memory"
-        self.options.sbp_checkpoint_error = self._sbp_checkpoint_error()
+        self.options.sbp_recompute_error = self._sbp_recompute_error()
         assert self.backbone is not None, "prepare(backbone) comes first (VideoClassifier does it)"
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.backbone.modules())
-        self.candidates = predicted_candidates(num_frames, has_bn, self.checkpoint_fracs, self.options,
+        self.candidates = estimated_candidates(num_frames, has_bn, self.recompute_fracs, self.options,
                                                self.lower_set_cap)
         skip_frame_sbp(self.candidates, self.backbone)
         def run(c: Candidate) -> StepMemory | None:
             try:
-                mem = predict(memory_node(c))
+                mem = estimate(memory_node(c))
             except Exception as err:  # one candidate's failure must not stop the decision
                 text = str(err).splitlines()[0][:300]
                 infeasible = text.startswith(InfeasibleBudget.__name__ + ": ")
                 c.skip = (f"{INFEASIBLE} ({text.split(': ', 1)[1]})" if infeasible
-                          else f"its prediction failed: {text}")
+                          else f"its estimate failed: {text}")
                 if not infeasible:
                     log.warning("memory=auto: %s: %s", c.name, c.skip)
                 return None
@@ -325,7 +334,7 @@ class AutoStrategy:
             + (f" (less {CUDA_CONTEXT_GIB:g} GiB of CUDA context)" if self.budget_gb is not None
                and target == "cuda" else "")
             + f", less {UNSEEN_FRAC:.0%} for workspaces and fragmentation, less {base / GIB:.2f} GiB "
-            "held between steps (weights, gradients, optimizer state), predicted on fake tensors")
+            "held between steps (weights, gradients, optimizer state), estimated on fake tensors")
         self.mode = "predicted"
 
         def advice(peak: float) -> str:  # the memory.budget_gb that would hold a peak
@@ -333,11 +342,11 @@ class AutoStrategy:
             need_gb = (peak + base) * (1 + UNSEEN_FRAC) / GIB + context_gb
             return f"set memory.budget_gb={math.ceil(need_gb * 10) / 10:.1f} or more"
 
-        chosen = choose_predicted(self.candidates, self.budget, run, self.max_profiles, advice=advice)
-        self._predict = run
+        chosen = choose_estimated(self.candidates, self.budget, run, self.max_profiles, advice=advice)
+        self._estimate = run
         self.chosen, self.reason = chosen, reason(chosen, self.candidates, self.budget)
         self._activate(chosen)
-        log.info("memory=auto decision from predictions (%s):\n%s\nchosen: %s", self.budget_source,
+        log.info("memory=auto decision from estimates (%s):\n%s\nchosen: %s", self.budget_source,
                  render_table(self.candidates, self.budget, chosen), self.reason)
         return self.plan_report()
 
@@ -372,23 +381,23 @@ class AutoStrategy:
             return  # the first step allocates gradient buffers and optimizer state
         active, peak = self.active, peak_mb * MB
         self.observed_max[active.name] = max(self.observed_max.get(active.name, 0.0), peak_mb)
-        predicted = active.peak or 0.0  # the profiling step's figure where there was one
+        estimated = active.peak or 0.0  # the profiling step's figure where there was one
         if self.recheck is None:
             self.recheck = {
                 "step": step, "plan": active.name, "measured_peak_mb": peak_mb,
                 "predicted_peak_mb": _mb(active.predicted_peak), "profiled_peak_mb": _mb(active.measured_peak),
                 "budget_mb": self.budget / MB,
             }
-            log.info("memory=auto re-check at step %d: %s measured %.1f MB in training; predicted %s MB, "
+            log.info("memory=auto re-check at step %d: %s measured %.1f MB in training; estimated %s MB, "
                      "profiled %s MB; budget %.1f MB", step, active.name, peak_mb,
                      _fmt(active.predicted_peak), _fmt(active.measured_peak), self.budget / MB)
         if peak <= self.budget * (1 + self.recheck_tolerance):
             return
-        shift = max(peak - predicted, 0.0)
-        nxt = self._next_predicted(shift) if self._predict is not None else None
+        shift = max(peak - estimated, 0.0)
+        nxt = self._next_estimated(shift) if self._estimate is not None else None
         nxt = nxt or self.next_plan(shift=shift)
         record = {"step": step, "from": active.name, "measured_peak_mb": peak_mb,
-                  "predicted_peak_mb": predicted / MB, "budget_mb": self.budget / MB,
+                  "predicted_peak_mb": estimated / MB, "budget_mb": self.budget / MB,
                   "to": nxt.name if nxt else None,
                   "to_predicted_peak_mb": nxt.peak / MB if nxt else None}
         self.step_downs.append(record)
@@ -397,30 +406,30 @@ class AutoStrategy:
                         "with a smaller peak is left; continuing over budget", step, peak_mb,
                         self.budget / MB, active.name)
             return
-        log.warning("memory=auto: step %d measured %.1f MB > budget %.1f MB (predicted %.1f MB for %s); "
-                    "stepping down to %s (predicted %.1f MB)", step, peak_mb, self.budget / MB,
-                    predicted / MB, active.name, nxt.name, nxt.peak / MB)
+        log.warning("memory=auto: step %d measured %.1f MB > budget %.1f MB (estimated %.1f MB for %s); "
+                    "stepping down to %s (estimated %.1f MB)", step, peak_mb, self.budget / MB,
+                    estimated / MB, active.name, nxt.name, nxt.peak / MB)
         self._activate(nxt)
 
-    def _next_predicted(self, shift: float) -> Candidate | None:
-        """Predicted mode: the walk again over the plans ranked after the active one, predicting
-        those it reaches, for the budget less the active plan's misprediction ``shift``."""
-        assert self.active is not None and self.budget is not None and self._predict is not None
+    def _next_estimated(self, shift: float) -> Candidate | None:
+        """Estimated mode: the walk again over the plans ranked after the active one, estimating
+        those it reaches, for the budget less the active plan's misestimate ``shift``."""
+        assert self.active is not None and self.budget is not None and self._estimate is not None
         order = ranked(self.candidates)
         rest = order[order.index(self.active) + 1:] if self.active in order else order
         for c in rest:
             if c.note.startswith("not needed"):
                 c.note = ""
-        log.info("memory=auto: predicting the plans after %s for %.1f MB (the budget less its "
-                 "misprediction)", self.active.name, (self.budget - shift) / MB)
+        log.info("memory=auto: estimating the plans after %s for %.1f MB (the budget less its "
+                 "misestimate)", self.active.name, (self.budget - shift) / MB)
         try:
-            return choose_predicted(rest, self.budget - shift, self._predict, self.max_profiles)
+            return choose_estimated(rest, self.budget - shift, self._estimate, self.max_profiles)
         except NoPlanFits:
             return None
 
     def next_plan(self, shift: float = 0.0) -> Candidate | None:
         """The next plan in the ranking with a smaller known peak that fits the budget when its
-        estimate is raised by ``shift`` (the active plan's misprediction); failing that, the
+        estimate is raised by ``shift`` (the active plan's misestimate); failing that, the
         one with the smallest known peak below the active plan's."""
         assert self.active is not None and self.budget is not None
         order = ranked(self.candidates)
@@ -446,7 +455,8 @@ class AutoStrategy:
         by_name = {c.name: c for c in self.candidates}
         c = by_name.get(state["active"])
         if c is None:  # the re-profiled candidates differ: rebuild the saved plan as it was
-            c = Candidate(state["active"], state["kind"], dict(state["params"]), tier=0)
+            kind = RENAMED_KINDS.get(state["kind"], state["kind"])
+            c = Candidate(state["active"], kind, normalise_memory(dict(state["params"])), tier=0)
         if self.active is None or c.name != self.active.name:
             log.info("memory=auto: resuming with %s (from the checkpoint)", c.name)
             self._activate(c)

@@ -1,9 +1,9 @@
-"""``memory=checkpoint``: recomputation (Chen et al. 2016; Kusumoto et al., NeurIPS 2019).
+"""``memory=recompute``: recomputation (Chen et al. 2016; Kusumoto et al., NeurIPS 2019).
 
 Only some activations are kept in the forward; the rest are recomputed in backward, so the
 gradients equal e2e's exactly and the price is extra forward compute.
 
-- ``strategy.py``: ``Recompute``, the strategy and its policies (``blocks``: checkpoint each
+- ``strategy.py``: ``Recompute``, the strategy and its policies (``blocks``: recompute each
   residual / encoder block; ``sqrt``: Chen's segments at articulation points; ``optimal``:
   the lower-set plan for a budget).
 - ``graph.py``: the backbone as a DAG of intermediate tensors (fx trace, shape propagation,

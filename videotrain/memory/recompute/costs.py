@@ -1,7 +1,7 @@
 """What a recomputed op costs on the device that trains: one cost function for every planner.
 
 Why: a FLOP count calls BatchNorm, ReLU and add free, yet on a GPU they are bandwidth-bound and
-cost about as much as the convs (docs/design §9); and every checkpointed segment costs host time
+cost about as much as the convs (docs/design §9); and every recomputed segment costs host time
 (closures, RNG state, saved-tensor hooks, BN statistics isolation) on the backward's critical
 path. A plan priced in FLOPs recomputes 50 of ResNet-50's 53 BNs in 63 segments.
 
@@ -11,7 +11,7 @@ costs ``segment_s`` on top (the planner adds it, ``Graph.segment_cost``). Or mea
 ``cost_model=measured`` the shape pass times each node's forward on the device (CUDA events on a
 GPU, the wall clock on a CPU) and takes the larger of that and the launch cost.
 
-``Recompute`` (memory=checkpoint), ``memory=auto``'s checkpoint candidates and SBP's checkpointed
+``Recompute`` (memory=recompute), ``memory=auto``'s recompute candidates and SBP's recomputed
 kept path all plan through ``graph.trace`` with these prices, so they agree on what a plan costs.
 """
 
@@ -33,7 +33,7 @@ class DeviceProfile:
     ``flops_half``: dense bf16/fp16 multiply-adds x 2 per second that convs and matmuls reach
     (not the datasheet's peak); ``flops_fp32`` the same in fp32 (TF32 on NVIDIA); ``bandwidth``
     bytes per second an elementwise kernel reaches; ``op_s`` the least an op costs (a kernel
-    launch on a GPU, the dispatcher on a CPU); ``segment_s`` the host time one checkpointed
+    launch on a GPU, the dispatcher on a CPU); ``segment_s`` the host time one recomputed
     segment adds to a step (measured: about 0.3 ms on an H200 host, docs/design §9)."""
 
     name: str

@@ -168,7 +168,7 @@ class RngProbe:
         self.draws: bool | None = None  # None: not yet seen
 
 
-def checkpoint_call(fn: Callable[..., Any], bns: list[_BatchNorm] | StatShield, *args: Any,
+def recompute_call(fn: Callable[..., Any], bns: list[_BatchNorm] | StatShield, *args: Any,
                     rng: RngProbe | None = None, skips: BoundarySkips | None = None,
                     **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint; recomputes leave BN stats alone
@@ -382,7 +382,7 @@ def boundary_end(tag: str, value: object) -> object:
     return value
 
 
-class CheckpointedForward:
+class RecomputedForward:
     """Replaces ``module.forward`` (instance attribute): checkpointed in training with grad on,
     the original forward otherwise (eval and ``no_grad`` are untouched)."""
 
@@ -394,23 +394,23 @@ class CheckpointedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
-            return checkpoint_call(self.original, self.bns, *args, rng=self.rng, **kwargs)
+            return recompute_call(self.original, self.bns, *args, rng=self.rng, **kwargs)
         return self.original(*args, **kwargs)
 
 
 def wrap_forward(module: nn.Module) -> nn.Module:
     """Checkpoint ``module``'s forward in training, once (idempotent)."""
-    if not isinstance(module.__dict__.get("forward"), CheckpointedForward):
-        module.forward = CheckpointedForward(module)  # type: ignore[method-assign]
+    if not isinstance(module.__dict__.get("forward"), RecomputedForward):
+        module.forward = RecomputedForward(module)  # type: ignore[method-assign]
     return module
 
 
 def is_wrapped(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+    return isinstance(module.__dict__.get("forward"), RecomputedForward)
 
 
-class CheckpointedSegment(nn.Module):
-    """A segment of a split fx graph, run under :func:`checkpoint_call` when grad is on.
+class RecomputedSegment(nn.Module):
+    """A segment of a split fx graph, run under :func:`recompute_call` when grad is on.
 
     The split graph is private to the strategy and only runs from ``encode`` (training), so
     the segment's own ``training`` flag (which does not follow ``backbone.train()``) is ignored.
@@ -425,5 +425,5 @@ class CheckpointedSegment(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         if torch.is_grad_enabled():
-            return checkpoint_call(self.segment, self.bns, *args, rng=self.rng, skips=self.skips)
+            return recompute_call(self.segment, self.bns, *args, rng=self.rng, skips=self.skips)
         return self.segment(*args)

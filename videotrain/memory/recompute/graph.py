@@ -65,7 +65,7 @@ class Graph:
     # default all (the paper's model: a block's boundary is never recomputed); ``trace`` sets it
     free: list[bool] | None = None
     flops: list[float] | None = None  # the cost proxy ``cost`` was priced from (FLOPs)
-    segment_cost: float = 0.0  # host cost of one checkpointed segment, in ``cost``'s units
+    segment_cost: float = 0.0  # host cost of one recomputed segment, in ``cost``'s units
     succ_mask: list[int] = field(init=False)
     pred_mask: list[int] = field(init=False)
 
@@ -275,7 +275,7 @@ class _SavedProp(ShapeProp):
             self._param_keys = {_storage_key(p) for p in self.module.get_submodule(str(n.target)).parameters()}
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    LiveBytes() as fwd:
+                    TransientBytes() as fwd:
                 result = super().run_node(n)
         finally:
             leaves, self._lifted = self._lifted, None
@@ -331,7 +331,7 @@ class _SavedProp(ShapeProp):
             params = [p for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
         targets = [t for t in (*leaves, *params) if t.requires_grad]
         grad_outs = [torch.ones_like(o) for o in outs]
-        with LiveBytes(watch=internals) as bwd:
+        with TransientBytes(watch=internals) as bwd:
             grads = torch.autograd.grad(outs, targets, grad_outs, allow_unused=True)
         # while the gradients are alive: they are not transient
         work = bwd.transient() - sum(b for _, b in internals.values())
@@ -341,8 +341,10 @@ class _SavedProp(ShapeProp):
         return work, alias
 
 
-class LiveBytes(TorchDispatchMode):
-    """Storages created by the ops run under it; ``transient()`` is the peak of those that are
+class TransientBytes(TorchDispatchMode):
+    """One op's temporaries (not ``metrics.live_bytes.LiveStorageBytes``, which follows a whole
+    step's live bytes and their peak): the storages created by the ops run under it, as a
+    timeline per op; ``transient()`` is the peak of those that are
     freed again before the end (workspace, internals), i.e. what outputs do not account for,
     plus, at each moment, the ``watch``ed storages (created earlier) still alive.
     Dispatch modes are thread-local: on CUDA the backward runs on the autograd device thread and
@@ -355,7 +357,7 @@ class LiveBytes(TorchDispatchMode):
         self.watch = dict(watch or {})
         self.watched: list[int] = []
 
-    def __enter__(self) -> LiveBytes:
+    def __enter__(self) -> TransientBytes:
         self.watched.append(sum(b for r, b in self.watch.values() if not r.expired()))
         return super().__enter__()
 

@@ -25,7 +25,7 @@ saved tensors and gradient as soon as its backward has run. So we simulate the b
                                               recompute runs no kernel, ``free_boundary``; S:
                                               the host cost of a segment, ``Graph.segment_cost``)
 
-Retained boundaries are not all live all the time. The executor (``execute.checkpoint_call``)
+Retained boundaries are not all live all the time. The executor (``execute.recompute_call``)
 lets go of a segment's inputs once its recompute is done, so a boundary tensor ``w`` of block
 ``j`` lives in the forward, then in backward only until the recompute of its *first* consumer
 block ``c`` (the last one backward reaches); during blocks ``j+1 .. c-1`` it is gone. A stem cut
@@ -62,7 +62,7 @@ from typing import Any
 from videotrain.memory.recompute.graph import Graph, articulation_points, lower_sets
 
 # Scalars the model does not track (the loss and its gradient, step counters): a few bytes that
-# would otherwise let a measured peak exceed an exact prediction.
+# would otherwise let a measured peak exceed an exact estimate.
 SCALAR_SLACK = 4096.0
 
 
@@ -81,8 +81,8 @@ class InfeasibleBudget(ValueError):
 @dataclass
 class Plan:
     chain: list[int]  # lower sets L1..Lk (bitmasks), Lk = V
-    peak: float  # predicted peak, bytes
-    overhead: float  # predicted recompute cost, in the graph's cost units
+    peak: float  # estimated peak, bytes
+    overhead: float  # estimated recompute cost, in the graph's cost units
 
     def blocks(self) -> list[int]:
         prev, out = 0, []
@@ -239,8 +239,8 @@ def free_boundary(g: Graph, block: int, upper: int) -> int:
                if g.free[v] and not g.succ_mask[v] & block)
 
 
-def evaluate(g: Graph, chain: list[int]) -> tuple[float, float]:
-    """(predicted peak, overhead) of a chain of lower sets ending at V."""
+def chain_cost(g: Graph, chain: list[int]) -> tuple[float, float]:
+    """(estimated peak, overhead) of a chain of lower sets ending at V."""
     live = peak = overhead = 0.0
     prev = dormant = 0
     for s in chain:
@@ -274,7 +274,7 @@ def family(g: Graph, cap: int = 500) -> tuple[list[int], bool]:
 
 
 def dp(g: Graph, budget: float, sets: list[int], buckets: int | None = None) -> Plan | None:
-    """Least-overhead chain within ``sets`` whose predicted peak fits ``budget`` (None: none).
+    """Least-overhead chain within ``sets`` whose estimated peak fits ``budget`` (None: none).
 
     States are (lower set, dormant boundaries); per state the Pareto front of (overhead, live
     retained bytes). A transition is admissible only if its block's peak fits the budget, and
@@ -315,7 +315,7 @@ def dp(g: Graph, budget: float, sets: list[int], buckets: int | None = None) -> 
         chain.append(prev[0])
         _, _, prev, pkey = front[prev][pkey]
     chain.reverse()
-    peak, overhead = evaluate(g, chain)
+    peak, overhead = chain_cost(g, chain)
     return Plan(chain, peak, overhead)
 
 
@@ -330,7 +330,7 @@ def _prune(states: dict[float, tuple]) -> None:
 
 
 def min_peak(g: Graph, sets: list[int]) -> float:
-    """Smallest predicted peak of any chain in ``sets`` (the smallest feasible budget).
+    """Smallest estimated peak of any chain in ``sets`` (the smallest feasible budget).
 
     Exact DP over (lower set, dormant boundaries) with Pareto pruning on (peak so far, live
     retained): future block peaks depend on the past only through those, so a pair dominated in
@@ -357,7 +357,7 @@ def min_peak(g: Graph, sets: list[int]) -> float:
 
 
 # Answers by graph content: memory=auto plans the same backbone graph at several budgets, then
-# plans each checkpoint candidate again when it measures it, and each search takes seconds on a
+# plans each recompute candidate again when it measures it, and each search takes seconds on a
 # ResNet-50's graph (pure Python). Bounded; a key is a few thousand numbers.
 _MEMO: OrderedDict[tuple, Any] = OrderedDict()
 _MEMO_SIZE = 64
@@ -416,7 +416,7 @@ def brute_force(g: Graph, budget: float) -> float | None:
         for combo in itertools.combinations(inner, r):
             if any(b & a != a for a, b in itertools.pairwise(combo)):
                 continue
-            peak, over = evaluate(g, [*combo, g.full])
+            peak, over = chain_cost(g, [*combo, g.full])
             if peak <= budget and (best is None or over < best):
                 best = over
     return best
@@ -437,5 +437,5 @@ def sqrt_plan(g: Graph, segments: int | None = None) -> Plan:
         if options:
             chosen.append(min(options, key=lambda c: abs(cum[c] - target)))
     chain = sorted({(1 << (c + 1)) - 1 for c in chosen} | {g.full})
-    peak, overhead = evaluate(g, chain)
+    peak, overhead = chain_cost(g, chain)
     return Plan(chain, peak, overhead)

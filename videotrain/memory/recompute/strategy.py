@@ -1,4 +1,4 @@
-"""``memory=checkpoint``: recomputation (Chen et al. 2016; Kusumoto et al., NeurIPS 2019).
+"""``memory=recompute``: recomputation (Chen et al. 2016; Kusumoto et al., NeurIPS 2019).
 
 Every frame goes through the backbone with autograd, as in e2e, but only some activations are
 kept; the rest are recomputed in backward. Gradients, loss and BN running statistics equal
@@ -14,17 +14,17 @@ Policies (``memory.policy``)
 passes through), balanced by activation bytes.
 
 ``optimal``: the lower-set plan of Kusumoto et al. (``planner.py``) for a budget in bytes
-(``budget_mb``, or ``budget_frac`` x the e2e predicted peak; neither: the smallest feasible),
+(``budget_mb``, or ``budget_frac`` x the e2e estimated peak; neither: the smallest feasible),
 ``objective=time`` (least recompute within the budget) or ``memory`` (least peak). An
 infeasible budget raises ``InfeasibleBudget`` naming the smallest feasible one.
 
 ``sqrt``/``optimal`` execute by splitting the traced graph into the plan's segments
-(``torch.fx.passes.split_module``) and checkpointing all but the last. Plans depend on the input
+(``torch.fx.passes.split_module``) and recomputing all but the last. Plans depend on the input
 shape, so they are made lazily on the first training ``encode`` per ``(N, C, H, W)``, dtype and
 device. The traced graph is rewritten without in-place ops (``graph.make_out_of_place``), so
 no cut can land between a BN and an in-place ReLU.
 
-Segment inputs are let go as soon as the segment is recomputed (``execute.checkpoint_call``),
+Segment inputs are let go as soon as the segment is recomputed (``execute.recompute_call``),
 not when its backward ends, and the planner's cost model knows it: a boundary tensor lives in
 backward only until the last segment that reads it is recomputed. That is what lets the
 least-memory ResNet plan cut the stem after BN and hold three stem-sized maps instead of four.
@@ -35,10 +35,10 @@ call counts its invocations), so they update exactly once per step. Dropout repl
 (``torch.utils.checkpoint``'s ``preserve_rng_state``).
 
 The planner simulates what autograd keeps and frees (``planner.block_peak``) from a trace that
-runs the real kernels one node at a time, so its predicted peak upper-bounds the measured one
-(tested in ``tests/memory/recompute/test_checkpoint_peak.py``; figures in docs/memory.md).
+runs the real kernels one node at a time, so its estimated peak upper-bounds the measured one
+(tested in ``tests/memory/recompute/test_recompute_peak.py``; figures in docs/memory.md).
 
-Composition with ``sbp``: ``memory=sbp memory.checkpoint=POLICY`` checkpoints SBP's kept-frame
+Composition with ``sbp``: ``memory=sbp memory.recompute=POLICY`` recomputes SBP's kept-frame
 path with these policies (``kept_path``); see ``videotrain.memory.sbp.strategy``.
 """
 
@@ -54,7 +54,7 @@ from videotrain.memory.base import FrameFeatures, StatelessStrategy, all_positio
 from videotrain.memory.recompute.costs import COST_MODELS, PROFILES, profile_for
 from videotrain.memory.recompute.execute import (
     BoundarySkips,
-    CheckpointedSegment,
+    RecomputedSegment,
     boundary_begin,
     boundary_end,
     wrap_forward,
@@ -62,7 +62,7 @@ from videotrain.memory.recompute.execute import (
 from videotrain.memory.recompute.graph import Graph, trace
 from videotrain.memory.recompute.planner import (
     Plan,
-    evaluate,
+    chain_cost,
     family,
     free_boundary,
     plan,
@@ -74,8 +74,10 @@ OBJECTIVES = ("time", "memory")
 
 
 class Recompute(StatelessStrategy):
-    """Checkpointing strategy; see the module docstring for policies and guarantees."""
+    """The recomputation strategy; see the module docstring for policies and guarantees."""
 
+    # the label of results.json's "strategy" and of the bench rows (checkpoint-sqrt), kept as
+    # measured (issue 47 leaves result labels to their owner); the option is memory=recompute
     name = "checkpoint"
 
     def __init__(
@@ -123,7 +125,7 @@ class Recompute(StatelessStrategy):
 
         Graph policies refuse a backbone with active drop-path (stochastic depth): its random
         fills are traced as graph nodes, and their masks are not yet shown to match e2e's
-        (docs/recipes.md); per-block checkpointing replays them through torch.utils.checkpoint."""
+        (docs/recipes.md); per-block recomputation replays them through torch.utils.checkpoint."""
         if self.policy != "blocks":
             drop = [n for n, m in backbone.named_modules() if float(getattr(m, "drop_prob", 0) or 0) > 0]
             if drop:
@@ -144,7 +146,7 @@ class Recompute(StatelessStrategy):
         gm, g, index = trace(backbone, frames, self.cost_model, profile)
         if self.segment_cost_us is not None and self.cost_model != "flops":
             g.segment_cost = self.segment_cost_us * 1e-6
-        e2e_peak = evaluate(g, [g.full])[0]
+        e2e_peak = chain_cost(g, [g.full])[0]
         sets, exact_family = family(g, self.lower_set_cap)
         if self.policy == "sqrt":
             chosen = sqrt_plan(g, self.segments)
@@ -199,7 +201,7 @@ class Recompute(StatelessStrategy):
         return self._runners[key]
 
     def kept_path(self, backbone: nn.Module, frames: torch.Tensor) -> Any:
-        """The checkpointed function for ``frames (N, C, H, W)`` of this shape (SBP's kept
+        """The recomputed function for ``frames (N, C, H, W)`` of this shape (SBP's kept
         frames): the backbone itself for ``blocks`` (its blocks are wrapped), else the plan's
         split graph. Planned outside any SBP BN phase, on a detached copy of the rows."""
         if self.policy == "blocks":
@@ -231,7 +233,7 @@ class Recompute(StatelessStrategy):
 
 
 def build_runner(gm: fx.GraphModule, g: Graph, chosen: Plan, index: dict[str, int]) -> fx.GraphModule:
-    """Split ``gm`` into the plan's blocks and checkpoint every block but the last.
+    """Split ``gm`` into the plan's blocks and recompute every block but the last.
 
     Vertices go to their block; contracted non-tensor nodes (shapes, sizes) go to the latest
     block among their inputs, which every consumer's block is at or after.
@@ -255,7 +257,7 @@ def build_runner(gm: fx.GraphModule, g: Graph, chosen: Plan, index: dict[str, in
         segment = getattr(split, name)
         free = free_boundary(g, blocks[i], chosen.chain[i])
         tags = bracket_free_boundary(segment, {g.names[v] for v in g.members(free)})
-        setattr(split, name, CheckpointedSegment(segment, BoundarySkips(tags) if tags else None))
+        setattr(split, name, RecomputedSegment(segment, BoundarySkips(tags) if tags else None))
     return split
 
 

@@ -13,10 +13,10 @@ subset of frames per clip, and the other frames' activations are never stored.
 - ``blocks.py``: block granularity (the paper's graph model): split each residual branch.
 
 Frame granularity runs the lockstep code whenever it can (a backbone ``torch.fx`` traces, no
-checkpointing of the kept path, ``memory.lockstep=true``): with full-batch BN, with frozen BN
+recomputation of the kept path, ``memory.lockstep=true``): with full-batch BN, with frozen BN
 and on LayerNorm models alike (the plain scheme: dropped frames in one ``no_grad`` pass, kept
 frames in one pass). Block granularity runs it per residual branch with full-batch BN.
-Record/apply is the documented fallback for the rest (``memory.checkpoint=...``, an untraceable
+Record/apply is the documented fallback for the rest (``memory.recompute=...``, an untraceable
 backbone or branch, ``memory.lockstep=false``); both give the same values, statistics and
 gradients (tested against each other).
 """

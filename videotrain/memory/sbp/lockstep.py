@@ -32,7 +32,7 @@ gradient with the dropped frames' activations held constant at every layer (the 
 through dropped frames cut); the input gradient of a dropped frame is exactly zero.
 
 A backbone that ``torch.fx`` cannot trace, one with a BN subclass that overrides ``forward``
-or SyncBatchNorm, or a kept path that is checkpointed (SBP composed with recomputation) uses
+or SyncBatchNorm, or a kept path that is recomputed (SBP composed with recomputation) uses
 record/apply (``videotrain.memory.sbp.split``) instead; ``lockstep_graph`` returns ``None``.
 """
 

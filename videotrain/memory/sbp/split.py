@@ -179,7 +179,7 @@ class FullBatchNorm:
 
     def snapshot(self) -> Callable[[], Any]:
         """The current phase and statistics, as a factory of a context that restores them
-        (``recompute.replay_on_recompute``: a checkpointed kept-frame path recomputes in
+        (``recompute.replay_on_recompute``: a recomputed kept-frame path recomputes in
         backward, after the forward's phase has ended)."""
         state = (self.phase, dict(self.stats), self.total_rows)
 
@@ -330,7 +330,7 @@ def split_forward(
     ``needs_stats``: ``fn`` contains training-mode BN patched by ``norm`` (record/apply, see
     the module docstring); otherwise dropped rows run under ``no_grad`` in ``chunk``-row
     pieces (``None``: one piece). ``scale`` multiplies the kept rows' gradient (``grad_scale=inverse_keep``).
-    ``kept_fn`` (default ``fn``) computes the kept rows: the same function, checkpointed when
+    ``kept_fn`` (default ``fn``) computes the kept rows: the same function, recomputed when
     SBP composes with recomputation; its recomputes re-enter the apply phase.
     Returns ``(N, ...)``; dropped rows carry no graph, kept rows the graph of one pass.
     """

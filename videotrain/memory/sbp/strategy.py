@@ -56,7 +56,7 @@ the statistics. Not supported with SyncBatchNorm. Two ways to compute it, the sa
   twins of every op, the two parts as contiguous row blocks; at every BN they meet in one
   training-mode BN kernel over all rows (``videotrain.memory.sbp.lockstep``).
 - block granularity: the same lockstep code per residual branch (``blocks.BlockSplitter``).
-- record/apply (``lockstep=false``; composed with ``checkpoint``; a
+- record/apply (``lockstep=false``; composed with ``recompute``; a
   backbone ``torch.fx`` cannot trace): the split unit (the backbone, or one residual branch)
   first runs under ``no_grad`` over *all* frames, recording each BN's statistics, and the
   dropped frames' outputs come from that pass; the kept frames then rerun with autograd,
@@ -75,10 +75,10 @@ forward equals e2e's only against an e2e run with frozen BN too.
 LayerNorm models (ViT) need no policy. At ``keep_ratio=1`` ``encode`` is plain e2e
 (``encode_all_frames``), so it reproduces e2e exactly (under ``frozen``: e2e with frozen BN).
 
-Composition with recomputation (``checkpoint=blocks|sqrt|optimal``, frame granularity): the
-kept frames' backbone pass is checkpointed with ``memory=checkpoint``'s policy (for
-``optimal``, ``checkpoint_budget_frac`` of that path's predicted e2e peak; null: the smallest
-feasible). Gradients, logits and BN statistics equal plain SBP's: the recompute in backward
+Composition with recomputation (``recompute=blocks|sqrt|optimal``, frame granularity; the
+deprecated spelling ``checkpoint=`` still works, ``videotrain.memory.renamed``): the kept frames'
+backbone pass is recomputed in backward with ``memory=recompute``'s policy (for ``optimal``,
+``recompute_budget_frac`` of that path's estimated e2e peak; null: the smallest feasible). Gradients, logits and BN statistics equal plain SBP's: the recompute in backward
 re-enters the BN policy's forward state (``recompute.replay_on_recompute``).
 
 Everything is a no-op in eval mode and under ``no_grad``; bf16 and fp16 autocast work: the
@@ -121,6 +121,7 @@ from videotrain.memory.base import (
 )
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.recompute.strategy import Recompute
+from videotrain.memory.renamed import renamed_argument
 from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
 from videotrain.memory.sbp.blocks import BlockSplitter, PatchedBlock, select_blocks
 from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
@@ -153,10 +154,16 @@ class StochasticBackprop(SamplerStateMixin):
         bn_policy: str = "full_batch",
         seed: int = 0,
         rank: int | None = None,
+        recompute: str | None = None,
+        recompute_budget_frac: float | None = None,
+        lockstep: bool = True,
         checkpoint: str | None = None,
         checkpoint_budget_frac: float | None = None,
-        lockstep: bool = True,
     ) -> None:
+        # deprecated spellings (videotrain.memory.renamed): checkpoint -> recompute
+        recompute = renamed_argument("checkpoint", checkpoint, "recompute", recompute, None)
+        recompute_budget_frac = renamed_argument("checkpoint_budget_frac", checkpoint_budget_frac,
+                                                 "recompute_budget_frac", recompute_budget_frac, None)
         n_keep(keep_ratio, 1)  # validates the ratio
         for key, value, allowed in (
             ("sampler", sampler, SAMPLERS),
@@ -171,14 +178,14 @@ class StochasticBackprop(SamplerStateMixin):
         if nograd_chunk != "auto" and (isinstance(nograd_chunk, bool) or not isinstance(nograd_chunk, int)
                                        or nograd_chunk < 1):
             raise ValueError(f"memory.nograd_chunk must be auto or an integer >= 1, got {nograd_chunk!r}")
-        if checkpoint is not None and granularity == "block":
-            raise ValueError("memory.checkpoint composes with memory.granularity=frame only "
+        if recompute is not None and granularity == "block":
+            raise ValueError("memory.recompute composes with memory.granularity=frame only "
                              f"(got granularity={granularity!r})")
-        if checkpoint_budget_frac is not None and checkpoint != "optimal":
-            raise ValueError("memory.checkpoint_budget_frac needs memory.checkpoint=optimal")
-        # the kept-frame path's recomputation (memory=checkpoint's policies), or None
-        self.recompute = None if checkpoint is None else Recompute(
-            checkpoint, budget_frac=checkpoint_budget_frac)
+        if recompute_budget_frac is not None and recompute != "optimal":
+            raise ValueError("memory.recompute_budget_frac needs memory.recompute=optimal")
+        # the kept-frame path's recomputation (memory=recompute's policies), or None
+        self.recompute = None if recompute is None else Recompute(
+            recompute, budget_frac=recompute_budget_frac)
         self.keep_ratio = float(keep_ratio)
         self.granularity = granularity
         # frames per no_grad piece of the dropped frames; auto (None): one pass over all of them
@@ -211,8 +218,8 @@ class StochasticBackprop(SamplerStateMixin):
         mixes = mixes_frames(backbone)
         if mixes and self.granularity != "block" and self.recompute is not None:
             raise ValueError(
-                "memory.checkpoint does not compose with SBP on a backbone whose frames meet "
-                "(model.backbone.temporal_shift > 0): set memory.checkpoint=null, or "
+                "memory.recompute does not compose with SBP on a backbone whose frames meet "
+                "(model.backbone.temporal_shift > 0): set memory.recompute=null, or "
                 "model.backbone.temporal_shift=0")
         lockstep_ok = not mixes or (self.lockstep and self._lockstep_graph(backbone) is not None)
         if self.granularity == "auto":
@@ -252,7 +259,7 @@ class StochasticBackprop(SamplerStateMixin):
         with freeze, replay, autocast_without_cache(video.device.type):
             b, t = video.shape[:2]
             keep = n_keep(self.keep_ratio, t)
-            if keep == t:  # r=1: exactly e2e (checkpointed, when composed)
+            if keep == t:  # r=1: exactly e2e (recomputed, when composed)
                 if self.recompute is not None:
                     return self.recompute.encode(backbone, video)
                 return encode_all_frames(backbone, video)
@@ -283,7 +290,7 @@ class StochasticBackprop(SamplerStateMixin):
             feats = lockstep_forward(twin, frames, PartRows(keep_rows, drop_rows), scale)
             return FrameFeatures(feats.view(b, t, -1), all_positions(video))  # (B, T, D)
         kept_fn = None
-        if self.recompute is not None:  # checkpoint the kept path (traced for its shape)
+        if self.recompute is not None:  # recompute the kept path (traced for its shape)
             kept_fn = self.recompute.kept_path(backbone, frames[: b * keep])
         feats = split_forward(
             backbone, frames, keep_rows, drop_rows, self.norm, needs_stats=needs_stats,
@@ -352,6 +359,6 @@ class StochasticBackprop(SamplerStateMixin):
             "bn_policy": self.bn_policy,
             "blocks": self.block_indices if self.granularity == "block" else None,
             "seed": self.sampler.seed,
-            "checkpoint": None if self.recompute is None else self.recompute.policy,
+            "recompute": None if self.recompute is None else self.recompute.policy,
             "lockstep": self.lockstep,
         }

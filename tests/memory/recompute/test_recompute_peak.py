@@ -13,14 +13,14 @@ import pytest
 import torch
 from test_recompute_strategy import SkipNet
 
-from videotrain.memory.recompute.graph import LiveBytes, trace
-from videotrain.memory.recompute.planner import evaluate
+from videotrain.memory.recompute.graph import TransientBytes, trace
+from videotrain.memory.recompute.planner import chain_cost
 from videotrain.memory.recompute.strategy import Recompute
 
 
 def measured_peak(module: torch.nn.Module, run: torch.nn.Module, x: torch.Tensor) -> int:
     module.zero_grad(set_to_none=True)
-    mode = LiveBytes()
+    mode = TransientBytes()
     with mode:
         run(x).sum().backward()
     return int(mode.transient())
@@ -46,7 +46,7 @@ def test_predicted_peak_bounds_measured(kit, name: str) -> None:
     bb = (kit.BACKBONES[name]() if name.startswith("timm") else backbones()[name]).train()
     x = torch.randn(8, 3, 32, 32)  # (N, C, H, W)
     _, g, _ = trace(bb, x)
-    e2e = evaluate(g, [g.full])[0]
+    e2e = chain_cost(g, [g.full])[0]
     got = measured_peak(bb, bb, x)
     print(f"{name} e2e: measured {got} predicted {e2e:.0f} ({e2e / got:.3f}x)")
     assert got <= e2e <= 1.25 * got
@@ -67,7 +67,7 @@ def test_predicted_peak_bounds_measured(kit, name: str) -> None:
 def test_smallest_resnet_plan_holds_three_stem_maps_not_four() -> None:
     """The stem (conv, BN, ReLU, maxpool) is the floor of any ResNet plan. Kept together, its
     backward holds the BN input, the ReLU result and two gradients: four stem-sized maps. Cut
-    after BN, with the cut released once the ReLU is recomputed (``checkpoint_call``), it holds
+    after BN, with the cut released once the ReLU is recomputed (``recompute_call``), it holds
     three, and the planner must know it: predicted and measured, within 1% of 3 maps."""
     from videotrain.models.backbones import resnet
 

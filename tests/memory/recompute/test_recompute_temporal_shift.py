@@ -1,4 +1,4 @@
-"""``memory=checkpoint`` with TSM's temporal shift: the recompute in backward shifts with the clip
+"""``memory=recompute`` with TSM's temporal shift: the recompute in backward shifts with the clip
 length of its forward, so gradients, logits and BN statistics equal e2e's for every policy."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_the_plan_viewer_plans_a_shifted_backbone() -> None:
     from videotrain.build import compose_cfg
     from videotrain.plan import make_report
 
-    cfg = compose_cfg(["model.backbone.temporal_shift=0.125", "memory=checkpoint",
+    cfg = compose_cfg(["model.backbone.temporal_shift=0.125", "memory=recompute",
                        "memory.policy=sqrt", "data.batch_size=1", "data.num_frames=4",
                        "data.crop_size=32", "data.num_classes=4"])
     report = make_report(cfg)

@@ -1,5 +1,5 @@
-"""SBP composed with recomputation (``memory=sbp memory.checkpoint=POLICY``): the kept-frame
-path is checkpointed, and nothing else changes: same logits, loss, gradients and BN buffers as
+"""SBP composed with recomputation (``memory=sbp memory.recompute=POLICY``): the kept-frame
+path is recomputed in backward, and nothing else changes: same logits, loss, gradients and BN buffers as
 plain SBP with the same mask seed, under both BN policies; fewer saved activations.
 
 Composed SBP computes full-batch BN by record/apply (the lockstep pass does not checkpoint), so
@@ -26,7 +26,7 @@ def pair(kit, backbone: str, policy: str, bn_policy: str = "full_batch", keep_ra
                             StochasticBackprop(keep_ratio, bn_policy=bn_policy, seed=3,
                                                                lockstep=False))
     composed = VideoClassifier(bb, head, StochasticBackprop(keep_ratio, bn_policy=bn_policy, seed=3,
-                                                            checkpoint=policy))
+                                                            recompute=policy))
     return plain.train(), composed.train()
 
 
@@ -74,10 +74,10 @@ def test_composed_saves_less_than_plain_sbp(kit, policy: str) -> None:
 
 def test_validation_and_describe() -> None:
     with pytest.raises(ValueError, match="granularity=frame only"):
-        StochasticBackprop(0.5, granularity="block", checkpoint="blocks")
+        StochasticBackprop(0.5, granularity="block", recompute="blocks")
     with pytest.raises(ValueError, match="memory.policy"):
-        StochasticBackprop(0.5, checkpoint="nope")
-    with pytest.raises(ValueError, match="checkpoint=optimal"):
-        StochasticBackprop(0.5, checkpoint="sqrt", checkpoint_budget_frac=0.5)
-    assert StochasticBackprop(0.5, checkpoint="sqrt").describe()["checkpoint"] == "sqrt"
-    assert StochasticBackprop(0.5).describe()["checkpoint"] is None
+        StochasticBackprop(0.5, recompute="nope")
+    with pytest.raises(ValueError, match="recompute=optimal"):
+        StochasticBackprop(0.5, recompute="sqrt", recompute_budget_frac=0.5)
+    assert StochasticBackprop(0.5, recompute="sqrt").describe()["recompute"] == "sqrt"
+    assert StochasticBackprop(0.5).describe()["recompute"] is None
