@@ -43,7 +43,7 @@ from videotrain.engine.precision import Precision
 from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.base import SelfPlanning
-from videotrain.memory.renamed import warn_renamed_choices
+from videotrain.memory.renamed import RENAMED_OPTIONS, warn_renamed_choices
 from videotrain.memory.simulate import StepMemory
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier, wants_channels_last
@@ -316,7 +316,7 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
         if model.strategy.name != "e2e":
             log.warning("model.freeze_backbone=true: memory=%s has nothing to save, since the "
                         "backbone runs without autograd; memory=e2e does the same",
-                        model.strategy.name)
+                        RENAMED_OPTIONS.get(model.strategy.name, model.strategy.name))
     return model
 
 
