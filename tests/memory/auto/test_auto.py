@@ -75,8 +75,8 @@ class FakeMeasure:
         self.calls.append(c.name)
         if c.name in self.peaks:
             c.measured_peak = self.peaks[c.name] * MB
-        elif c.predicted_peak is not None:
-            c.measured_peak = c.predicted_peak * self.scale
+        elif c.estimated_peak is not None:
+            c.measured_peak = c.estimated_peak * self.scale
         else:
             c.skip = "no figure in this test"
 
@@ -101,14 +101,14 @@ def test_time_prediction_orders_plans() -> None:
     assert sbp_time(p, 0.5, record_pass=False) < e2e  # half the backbone backward
     assert sbp_time(p, 0.5, record_pass=True) > sbp_time(p, 0.5, record_pass=False)  # extra fwd
     cs = by_name(cands())
-    assert cs["ckpt-a"].predicted_time < cs["ckpt-b"].predicted_time  # less recompute
-    assert cs["sbp+recompute r=0.500"].predicted_time > cs["sbp r=0.500"].predicted_time
+    assert cs["ckpt-a"].estimated_time < cs["ckpt-b"].estimated_time  # less recompute
+    assert cs["sbp+recompute r=0.500"].estimated_time > cs["sbp r=0.500"].estimated_time
     # a backbone that traces runs full-batch SBP in lockstep: one forward, no record pass
     lock = by_name(cands(profile(lockstep=True)))
-    assert lock["sbp r=0.500"].predicted_time == pytest.approx(sbp_time(p, 0.5, record_pass=False))
-    assert lock["sbp r=0.500"].predicted_time < cs["sbp r=0.500"].predicted_time
-    assert lock["sbp+recompute r=0.500"].predicted_time == pytest.approx(  # still record/apply
-        cs["sbp+recompute r=0.500"].predicted_time)
+    assert lock["sbp r=0.500"].estimated_time == pytest.approx(sbp_time(p, 0.5, record_pass=False))
+    assert lock["sbp r=0.500"].estimated_time < cs["sbp r=0.500"].estimated_time
+    assert lock["sbp+recompute r=0.500"].estimated_time == pytest.approx(  # still record/apply
+        cs["sbp+recompute r=0.500"].estimated_time)
 
 
 def test_keep_counts_are_distinct_frame_counts() -> None:
@@ -158,7 +158,7 @@ def test_sbp_largest_keep_ratio_that_fits_and_is_verified() -> None:
     chosen = choose(cs, 55 * MB, measure)  # sbp k=3: 20 + 3/8 * 82 = 50.75 MB; k=4 61 MB
     assert chosen.name == "sbp r=0.375"
     assert measure.calls == ["ckpt-a", "ckpt-b", "sbp r=0.375"]  # the chosen one was verified
-    assert chosen.measured_peak == chosen.predicted_peak
+    assert chosen.measured_peak == chosen.estimated_peak
     assert by_name(cs)["sbp r=0.500"].note == "over budget"
 
 
@@ -229,13 +229,13 @@ def test_extrapolated_e2e_is_only_a_prediction() -> None:
     that runs out of memory in its profiling step is skipped."""
     cs = cands(profile(measured_clips=1), sbp_recompute=None)
     e2e = by_name(cs)["e2e"]
-    assert e2e.measured_peak is None and e2e.predicted_peak == 100 * MB
+    assert e2e.measured_peak is None and e2e.estimated_peak == 100 * MB
 
     def oom_for_exact(c: Candidate) -> None:
         if c.tier == TIER_EXACT:
             c.skip = "out of memory in its profiling step"
         else:
-            c.measured_peak = c.predicted_peak
+            c.measured_peak = c.estimated_peak
 
     chosen = choose(cs, 150 * MB, oom_for_exact)
     assert chosen.name == "sbp r=0.875" and e2e.skip.startswith("out of memory")

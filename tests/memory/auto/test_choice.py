@@ -65,7 +65,7 @@ class FakePredict:
         if c.params.get("budget_frac", 1.0) < self.infeasible_below:
             c.skip = f"{INFEASIBLE} (below the least)"
             return
-        c.predicted_peak = peak_mb(c) * MB
+        c.estimated_peak = peak_mb(c) * MB
 
 
 def cands(**opts) -> list[Candidate]:
@@ -110,7 +110,7 @@ def test_one_walk_serves_both_evaluators() -> None:
 
 def test_candidates_are_specs_without_figures() -> None:
     cs = cands()
-    assert cs[0].name == "e2e" and all(c.predicted_peak is None for c in cs)
+    assert cs[0].name == "e2e" and all(c.estimated_peak is None for c in cs)
     ckpt = [c.params.get("budget_frac") for c in cs if c.kind == "recompute"]
     assert ckpt == [0.9, 0.75, 0.6, 0.5, 0.4, None]  # from the least recompute down
     assert {c.keep_ratio for c in cs if c.kind == "sbp"} == {k / T for k in range(1, T)}
@@ -134,10 +134,10 @@ def test_bisection_finds_the_largest_keep_ratio_in_log_predictions() -> None:
     named = by_name(cs)
     assert named["sbp+recompute r=0.500"].note.startswith("over budget")
     assert "inferred" in named["sbp r=0.938"].note  # never predicted, over by inference
-    assert named["sbp r=0.938"].predicted_peak is None
-    predicted = [c for c in cs if c.predicted_peak is not None]
+    assert named["sbp r=0.938"].estimated_peak is None
+    predicted = [c for c in cs if c.estimated_peak is not None]
     for c in predicted:  # every prediction the walk made is a real one, noted truthfully
-        assert (c.predicted_peak <= 38 * MB) == (c.note in ("chosen", "not needed: a preferred plan fits", ""))
+        assert (c.estimated_peak <= 38 * MB) == (c.note in ("chosen", "not needed: a preferred plan fits", ""))
 
 
 def test_recompute_plans_below_the_planners_least_are_skipped_not_inferred_over() -> None:
@@ -228,11 +228,11 @@ def test_a_step_over_budget_predicts_its_way_down() -> None:
     first, before = auto.active, len(seen)
     auto.observe_step(1, 1e6)  # the first step allocates gradients and optimizer state: ignored
     assert auto.active is first and not auto.step_downs
-    over = first.predicted_peak / MB + 12  # 12 MB more than predicted
+    over = first.estimated_peak / MB + 12  # 12 MB more than predicted
     auto.observe_step(2, over)
     order = ranked(auto.candidates)
     assert order.index(auto.active) > order.index(first)  # later in the ranking
-    assert auto.active.predicted_peak + 12 * MB <= auto.budget
+    assert auto.active.estimated_peak + 12 * MB <= auto.budget
     assert len(seen) > before  # predicted after the decision, when it was needed
     assert auto.step_downs[0]["from"] == first.name and auto.step_downs[0]["to"] == auto.active.name
 

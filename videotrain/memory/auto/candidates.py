@@ -64,8 +64,8 @@ class Candidate:
     params: dict[str, Any]  # the strategy's constructor arguments
     tier: int
     keep_ratio: float = 1.0
-    predicted_peak: float | None = None  # bytes; None: only a profiling step can tell
-    predicted_time: float | None = None  # seconds
+    estimated_peak: float | None = None  # bytes; None: only a profiling step can tell
+    estimated_time: float | None = None  # seconds
     measured_peak: float | None = None  # bytes, from a profiling step
     measured_time: float | None = None
     isolated: bool = False  # profile on a fresh copy of the model
@@ -77,10 +77,10 @@ class Candidate:
     @property
     def peak(self) -> float | None:
         """The best estimate: measured if a profiling step ran, else estimated."""
-        return self.measured_peak if self.measured_peak is not None else self.predicted_peak
+        return self.measured_peak if self.measured_peak is not None else self.estimated_peak
 
     def rank_key(self) -> tuple:
-        time_s = self.predicted_time if self.predicted_time is not None else math.inf
+        time_s = self.estimated_time if self.estimated_time is not None else math.inf
         return (self.tier, -self.keep_ratio, time_s, self.seq, self.name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,8 +90,9 @@ class Candidate:
         return {
             "name": self.name, "kind": self.kind, "params": self.params, "tier": self.tier,
             "accuracy": TIER_NAMES[self.tier], "keep_ratio": self.keep_ratio,
-            "predicted_peak_mb": mb(self.predicted_peak), "measured_peak_mb": mb(self.measured_peak),
-            "predicted_step_s": self.predicted_time, "measured_step_s": self.measured_time,
+            # results.json keys keep their names (memory_plan.candidates), as the bench's do
+            "predicted_peak_mb": mb(self.estimated_peak), "measured_peak_mb": mb(self.measured_peak),
+            "predicted_step_s": self.estimated_time, "measured_step_s": self.measured_time,
             "skip": self.skip, "note": self.note, **self.extra,
         }
 
@@ -291,8 +292,8 @@ def render_table(cands: list[Candidate], budget: float, chosen: Candidate | None
         outcome = c.note or (f"skipped: {c.skip}" if c.skip else "")
         if c is chosen:
             outcome = f"**{outcome}**"
-        time_s = "–" if c.predicted_time is None else f"{c.predicted_time:.2f}"
-        lines.append(f"| {i + 1} | {c.name} | {TIER_NAMES[c.tier]} | {mb(c.predicted_peak)} | "
+        time_s = "–" if c.estimated_time is None else f"{c.estimated_time:.2f}"
+        lines.append(f"| {i + 1} | {c.name} | {TIER_NAMES[c.tier]} | {mb(c.estimated_peak)} | "
                      f"{mb(c.measured_peak)} | {time_s} | {outcome} |")
     skipped = sorted({c.skip for c in cands if c.skip and not c.note and not show_skipped})
     for s in skipped:

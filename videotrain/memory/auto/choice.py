@@ -114,7 +114,7 @@ class MeasuredPeaks:
 
 
 class SimulatedPeaks:
-    """Peaks simulated at full size: ``estimate(c)`` sets ``c.predicted_peak`` (or ``c.skip``),
+    """Peaks simulated at full size: ``estimate(c)`` sets ``c.estimated_peak`` (or ``c.skip``),
     at most ``max_estimates`` times. On reaching a family not searched yet, the rest of it is
     bisected for its first member that fits; ``advice`` words the budget that would work in the
     caller's units."""
@@ -126,16 +126,16 @@ class SimulatedPeaks:
         self.searched: set[tuple] = set()
 
     def _fits(self, c: Candidate) -> bool:
-        if c.predicted_peak is None and not c.skip:
+        if c.estimated_peak is None and not c.skip:
             if self.calls >= self.max_estimates:
                 c.note = "not estimated (memory.max_profiles)"
                 return False
             self.calls += 1
             self.estimate(c)
-        if c.skip or c.predicted_peak is None:
+        if c.skip or c.estimated_peak is None:
             c.note = c.note or f"skipped: {c.skip}"
             return False
-        if c.predicted_peak > self.budget:
+        if c.estimated_peak > self.budget:
             c.note = "over budget (estimated)"
             return False
         return True
@@ -145,20 +145,20 @@ class SimulatedPeaks:
         if key not in self.searched:
             self.searched.add(key)
             _bisect([m for m in rest if family_key(m) == key], self._fits)
-        if c.note or c.skip or c.predicted_peak is None or c.predicted_peak > self.budget:
+        if c.note or c.skip or c.estimated_peak is None or c.estimated_peak > self.budget:
             c.note = c.note or (f"skipped: {c.skip}" if c.skip else "over budget (estimated)"
-                                if c.predicted_peak is not None else "not estimated (memory.max_profiles)")
+                                if c.estimated_peak is not None else "not estimated (memory.max_profiles)")
             return False
         return True
 
     def no_plan_fits(self, cands: list[Candidate]) -> NoPlanFits:
-        known = [c for c in cands if not c.skip and c.predicted_peak is not None]
-        best = min(known, key=lambda c: c.predicted_peak, default=None)
+        known = [c for c in cands if not c.skip and c.estimated_peak is not None]
+        best = min(known, key=lambda c: c.estimated_peak, default=None)
         table = render_table(cands, self.budget)
         if best is None:
             return NoPlanFits(self.budget, None, None, table)
-        return NoPlanFits(self.budget, best.predicted_peak, best.name, table,
-                          advice=None if self.advice is None else self.advice(best.predicted_peak))
+        return NoPlanFits(self.budget, best.estimated_peak, best.name, table,
+                          advice=None if self.advice is None else self.advice(best.estimated_peak))
 
 
 def choose(cands: list[Candidate], budget: float, measure: Callable[[Candidate], None] | None = None,
@@ -194,7 +194,7 @@ def _bisect(family: list[Candidate], fits: Callable[[Candidate], bool]) -> None:
     while lo < hi:
         mid = (lo + hi) // 2
         ok = fits(fam[mid])
-        if not ok and fam[mid].predicted_peak is None:
+        if not ok and fam[mid].estimated_peak is None:
             gone = [fam[mid]]
             if (fam[mid].skip or "").startswith(INFEASIBLE):  # smaller planner budgets are too
                 gone += [m for m in fam[mid + 1:hi] if "budget_frac" in m.params]
@@ -207,7 +207,7 @@ def _bisect(family: list[Candidate], fits: Callable[[Candidate], bool]) -> None:
         else:
             lo = mid + 1
     for j, m in enumerate(fam[:lo]):
-        if m.predicted_peak is None and not m.note:
+        if m.estimated_peak is None and not m.note:
             # fam[lo - 1] was estimated over budget, and needs less than every member before it
-            over = next(x for x in fam[j + 1:lo] if x.predicted_peak is not None)
+            over = next(x for x in fam[j + 1:lo] if x.estimated_peak is not None)
             m.note = f"over budget (inferred: {over.name} is over and needs less)"

@@ -317,7 +317,7 @@ class AutoStrategy:
                 if not infeasible:
                     log.warning("memory=auto: %s: %s", c.name, c.skip)
                 return None
-            c.predicted_peak = max(mem.train_peak, mem.eval_peak or 0) - base
+            c.estimated_peak = max(mem.train_peak, mem.eval_peak or 0) - base
             c.extra.update({"predicted_train_peak_gb": round(mem.train_peak / GIB, 3),
                             "predicted_eval_peak_gb": round((mem.eval_peak or 0) / GIB, 3)})
             return mem
@@ -326,7 +326,7 @@ class AutoStrategy:
         held = run(e2e)  # what e2e holds between steps (weights, gradients, optimizer state) sets the scale
         if held is not None:
             base = held.held - held.batch
-            e2e.predicted_peak -= base
+            e2e.estimated_peak -= base
         # the trainer's scale: a step's peak over what is held between steps
         self.budget = usable / (1 + UNSEEN_FRAC) - base
         self.budget_source = (
@@ -385,12 +385,12 @@ class AutoStrategy:
         if self.recheck is None:
             self.recheck = {
                 "step": step, "plan": active.name, "measured_peak_mb": peak_mb,
-                "predicted_peak_mb": _mb(active.predicted_peak), "profiled_peak_mb": _mb(active.measured_peak),
+                "predicted_peak_mb": _mb(active.estimated_peak), "profiled_peak_mb": _mb(active.measured_peak),
                 "budget_mb": self.budget / MB,
             }
             log.info("memory=auto re-check at step %d: %s measured %.1f MB in training; estimated %s MB, "
                      "profiled %s MB; budget %.1f MB", step, active.name, peak_mb,
-                     _fmt(active.predicted_peak), _fmt(active.measured_peak), self.budget / MB)
+                     _fmt(active.estimated_peak), _fmt(active.measured_peak), self.budget / MB)
         if peak <= self.budget * (1 + self.recheck_tolerance):
             return
         shift = max(peak - estimated, 0.0)
@@ -482,7 +482,7 @@ class AutoStrategy:
             "chosen": self.chosen.name,
             "reason": self.reason,
             "active": self.active.name if self.active else None,
-            "predicted_peak_mb": _mb(self.chosen.predicted_peak),  # from the e2e profile
+            "predicted_peak_mb": _mb(self.chosen.estimated_peak),  # from the e2e profile
             "profiled_peak_mb": _mb(self.chosen.measured_peak),  # its own profiling step
             "profile": self.profile.as_dict() if self.profile else None,
             "candidates": [c.to_dict() for c in ranked(self.candidates)],
