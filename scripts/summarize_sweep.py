@@ -39,7 +39,8 @@ import yaml
 
 # Overrides shown in their own columns or averaged over, never used to split lines.
 OWN_COLUMNS = {"memory", "memory.keep_ratio", "memory.granularity", "seed", "memory.seed", "row"}
-TARGETS = {"EndToEnd": "e2e", "StochasticBackprop": "sbp", "FrameDropout": "frame_dropout"}
+TARGETS = {"EndToEnd": "e2e", "StochasticBackprop": "sbp", "FrameDropout": "frame_dropout",
+           "Recompute": "recompute", "AutoStrategy": "auto"}
 
 
 def _parse_value(text: str) -> Any:

@@ -108,8 +108,8 @@ def test_resolve_overrides_filter_and_reference() -> None:
     specs = resolve(SUITES["default"], [], [], only=["sbp-block-0.25"])
     assert [s["name"] for s in specs] == ["resnet18/e2e", "resnet18/sbp-block-0.25",
                                           "vit_tiny/e2e", "vit_tiny/sbp-block-0.25"]
-    ckpt = resolve(SUITES["checkpoint"], [], [])
-    assert {s["policy"] for s in ckpt if s["strategy"] == "checkpoint"} == {"blocks", "sqrt",
+    ckpt = resolve(SUITES["recompute"], [], [])
+    assert {s["policy"] for s in ckpt if s["strategy"] == "recompute"} == {"blocks", "sqrt",
                                                                            "optimal"}
 
 
@@ -184,7 +184,7 @@ def test_help_offers_only_the_cost_suites() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     choices = proc.stdout.split("--suite {", 1)[1].split("}", 1)[0].split(",")
-    assert sorted(choices) == sorted(SUITES) == ["all", "checkpoint", "default", "gpu", "sbp"]
+    assert sorted(choices) == sorted(SUITES) == ["all", "default", "gpu", "recompute", "sbp"]
     for gone in ("--clips", "--timed-clips", "--target-clips-per-s", "--scale", "--tasks",
                  "--seeds", "--jobs", "--runs-dir", "--keep-checkpoints", "--report-only",
                  "--equal-time"):
@@ -314,7 +314,7 @@ def test_sac_milp_plan_keeps_e2e_gradients() -> None:
                              contextlib.nullcontext)
     plan = figures["sac_milp_plan"]
     assert plan["modules"] and 0 < figures["min_budget_frac"] == plan["budget_frac"] <= 1
-    assert plan["predicted_act_peak_mb"] <= plan["budget_frac"] * plan["estimated_e2e_act_mb"] + 1e-6
+    assert plan["estimated_act_peak_mb"] <= plan["budget_frac"] * plan["estimated_e2e_act_mb"] + 1e-6
     assert saved_activation_bytes(sac, frames) < saved_activation_bytes(ref, frames)
     for m in (ref, sac):
         m(frames).square().sum().backward()
@@ -377,9 +377,9 @@ def test_sac_milp_row_tiny(tmp_path: Path) -> None:
     measured like every row, with the budget it found."""
     pytest.importorskip("pulp")
     pytest.importorskip("pwlf")
-    from videotrain.bench.suites import CHECKPOINT_ROWS
+    from videotrain.bench.suites import RECOMPUTE_ROWS
 
-    sac_min = next(r for r in CHECKPOINT_ROWS if r.get("sac_milp") == "min")
+    sac_min = next(r for r in RECOMPUTE_ROWS if r.get("sac_milp") == "min")
     rows, _, table = run_bench(rows=[sac_min], extra_overrides=["model/backbone=resnet10"],
                                log=lambda *a, **k: None, **TINY)
     e2e, sac = rows
@@ -398,14 +398,14 @@ def test_predicted_step_peak_within_15_percent_and_eval_within_training() -> Non
     the row's training step."""
     rows = [row("resnet18", "e2e"), row("resnet18", "sbp", 0.5, "frame"),
             row("resnet18", "sbp", 0.25, "frame"), row("resnet18", "frame_dropout", 0.5),
-            row("resnet18", "checkpoint", policy="sqrt"),
-            {**row("resnet18", "checkpoint", policy="optimal"), "budget": "min"}]
+            row("resnet18", "recompute", policy="sqrt"),
+            {**row("resnet18", "recompute", policy="optimal"), "budget": "min"}]
     results, _, table = run_bench(rows=rows, steps=1, warmup=1, device="cpu", threads=1,
                                   log=lambda *a, **k: None)
     assert len(results) == len(rows), table
     for r in results:
         assert not r.get("error"), (r["name"], r.get("error"))
-        assert 0.85 <= r["step_predicted_mb"] / r["peak_mem_mb"] <= 1.15, (r["name"], table)
+        assert 0.85 <= r["step_estimated_mb"] / r["peak_mem_mb"] <= 1.15, (r["name"], table)
         assert r["eval_peak_mb"] <= r["peak_mem_mb"], (r["name"], table)
 
 
@@ -457,7 +457,7 @@ def test_default_steps_follow_the_device() -> None:
 def test_cpu_rows_report_aten_ops_per_step(tmp_path: Path) -> None:
     """On a CPU the launches column holds the aten ops a step dispatches, deterministic and
     lower for e2e than for a checkpointed row."""
-    rows = [row("resnet10", "e2e"), row("resnet10", "checkpoint", policy="sqrt")]
+    rows = [row("resnet10", "e2e"), row("resnet10", "recompute", policy="sqrt")]
     results, meta, table = run_bench(rows=rows, out=tmp_path, log=lambda *a, **k: None, **TINY)
     e2e, ckpt = results
     assert not e2e.get("error") and not ckpt.get("error"), table

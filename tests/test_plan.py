@@ -20,8 +20,8 @@ def test_plan_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert word in text
     report = json.loads(out.read_text())
     assert report["input_shape"] == [2, 3, 32, 32]
-    assert report["predicted_peak_bytes"] <= 0.8 * report["e2e_peak_bytes"]
-    assert report["smallest_feasible_bytes"] <= report["predicted_peak_bytes"]
+    assert report["estimated_peak_bytes"] <= 0.8 * report["e2e_peak_bytes"]
+    assert report["smallest_feasible_bytes"] <= report["estimated_peak_bytes"]
     assert sum(len(s["nodes"]) for s in report["segments"]) == report["vertices"]
     # a real backbone has more than 16 vertices: rounded costs, so the plan says it is approximate
     assert report["vertices"] > 16 and report["exact_family"] and report["exact"] is False

@@ -17,7 +17,7 @@ from videotrain.plan import main as plan_main
 TINY = ["model/backbone=resnet10", "model.backbone.temporal_shift=0", "model/head=tconv",
         "data.num_frames=8", "data.crop_size=96", "data.batch_size=2", "data.val_batch_size=2",
         "trainer.precision=bf16"]  # per-frame: every row applies (with the shift, see below)
-ROW_KEYS = {"strategy", "keep_ratio", "policy", "predicted_train_peak_gb", "predicted_eval_peak_gb",
+ROW_KEYS = {"strategy", "keep_ratio", "policy", "estimated_train_peak_gb", "estimated_eval_peak_gb",
             "fits", "max_batch_size", "max_num_frames"}
 
 
@@ -39,7 +39,7 @@ def test_fit_report_has_every_row_and_field(report: dict) -> None:
 
 def test_fit_rows_order_as_their_strategies_say(report: dict) -> None:
     rows = {(r["strategy"], r["keep_ratio"], r["policy"]): r for r in report["rows"]}
-    peak = {k: r["predicted_step_increase_mb"] for k, r in rows.items()}
+    peak = {k: r["estimated_step_increase_mb"] for k, r in rows.items()}
     e2e = peak[("e2e", None, None)]
     assert peak[("sbp", 0.25, None)] < peak[("sbp", 0.5, None)] < e2e
     assert peak[("frame_dropout", 0.5, None)] < e2e
@@ -103,10 +103,10 @@ def test_fit_predicts_the_frozen_backbone_step_training_builds(report: dict) -> 
     ref = simulate_step(make_model, make_optimizer, (2, 8, 3, 96, 96), 400,
                         autocast_dtype=PRECISIONS["bf16"], grad_clip=cfg.trainer.grad_clip,
                         label_smoothing=float(cfg.trainer.label_smoothing))
-    assert row["predicted_train_peak_gb"] == ref.train_peak / GIB
+    assert row["estimated_train_peak_gb"] == ref.train_peak / GIB
     assert row["held_gb"] == ref.held / GIB
     unfrozen = next(r for r in report["rows"] if r["strategy"] == "e2e")
-    assert row["predicted_train_peak_gb"] < 0.8 * unfrozen["predicted_train_peak_gb"]
+    assert row["estimated_train_peak_gb"] < 0.8 * unfrozen["estimated_train_peak_gb"]
     assert row["held_gb"] < unfrozen["held_gb"]
 
 

@@ -144,7 +144,7 @@ def render(report: dict[str, Any]) -> str:
         *([] if report["exact"] or report["policy"] != "optimal" else [
             "approximate plan: it may recompute more than the optimum (docs/memory.md)"]),
         f"e2e peak            {report['e2e_peak_bytes'] / mib:10.2f} MiB",
-        f"estimated peak      {report['predicted_peak_bytes'] / mib:10.2f} MiB",
+        f"estimated peak      {report['estimated_peak_bytes'] / mib:10.2f} MiB",
         f"estimated overhead  {report['overhead_frac_of_forward']:10.1%} of a forward",
     ]
     if report["smallest_feasible_bytes"] is not None:
@@ -199,9 +199,9 @@ def fit_report(overrides: list[str], device_gb: float | None, target: str = "cud
             continue
         mem: StepMemory = res["memory"]
         row.update({
-            "predicted_train_peak_gb": mem.train_peak / GIB,
-            "predicted_eval_peak_gb": (mem.eval_peak or 0) / GIB,
-            "predicted_step_increase_mb": mem.step_increase / 2**20,
+            "estimated_train_peak_gb": mem.train_peak / GIB,
+            "estimated_eval_peak_gb": (mem.eval_peak or 0) / GIB,
+            "estimated_step_increase_mb": mem.step_increase / 2**20,
             "held_gb": mem.held / GIB,
             "seconds": res["seconds"],
         })
@@ -240,7 +240,7 @@ def render_fit(report: dict[str, Any]) -> str:
             why = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
             lines.append(f"{name:<26}{why}")
             continue
-        line = f"{name:<26}{r['predicted_train_peak_gb']:>10.2f}{r['predicted_eval_peak_gb']:>10.2f}"
+        line = f"{name:<26}{r['estimated_train_peak_gb']:>10.2f}{r['estimated_eval_peak_gb']:>10.2f}"
         if gb:
             line += f"{'yes' if r['fits'] else 'no':>6}{r['max_batch_size']:>11}{r['max_num_frames']:>12}"
         lines.append(line)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 MIB = 2**20
 
 
-@pytest.mark.parametrize("memory", ["sbp", "sbp-frozen", "checkpoint"])
+@pytest.mark.parametrize("memory", ["sbp", "sbp-frozen", "recompute"])
 @pytest.mark.parametrize("precision", ["bf16", "16"])
 def test_training_run_on_cuda(cuda: torch.device, run_overrides, compose_cfg, metrics_rows,
                               tmp_path: Path, precision: str, memory: str) -> None:

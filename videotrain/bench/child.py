@@ -49,16 +49,16 @@ def step_stats(times: list[float], peaks: list[float], fwd_bwd: list[float],
 
 
 def plan_figures(strategy: object) -> dict[str, Any]:
-    """A recomputation plan's predictions next to the measurement: predicted peak of the
+    """A recomputation plan's estimates next to the measurement: estimated peak of the
     backbone's activations and their gradients, the plan's e2e figure, the smallest feasible
     budget and its fraction of e2e (what ``budget="min"`` rows report as ``budget_frac``)."""
     recompute = getattr(strategy, "recompute", None) or strategy
     report = getattr(recompute, "last_report", None)
     if not report:
         return {}
-    out = {"predicted_peak_mb": report["predicted_peak_bytes"] / 2**20,
+    out = {"estimated_peak_mb": report["estimated_peak_bytes"] / 2**20,
            "plan_e2e_peak_mb": report["e2e_peak_bytes"] / 2**20,
-           "predicted_overhead_frac": report["overhead_frac_of_forward"],
+           "estimated_overhead_frac": report["overhead_frac_of_forward"],
            "plan_segments": len(report["segments"]), "plan_cost_model": report.get("cost_model")}
     if report.get("smallest_feasible_bytes"):
         out["smallest_feasible_mb"] = report["smallest_feasible_bytes"] / 2**20
@@ -120,7 +120,7 @@ def device_activity(spans: list[tuple[str, float, float]], wall_us: float, steps
 
 def launch_figures(step: Callable[[], Any], device: torch.device, steps: int = PROFILE_STEPS) -> dict[str, Any]:
     """What a step launches: the aten ops it dispatches (one step, any device: the CPU's
-    predictor of kernel launches, ``metrics.dispatch``) and on CUDA, from ``torch.profiler``
+    stand-in for kernel launches, ``metrics.dispatch``) and on CUDA, from ``torch.profiler``
     over ``steps`` steps, kernels per step, kernel time per step and the GPU busy fraction.
     ``launches_per_step`` is the kernels on CUDA, the aten ops elsewhere (one table column)."""
     from videotrain.metrics.dispatch import aten_ops

@@ -18,7 +18,7 @@ from typing import Any
 from videotrain.bench import report
 from videotrain.bench.child import step_stats
 from videotrain.bench.spawn import device_name, machine_info, run_child
-from videotrain.bench.suites import CHILD_KEYS, SUITES, resolve, setting_for
+from videotrain.bench.suites import CHILD_KEYS, SUITE_ALIASES, SUITES, resolve, setting_for
 
 DEFAULT_HEAD = "transformer"
 MIN_ROW_S = 20.0  # a row needs this much of a suite's time budget left to start
@@ -147,13 +147,13 @@ def auto_budget(spec: dict[str, Any], specs: list[dict[str, Any]],
             "overrides": [*spec["overrides"], f"memory.budget_mb={budget}"]}
 
 
-def predicted_steps(specs: list[dict[str, Any]], device: str, free_grads: bool = False,
+def estimated_steps(specs: list[dict[str, Any]], device: str, free_grads: bool = False,
                     processes: int = 2) -> list[float | None]:
     """Each row's step peak (MB, the scale of its measured ``peak_mem_mb``) as
-    ``python -m videotrain.plan --fit`` predicts it on fake tensors, for the same model, batch
+    ``python -m videotrain.plan --fit`` estimates it on fake tensors, for the same model, batch
     and step (AdamW, no clipping). None for rows the config alone does not describe: the peers
     that change the model when they run (torch.compile, sac_milp) and memory=auto (it chooses
-    its plan then); and all rows with ``free_grads`` (the prediction keeps gradients)."""
+    its plan then); and all rows with ``free_grads`` (the estimate keeps gradients)."""
     from videotrain.simulate.config_run import run_isolated
 
     if free_grads:
@@ -169,15 +169,15 @@ def predicted_steps(specs: list[dict[str, Any]], device: str, free_grads: bool =
     return out
 
 
-def start_predictions(specs: list[dict[str, Any]], device: str,
+def start_estimates(specs: list[dict[str, Any]], device: str,
                       free_grads: bool) -> Callable[[], list[float | None]]:
-    """:func:`predicted_steps`, and a function that returns them. With CUDA they run on the CPU
+    """:func:`estimated_steps`, and a function that returns them. With CUDA they run on the CPU
     while the rows run on the GPU (half the cores); on the CPU they wait until the rows are
     done, so that they never share the cores with a timed step."""
     if not device.startswith("cuda"):
-        return lambda: predicted_steps(specs, device, free_grads)
+        return lambda: estimated_steps(specs, device, free_grads)
     pool = ThreadPoolExecutor(1)
-    future = pool.submit(predicted_steps, specs, device, free_grads,
+    future = pool.submit(estimated_steps, specs, device, free_grads,
                          max(min((os.cpu_count() or 2) // 2, 8), 1))
     pool.shutdown(wait=False)
     return future.result
@@ -237,7 +237,7 @@ def run_bench(
               "size": size, "num_classes": num_classes, "device": device, "seed": 0,
               "threads": threads, "free_grads": free_grads, "eval_peak": True}
     per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
-    predictions = start_predictions(specs, device, free_grads)
+    estimates = start_estimates(specs, device, free_grads)
     for rnd in range(rounds):  # round-robin, so slow drifts of machine load hit every row
         for i, spec in enumerate(specs):
             if any(r.get("error") for r in per_row[i]):
@@ -262,8 +262,8 @@ def run_bench(
                     f"({res['wall_s']:.0f} s)", file=sys.stderr)
     results = [combine(spec, runs, device, spec.get("batch_size") or batch_size)
                for spec, runs in zip(specs, per_row, strict=True)]
-    for row, mb in zip(results, predictions(), strict=True):
-        row["step_predicted_mb"] = mb
+    for row, mb in zip(results, estimates(), strict=True):
+        row["step_estimated_mb"] = mb
     report.add_ratios(results)
     machine = machine_info(device)
     meta = {"device": device, "torch": machine["torch"], "setting": setting,
@@ -284,9 +284,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Extra arguments are Hydra overrides applied to every row after its own, e.g. "
                "model/backbone=resnet10 model/head=tconv trainer.precision=bf16.")
     p.add_argument("--suite", default="default", choices=sorted(SUITES),
-                   help="the rows to run (suites.py): default, sbp, checkpoint, all, or gpu: the "
+                   type=lambda name: SUITE_ALIASES.get(name, name),  # --suite checkpoint: recompute
+                   help="the rows to run (suites.py): default, sbp, recompute, all, or gpu: the "
                         "CUDA acceptance suite (resnet50 + transformer head, B=8 x T=16 at 224 px, "
-                        "bf16; e2e, sbp, frame dropout, checkpoint, memory=auto at half of e2e's "
+                        "bf16; e2e, sbp, frame dropout, recompute, memory=auto at half of e2e's "
                         "peak, torch.compile), written to outputs/bench/gpu/<gpu>/ unless --out; "
                         "exits with status 2 at once where there is no CUDA GPU. The lab's "
                         "suites are beside the package: python -m benchmarks.data, python -m "

@@ -16,8 +16,8 @@ COLUMNS = [
     ("policy", "policy", "{}"),
     ("keep", "keep_ratio", "{:.2f}"),
     ("peak MB", "peak_mem_mb", "{:.1f}"),
-    ("predicted MB", "step_predicted_mb", "{:.1f}"),
-    ("pred/meas", "predicted_ratio", "{:.2f}"),
+    ("estimated MB", "step_estimated_mb", "{:.1f}"),
+    ("est/meas", "estimated_ratio", "{:.2f}"),
     ("eval MB", "eval_peak_mb", "{:.1f}"),
     ("mem ×e2e", "mem_ratio", "{:.2f}"),
     ("fwd+bwd MB", "fwd_bwd_peak_mb", "{:.1f}"),
@@ -40,8 +40,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                            ("act_ratio", "saved_act_mb")):
             num, den = r.get(key), ref.get(key) if ref else None
             r[ratio] = num / den if num is not None and den else None
-        pred, meas = r.get("step_predicted_mb"), r.get("peak_mem_mb")
-        r["predicted_ratio"] = pred / meas if pred is not None and meas else None
+        pred, meas = r.get("step_estimated_mb"), r.get("peak_mem_mb")
+        r["estimated_ratio"] = pred / meas if pred is not None and meas else None
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -57,9 +57,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     columns = list(COLUMNS)
     if any(r.get("budget_frac") is not None for r in rows):
         columns.insert(5, ("budget", "budget_frac", "{:.3g}"))
-    if any(r.get("predicted_peak_mb") is not None for r in rows):  # the plan's prediction
+    if any(r.get("estimated_peak_mb") is not None for r in rows):  # the plan's estimate
         columns.insert(columns.index(("peak MB", "peak_mem_mb", "{:.1f}")) + 1,
-                       ("plan act MB", "predicted_peak_mb", "{:.1f}"))
+                       ("plan act MB", "estimated_peak_mb", "{:.1f}"))
     if any(r.get("launches_per_step") is not None for r in rows):  # host- or device-bound
         at = columns.index(("time ×e2e", "time_ratio", "{:.2f}")) + 1
         cuda = any(r.get("kernels_per_step") is not None for r in rows)

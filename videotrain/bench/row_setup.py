@@ -37,4 +37,4 @@ def prepare_row(model: torch.nn.Module, cfg: Any, spec: dict[str, Any], device: 
     plan = plan_memory(cfg, model, precision, device, spec["num_classes"],
                        ConfigEstimator)  # memory=auto only
     return {"auto_plan": {k: plan.get(k) for k in (
-        "budget_mb", "chosen", "reason", "predicted_peak_mb", "profiled_peak_mb")}} if plan else {}
+        "budget_mb", "chosen", "reason", "estimated_peak_mb", "profiled_peak_mb")}} if plan else {}

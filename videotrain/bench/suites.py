@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 R18, R50, VIT, VIT_B16 = "resnet18", "resnet50", "vit_tiny", "vit_b_16"
-# A row's strategy label -> its memory= option where they differ: the recomputation rows keep
-# the names they were measured under (resnet18/checkpoint-sqrt), memory=recompute builds them
-GROUP_OF = {"checkpoint": "recompute"}
-LABEL_OF = {group: label for label, group in GROUP_OF.items()}
+# A row's strategy -> the word its row name starts with, where they differ: the recomputation
+# rows keep the names they were measured under (resnet50/checkpoint-optimal-b0.5, the names GPU
+# results are compared by across leases), though memory=recompute builds them
+NAME_OF = {"recompute": "checkpoint"}
 # timm models are backbones "timm:NAME": model/backbone=timm model.backbone.name=NAME
 TIMM_PREFIX = "timm:"
 CONVNEXT, TIMM_VIT = f"{TIMM_PREFIX}convnext_atto", f"{TIMM_PREFIX}vit_tiny_patch16_224"
@@ -62,10 +62,10 @@ def row(
     **options: Any,
 ) -> dict[str, Any]:
     """A row spec. ``keep_ratio=None`` means "no such option" and is reported as 1.0 (every
-    frame gets a backward), so e2e and checkpoint rows sit at keep ratio 1 in the plots."""
+    frame gets a backward), so e2e and recompute rows sit at keep ratio 1 in the plots."""
     trainer = {k[len("trainer_"):]: options.pop(k) for k in list(options) if k.startswith("trainer_")}
     memory = {"keep_ratio": keep_ratio, "granularity": granularity, "policy": policy, **options}
-    overrides = [*backbone_overrides(backbone), f"memory={GROUP_OF.get(strategy, strategy)}"]
+    overrides = [*backbone_overrides(backbone), f"memory={strategy}"]
     overrides += [f"memory.{k}={v}" for k, v in memory.items() if v is not None]
     overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in trainer.items()]
     return {
@@ -105,7 +105,7 @@ SBP_ROWS = [
 TIMM_ROWS = [
     r for b in (CONVNEXT, TIMM_VIT) for r in (
         row(b, "e2e"), row(b, "sbp", 0.5, "frame"),
-        row(b, "checkpoint", policy="optimal", budget_frac=0.5))
+        row(b, "recompute", policy="optimal", budget_frac=0.5))
 ]
 
 DEFAULT_ROWS = [
@@ -115,7 +115,7 @@ DEFAULT_ROWS = [
     *TIMM_ROWS,
 ]
 
-# Recomputation (design §2 "checkpoint"), its composition with SBP, and torch.compile's
+# Recomputation (design §2), its composition with SBP, and torch.compile's
 # min-cut activation budget as a peer (``compile_budget``: not a memory option, the child sets
 # ``torch._functorch.config.activation_memory_budget`` and compiles the backbone).
 # ``budget="min"``: the optimal plan at the smallest feasible budget; the child reports the
@@ -124,12 +124,12 @@ DEFAULT_ROWS = [
 # SACEstimator, applied as selective activation checkpointing; bench/sac_peer.py), at the
 # budgets of the optimal rows, as fractions of the e2e activation peak its estimator reports
 # ("min": the smallest fraction its MILP solves).
-CHECKPOINT_ROWS = [
+RECOMPUTE_ROWS = [
     row(R18, "e2e"),
-    row(R18, "checkpoint", policy="blocks"),
-    row(R18, "checkpoint", policy="sqrt"),
-    *(row(R18, "checkpoint", policy="optimal", budget_frac=f) for f in (0.7, 0.5)),
-    {**row(R18, "checkpoint", policy="optimal"), "budget": "min"},
+    row(R18, "recompute", policy="blocks"),
+    row(R18, "recompute", policy="sqrt"),
+    *(row(R18, "recompute", policy="optimal", budget_frac=f) for f in (0.7, 0.5)),
+    {**row(R18, "recompute", policy="optimal"), "budget": "min"},
     {**row(R18, "e2e"), "policy": "torch.compile", "budget_frac": 0.5, "compile_budget": 0.5},
     *({**row(R18, "sbp", 0.5, "frame", recompute=c), "policy": f"checkpoint:{c}"}
       for c in ("blocks", "optimal")),
@@ -147,15 +147,15 @@ CHECKPOINT_ROWS = [
 NCHW_E2E = {**row(R50, "e2e", trainer_channels_last=False), "policy": "nchw"}
 VIT_B16_ROWS = [{**r, "batch_size": 2, "frames": 64} for r in (
     row(VIT_B16, "e2e"), row(VIT_B16, "sbp", 0.5, "frame"),
-    row(VIT_B16, "checkpoint", policy="optimal", budget_frac=0.5))]
+    row(VIT_B16, "recompute", policy="optimal", budget_frac=0.5))]
 GPU_ROWS = [
     row(R50, "e2e"),
     NCHW_E2E,
     row(R50, "sbp", 0.5, "frame"),
     row(R50, "sbp", 0.25, "frame"),
     row(R50, "frame_dropout", 0.5),
-    row(R50, "checkpoint", policy="sqrt"),
-    row(R50, "checkpoint", policy="optimal", budget_frac=0.5),
+    row(R50, "recompute", policy="sqrt"),
+    row(R50, "recompute", policy="optimal", budget_frac=0.5),
     {**row(R50, "sbp", 0.5, "frame", recompute="optimal"), "policy": "checkpoint:optimal"},
     *VIT_B16_ROWS,
     {**row(R50, "auto"), "budget_frac": 0.5, "auto_budget_of_e2e": 0.5},
@@ -166,10 +166,12 @@ GPU_ROWS = [
 SUITES: dict[str, list[dict[str, Any]]] = {
     "default": DEFAULT_ROWS,
     "sbp": SBP_ROWS,
-    "checkpoint": CHECKPOINT_ROWS,
+    "recompute": RECOMPUTE_ROWS,
     "gpu": GPU_ROWS,
 }
-SUITES["all"] = [r for name in ("default", "checkpoint") for r in SUITES[name]]
+SUITES["all"] = [r for name in ("default", "recompute") for r in SUITES[name]]
+# --suite checkpoint: the deprecated name of --suite recompute (removed with memory=checkpoint)
+SUITE_ALIASES = {"checkpoint": "recompute"}
 
 # The GPU suite must finish in 10 minutes on one H100: each row gets at most 240 s (a compile
 # that does not finish), and no row runs past 570 s of the run (30 s left for the report). The
@@ -217,12 +219,12 @@ def backbone_of(overrides: list[str]) -> str | None:
 
 def row_name(spec: dict[str, Any]) -> str:
     """``resnet18/sbp-frame-0.5``, ``vit_tiny/e2e``, ``resnet18/checkpoint-optimal-b0.5``."""
-    parts = [spec["strategy"]]
+    parts = [NAME_OF.get(spec["strategy"], spec["strategy"])]
     if spec.get("granularity"):
         parts.append(spec["granularity"])
     if spec.get("policy"):
         parts.append(spec["policy"])
-    if spec["strategy"] not in ("e2e", "checkpoint", "auto") or spec["keep_ratio"] != 1.0:
+    if spec["strategy"] not in ("e2e", "recompute", "auto") or spec["keep_ratio"] != 1.0:
         parts.append(f"{spec['keep_ratio']:g}")
     if spec.get("budget") == "min":
         parts.append("bmin")
@@ -258,7 +260,7 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
         spec = {**spec, "overrides": ovs}
         spec["backbone"] = backbone_of(ovs) or spec["backbone"]
         group = _value(ovs, "memory")
-        spec["strategy"] = LABEL_OF.get(group, group) if group else spec["strategy"]
+        spec["strategy"] = group if group else spec["strategy"]
         for field in ("keep_ratio", "granularity", "policy"):
             v = _value(ovs, f"memory.{field}")
             if v is not None:

@@ -208,7 +208,7 @@ def test_plan_estimated_budget_is_on_the_trainers_scale() -> None:
     # budget: 0.09 GiB / 1.1 (unseen share), less the 40 MB held between steps without the
     # batch: 43.8 MB; e2e (110) and the least-memory recompute plan (50) are over
     budget = gb * GIB / (1 + UNSEEN_FRAC) - 40 * MB
-    assert report["budget_mb"] == pytest.approx(budget / MB) and report["mode"] == "predicted"
+    assert report["budget_mb"] == pytest.approx(budget / MB) and report["mode"] == "estimated"
     # a step's peak on that scale: what it adds, plus the batch (held, but inside the meter's step)
     expected = max(k for k in range(1, T) if 10 + 20 + 80 * k / T <= budget / MB) / T
     assert auto.chosen.name == f"sbp r={expected:.3f}" and isinstance(auto.inner, StochasticBackprop)
@@ -252,12 +252,12 @@ def test_plan_cli_predicts_for_a_cuda_card_on_this_machine(tmp_path: Path, capsy
     assert plan.main(["--out", str(out), "memory=auto", "memory.budget_gb=0.7", "device=cuda",
                       "memory.recompute_fracs=[0.9]"]) == 0
     report = json.loads(out.read_text())
-    assert report["mode"] == "predicted" and report["profile"] is None
+    assert report["mode"] == "estimated" and report["profile"] is None
     named = {c["name"]: c for c in report["candidates"]}
     assert named["e2e"]["note"] == "over budget (estimated)"
     chosen = named[report["chosen"]]
-    assert chosen["kind"] == "recompute" and chosen["predicted_peak_mb"] <= report["budget_mb"]
-    assert named["e2e"]["predicted_peak_mb"] > report["budget_mb"]
+    assert chosen["kind"] == "recompute" and chosen["estimated_peak_mb"] <= report["budget_mb"]
+    assert named["e2e"]["estimated_peak_mb"] > report["budget_mb"]
     assert "chosen:" in capsys.readouterr().out
 
 
@@ -268,11 +268,11 @@ def test_run_trains_on_the_predicted_choice(run_overrides, compose_cfg, tmp_path
     ov += ["model.head.hidden_dim=16", "data.crop_size=64", "data.short_side=64", "data.num_frames=8",
            "data.val_batch_size=1"]
     e2e = plan.auto_report(compose_cfg([*ov, "memory.budget_gb=100"]))
-    assert e2e["chosen"] == "e2e" and e2e["mode"] == "predicted"
-    need_gb = e2e["candidates"][0]["predicted_train_peak_gb"] * (1 + UNSEEN_FRAC)
+    assert e2e["chosen"] == "e2e" and e2e["mode"] == "estimated"
+    need_gb = e2e["candidates"][0]["estimated_train_peak_gb"] * (1 + UNSEEN_FRAC)
     cfg = compose_cfg([*ov, f"memory.budget_gb={need_gb * 0.9:.4f}"])  # e2e cannot fit
     results = run.train(cfg, tmp_path)
     mp = results["memory_plan"]
-    assert mp["mode"] == "predicted" and mp["chosen"] != "e2e"
+    assert mp["mode"] == "estimated" and mp["chosen"] != "e2e"
     assert mp["recheck"]["plan"] == mp["chosen"]  # verified on the first steps, as profiled plans are
     assert results["steps"] == 3

@@ -80,7 +80,7 @@ def test_every_policy_matches_e2e(kit, backbone: str, policy: str, options: dict
     assert_like_e2e(kit, ref, model, losses)
     if policy == "optimal":  # (sqrt may cost more than e2e on models this small, and does here)
         report = model.strategy.last_report
-        assert report["predicted_peak_bytes"] <= options.get("budget_frac", 1.0) * report["e2e_peak_bytes"]
+        assert report["estimated_peak_bytes"] <= options.get("budget_frac", 1.0) * report["e2e_peak_bytes"]
 
 
 def test_bn_stats_once_and_plain_checkpoint_would_update_twice() -> None:
@@ -136,7 +136,7 @@ def test_memory_objective_reaches_smallest_budget(kit) -> None:
     _, model = kit.model_pair("vit", Recompute("optimal", objective="memory"))
     model(kit.video())
     report = model.strategy.last_report
-    assert report["predicted_peak_bytes"] == pytest.approx(report["smallest_feasible_bytes"])
+    assert report["estimated_peak_bytes"] == pytest.approx(report["smallest_feasible_bytes"])
 
 
 @pytest.mark.parametrize("policy", ["blocks", "optimal"])

@@ -91,8 +91,8 @@ class Candidate:
             "name": self.name, "kind": self.kind, "params": self.params, "tier": self.tier,
             "accuracy": TIER_NAMES[self.tier], "keep_ratio": self.keep_ratio,
             # results.json keys keep their names (memory_plan.candidates), as the bench's do
-            "predicted_peak_mb": mb(self.estimated_peak), "measured_peak_mb": mb(self.measured_peak),
-            "predicted_step_s": self.estimated_time, "measured_step_s": self.measured_time,
+            "estimated_peak_mb": mb(self.estimated_peak), "measured_peak_mb": mb(self.measured_peak),
+            "estimated_step_s": self.estimated_time, "measured_step_s": self.measured_time,
             "skip": self.skip, "note": self.note, **self.extra,
         }
 

@@ -112,7 +112,7 @@ def recompute_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[float
         plans.append({
             "params": spec, "overhead_frac": report["overhead_frac_of_forward"],
             "name": f"recompute optimal ({label}, {len(chain)} segments)",
-            "segments": len(chain), "planner_peak_mb": report["predicted_peak_bytes"] / MB,
+            "segments": len(chain), "planner_peak_mb": report["estimated_peak_bytes"] / MB,
         })
     return plans
 
@@ -318,8 +318,8 @@ class AutoStrategy:
                     log.warning("memory=auto: %s: %s", c.name, c.skip)
                 return None
             c.estimated_peak = max(mem.train_peak, mem.eval_peak or 0) - base
-            c.extra.update({"predicted_train_peak_gb": round(mem.train_peak / GIB, 3),
-                            "predicted_eval_peak_gb": round((mem.eval_peak or 0) / GIB, 3)})
+            c.extra.update({"estimated_train_peak_gb": round(mem.train_peak / GIB, 3),
+                            "estimated_eval_peak_gb": round((mem.eval_peak or 0) / GIB, 3)})
             return mem
 
         e2e, base = self.candidates[0], 0.0
@@ -335,7 +335,7 @@ class AutoStrategy:
                and target == "cuda" else "")
             + f", less {UNSEEN_FRAC:.0%} for workspaces and fragmentation, less {base / GIB:.2f} GiB "
             "held between steps (weights, gradients, optimizer state), estimated on fake tensors")
-        self.mode = "predicted"
+        self.mode = "estimated"
 
         def advice(peak: float) -> str:  # the memory.budget_gb that would hold a peak
             context_gb = self.budget_gb - usable / GIB if self.budget_gb is not None else 0.0
@@ -385,7 +385,7 @@ class AutoStrategy:
         if self.recheck is None:
             self.recheck = {
                 "step": step, "plan": active.name, "measured_peak_mb": peak_mb,
-                "predicted_peak_mb": _mb(active.estimated_peak), "profiled_peak_mb": _mb(active.measured_peak),
+                "estimated_peak_mb": _mb(active.estimated_peak), "profiled_peak_mb": _mb(active.measured_peak),
                 "budget_mb": self.budget / MB,
             }
             log.info("memory=auto re-check at step %d: %s measured %.1f MB in training; estimated %s MB, "
@@ -397,9 +397,9 @@ class AutoStrategy:
         nxt = self._next_estimated(shift) if self._estimate is not None else None
         nxt = nxt or self.next_plan(shift=shift)
         record = {"step": step, "from": active.name, "measured_peak_mb": peak_mb,
-                  "predicted_peak_mb": estimated / MB, "budget_mb": self.budget / MB,
+                  "estimated_peak_mb": estimated / MB, "budget_mb": self.budget / MB,
                   "to": nxt.name if nxt else None,
-                  "to_predicted_peak_mb": nxt.peak / MB if nxt else None}
+                  "to_estimated_peak_mb": nxt.peak / MB if nxt else None}
         self.step_downs.append(record)
         if nxt is None:
             log.warning("memory=auto: step %d measured %.1f MB > budget %.1f MB with %s, and no plan "
@@ -482,7 +482,7 @@ class AutoStrategy:
             "chosen": self.chosen.name,
             "reason": self.reason,
             "active": self.active.name if self.active else None,
-            "predicted_peak_mb": _mb(self.chosen.estimated_peak),  # from the e2e profile
+            "estimated_peak_mb": _mb(self.chosen.estimated_peak),  # from the e2e profile
             "profiled_peak_mb": _mb(self.chosen.measured_peak),  # its own profiling step
             "profile": self.profile.as_dict() if self.profile else None,
             "candidates": [c.to_dict() for c in ranked(self.candidates)],

@@ -76,9 +76,7 @@ OBJECTIVES = ("time", "memory")
 class Recompute(StatelessStrategy):
     """The recomputation strategy; see the module docstring for policies and guarantees."""
 
-    # the label of results.json's "strategy" and of the bench rows (checkpoint-sqrt), kept as
-    # measured (issue 47 leaves result labels to their owner); the option is memory=recompute
-    name = "checkpoint"
+    name = "recompute"  # results.json's "strategy" (the bench's row names keep checkpoint-*)
 
     def __init__(
         self,
@@ -162,8 +160,8 @@ class Recompute(StatelessStrategy):
             "exact_family": exact_family,  # every lower set enumerated
             "exact": exact,  # optimal within the cost model (no cost rounding either)
             "e2e_peak_bytes": e2e_peak,
-            "predicted_peak_bytes": chosen.peak,
-            "predicted_overhead": chosen.overhead,
+            "estimated_peak_bytes": chosen.peak,
+            "estimated_overhead": chosen.overhead,
             "overhead_frac_of_forward": chosen.overhead / max(sum(g.cost), 1e-12),
             "cost_model": self.cost_model,
             "device_profile": profile.name if self.cost_model != "flops" else None,
