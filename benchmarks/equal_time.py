@@ -38,7 +38,7 @@ CLASSES = 4  # every temporal task's classes
 
 def sweep_overrides(row: str, extra: list[str]) -> list[str]:
     """The overrides that compose one job of the accuracy sweep for ``row``."""
-    return [f"hydra.searchpath=[file://{CONF}]", SWEEP, f"+row={row}", *extra]
+    return [f"hydra.searchpath=[file://{CONF}]", SWEEP, f"row={row}", *extra]
 
 
 def measure_step_times(rows: list[str], extra: list[str], threads: int, steps: int = 5,
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(e2e: {steps})")
     cmd = [sys.executable, "-m", "videotrain", "-m", "--config-dir", str(CONF),
            f"hydra.searchpath=[file://{(out / 'conf').resolve()}]", SWEEP,
-           f"+row={','.join(names)}", f"hydra.sweep.dir={out}", *extra]
+           f"row={','.join(names)}", f"hydra.sweep.dir={out}", *extra]
     print(" ".join(cmd[1:]), flush=True)
     if args.measure_only:
         return 0

@@ -14,7 +14,7 @@ keep_ratio comes from the ``memory.keep_ratio`` override, else ``results["memory
 jobs other than the strategy, keep ratio, granularity and seeds (say ``model/backbone``) split
 the lines; jobs that differ only by seed share a line, which goes through their mean.
 
-Paired against e2e: where the jobs hold e2e runs (``memory=e2e`` or ``+row=e2e``) and other rows
+Paired against e2e: where the jobs hold e2e runs (``memory=e2e`` or ``row=e2e``) and other rows
 of the same seeds, every job is paired with the e2e job of the same seed and the same other
 overrides (a run of one seed shares the model initialisation and the data order with e2e's), and
 the summary adds a table per metric (val top-1, val loss): per row and per group of the other

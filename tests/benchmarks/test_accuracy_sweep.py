@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "benchmarks" / "conf"
 SCRIPT = ROOT / "scripts" / "summarize_sweep.py"
 SWEEP = yaml.safe_load((CONF / "sweep" / "accuracy.yaml").read_text())
-ROWS = SWEEP["hydra"]["sweeper"]["params"]["+row"].split(",")
+ROWS = SWEEP["hydra"]["sweeper"]["params"]["row"].split(",")
 # what each row builds: (strategy name, keep ratio, granularity or policy)
 EXPECTED = {"e2e": ("e2e", None, None), "sbp-frame-0.5": ("sbp", 0.5, "frame"),
             "sbp-frame-0.25": ("sbp", 0.25, "frame"), "sbp-block-0.5": ("sbp", 0.5, "block"),
@@ -61,11 +61,13 @@ def test_at_time_steps_and_row_files(tmp_path: Path) -> None:
     assert equal_time.at_time_steps(times, 256) == {"sbp-frame-0.5": 384, "slow": 1}
     name = equal_time.write_row(tmp_path, "sbp-frame-0.5", 384, per_epoch=128)
     assert name == "sbp-frame-0.5-at-time"
-    cfg = compose_cfg([f"hydra.searchpath=[file://{CONF},file://{tmp_path / 'conf'}]",
-                       "+sweep=accuracy", f"+row={name}"])
-    # the row's own memory settings, and e2e's wall-clock time in steps
-    assert cfg.memory.keep_ratio == 0.5 and cfg.memory.granularity == "frame"
-    assert cfg.trainer.max_steps == 384 and cfg.trainer.max_epochs == 3
+    # in either order: a multirun job lists the swept row before +sweep=accuracy
+    for order in (["+sweep=accuracy", f"row={name}"], [f"row={name}", "+sweep=accuracy"]):
+        cfg = compose_cfg([f"hydra.searchpath=[file://{CONF},file://{tmp_path / 'conf'}]", *order])
+        # the row's own memory settings, and e2e's wall-clock time in steps (the row's
+        # max_epochs wins over the sweep's 2)
+        assert cfg.memory.keep_ratio == 0.5 and cfg.memory.granularity == "frame"
+        assert cfg.trainer.max_steps == 384 and cfg.trainer.max_epochs == 3
 
 
 def test_step_times_are_kept_and_a_later_row_is_scaled_to_its_e2e(
@@ -110,7 +112,7 @@ def test_tiny_sweep_resumes_and_pairs_with_e2e(tmp_path: Path, tiny_synthetic_ov
             "data.synthetic.task=direction", "trainer.max_steps=2", "trainer.max_epochs=1",
             "trainer.val_every_n_epochs=1", "data.batch_size=4"]
     args = ["-m", "videotrain", "-m", "--config-dir", str(CONF), "+sweep=accuracy",
-            "+row=e2e,sbp-frame-0.5", "seed=0,1", f"hydra.sweep.dir={sweep}", *tiny]
+            "row=e2e,sbp-frame-0.5", "seed=0,1", f"hydra.sweep.dir={sweep}", *tiny]
     done = _cli(args, tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     jobs = sorted(str(p.parent.relative_to(sweep)) for p in sweep.rglob("results.json"))
@@ -133,3 +135,22 @@ def test_tiny_sweep_resumes_and_pairs_with_e2e(tmp_path: Path, tiny_synthetic_ov
     sbp = {s: json.loads(before[f"direction/sbp-frame-0.5/seed{s}"])["val_top1"] for s in (0, 1)}
     diff = 100 * sum(sbp[s] - e2e[s] for s in (0, 1)) / 2
     assert f"{diff:+.1f}" in line.split("|")[-2]
+
+
+def test_equal_time_trains_its_rows_for_the_sized_steps(tmp_path: Path, tiny_synthetic_overrides,
+                                                        shrink_overrides, tiny_model_overrides) -> None:
+    """``python -m benchmarks.equal_time`` with kept step times (e2e 1.0 s, the row 0.5 s): the
+    row's jobs train twice e2e's steps, in its own folder, named ``ROW-at-time``."""
+    out = tmp_path / "time"
+    out.mkdir()
+    (out / "step_times.json").write_text(json.dumps({"step_s": {"e2e": 1.0, "sbp-frame-0.5": 0.5}}))
+    tiny = [*tiny_synthetic_overrides, *shrink_overrides, *tiny_model_overrides,
+            "data.synthetic.task=direction", "data.batch_size=4", "seed=0"]
+    per_epoch, steps = equal_time.e2e_steps(tiny)
+    done = _cli(["-m", "benchmarks.equal_time", "--rows", "sbp-frame-0.5", "--out", str(out), *tiny],
+                tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert f"sbp-frame-0.5: 0.500 s a step against e2e's 1.000 s: {2 * steps} steps" in done.stdout
+    result = json.loads((out / "direction" / "sbp-frame-0.5-at-time" / "seed0" / "results.json").read_text())
+    assert result["steps"] == 2 * steps and result["memory"]["keep_ratio"] == 0.5
+    assert result["epochs"] == -(-2 * steps // per_epoch)

@@ -103,7 +103,7 @@ def test_cli_missing_dir(tmp_path: Path) -> None:
 
 
 def test_paired_summary_against_e2e_of_the_same_seed(tmp_path: Path, summarize_sweep) -> None:
-    """Rows of the accuracy sweep (``+row=``) on two tasks and three seeds, and an equal-time
+    """Rows of the accuracy sweep (``row=``) on two tasks and three seeds, and an equal-time
     row in a second folder: each job is paired with e2e of its task and seed."""
     steps, at_time = tmp_path / "steps", tmp_path / "time"
     e2e = {"direction": [0.90, 0.80, 1.00], "order": [0.50, 0.60, 0.70]}
@@ -111,15 +111,15 @@ def test_paired_summary_against_e2e_of_the_same_seed(tmp_path: Path, summarize_s
     for task in e2e:
         for seed in range(3):
             common = [f"data.synthetic.task={task}", f"seed={seed}", "+sweep=accuracy"]
-            make_job(steps, f"{task}/e2e/seed{seed}", ["+row=e2e", *common],
+            make_job(steps, f"{task}/e2e/seed{seed}", ["row=e2e", *common],
                      {**results("e2e", e2e[task][seed], 100.0), "val_loss": 1.0,
                       "param_digests": [f"e{task}{seed}"]})
             # recomputation trains e2e's weights exactly
-            make_job(steps, f"{task}/recompute-optimal/seed{seed}", ["+row=recompute-optimal", *common],
+            make_job(steps, f"{task}/recompute-optimal/seed{seed}", ["row=recompute-optimal", *common],
                      {**results("recompute", e2e[task][seed], 60.0), "val_loss": 1.0,
                       "param_digests": [f"e{task}{seed}"]})
             make_job(at_time, f"{task}/sbp-at-time/seed{seed}",
-                     ["+row=sbp-at-time", *common, "hydra.searchpath=[file:///x]"],
+                     ["row=sbp-at-time", *common, "hydra.searchpath=[file:///x]"],
                      {**results("sbp", sbp[task][seed], 50.0, keep_ratio=0.5), "val_loss": 0.5,
                       "param_digests": ["other"]})
     out = tmp_path / "report"
