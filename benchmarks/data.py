@@ -32,15 +32,14 @@ unless ``--out`` names another folder (the published table: ``docs/results/bench
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from benchmarks.data_child import TIMED_CLIPS, measure_data, set_overrides, unavailable
+from videotrain.bench.spawn import child_reply
 
 # ---------------------------------------------------------------------- the rows
 # Loader backends of the data suite: which loader builds the row (this project's or
@@ -218,20 +217,8 @@ RESULTS = "outputs/bench_data"  # the default --out (the published table: --out 
 
 
 def child_main(spec_json: str) -> int:
-    """Child side: measure one row, print exactly one JSON line on stdout (the error, with
-    status 1, where the row raised)."""
-    try:
-        result = measure_data(json.loads(spec_json))
-        code = 0
-    except Exception as exc:  # noqa: BLE001 - recorded in the row, the parent decides
-        traceback.print_exc()
-        cause = exc.__cause__ or exc
-        result = {"error": f"{type(exc).__name__}: {exc}"
-                           + (f" ({type(cause).__name__}: {cause})" if cause is not exc else "")}
-        code = 1
-    sys.stdout.write("\n" + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    return code
+    """Child side: measure one data row (``spawn.child_reply``: one JSON line on stdout)."""
+    return child_reply(measure_data, spec_json)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,15 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-
-def _cell(value: Any, fmt: str) -> str:
-    if value is None:
-        return "–"
-    try:
-        return fmt.format(value)
-    except (ValueError, TypeError):
-        return str(value)
-
+from videotrain.bench.report import cell
 
 DATA_COLUMNS = [
     ("set", "set", "{}"),
@@ -118,7 +110,7 @@ def targets_markdown(targets: list[dict[str, Any]]) -> str:
              "| workers needed |", "|---|---|---|---|---|---|---|"]
     for t in targets:
         lines.append(f"| {t['set']} | {t['pipeline']} | {t['backend']} | {t['rate_1']:.2f} | "
-                     f"{_cell(t['rate_2'], '{:.2f}')} | {t['efficiency']:.2f} | "
+                     f"{cell(t['rate_2'], '{:.2f}')} | {t['efficiency']:.2f} | "
                      f"**{t['workers']}** |")
     return "\n".join(lines) + "\n"
 
@@ -135,7 +127,7 @@ def data_markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]] | No
     lines = ["| " + " | ".join(c[0] for c in DATA_COLUMNS) + " | status |",
              "|" + "---|" * (len(DATA_COLUMNS) + 1)]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(k), f) for _, k, f in DATA_COLUMNS)
+        lines.append("| " + " | ".join(cell(r.get(k), f) for _, k, f in DATA_COLUMNS)
                      + f" | {data_status(r)} |")
     table = "\n".join(lines) + "\n"
     return table + ("\n" + targets_markdown(targets) if targets else "")

@@ -4,12 +4,10 @@ and report; with ``--child``, measure that one row (``child_main``)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 
 from videotrain.bench import report
 from videotrain.bench.child import step_stats
-from videotrain.bench.spawn import device_name, machine_info, run_child
+from videotrain.bench.spawn import child_reply, device_name, machine_info, run_child
 from videotrain.bench.suites import CHILD_KEYS, SUITE_ALIASES, SUITES, resolve, setting_for
 
 DEFAULT_HEAD = "transformer"
@@ -78,18 +76,7 @@ def child_main(spec_json: str) -> int:
     """Child side: measure one row, print exactly one JSON line on stdout."""
     from videotrain.bench.child import measure
 
-    try:
-        result = measure(json.loads(spec_json))
-        code = 0
-    except Exception as exc:  # noqa: BLE001 - recorded in the row, the parent decides
-        traceback.print_exc()
-        cause = exc.__cause__ or exc
-        result = {"error": f"{type(exc).__name__}: {exc}"
-                           + (f" ({type(cause).__name__}: {cause})" if cause is not exc else "")}
-        code = 1
-    sys.stdout.write("\n" + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    return code
+    return child_reply(measure, spec_json)
 
 
 # Steps per row by default: on CUDA 5 warm-up and 20 timed steps (5 timed steps gave 1.31x to

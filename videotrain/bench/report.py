@@ -44,7 +44,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["estimated_ratio"] = pred / meas if pred is not None and meas else None
 
 
-def _cell(value: Any, fmt: str) -> str:
+def cell(value: Any, fmt: str) -> str:
+    """``value`` in ``fmt``, ``–`` for None, as text where ``fmt`` does not fit it."""
     if value is None:
         return "–"
     try:
@@ -75,7 +76,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         status = "ok"
         if r.get("error"):
             status = "FAILED: " + r["error"].strip().splitlines()[-1][:160].replace("|", "\\|")
-        lines.append("| " + " | ".join(_cell(r.get(k), f) for _, k, f in columns)
+        lines.append("| " + " | ".join(cell(r.get(k), f) for _, k, f in columns)
                      + f" | {status} |")
     return "\n".join(lines) + "\n"
 

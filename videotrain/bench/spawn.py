@@ -16,6 +16,8 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,23 @@ def device_name(name: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def child_reply(measure: Callable[[dict[str, Any]], dict[str, Any]], spec_json: str) -> int:
+    """Child side of :func:`run_child`: ``measure`` one row, print exactly one JSON line on
+    stdout, the row's error (with status 1) where it raised: the parent decides."""
+    try:
+        result = measure(json.loads(spec_json))
+        code = 0
+    except Exception as exc:  # noqa: BLE001 - recorded in the row, the parent decides
+        traceback.print_exc()
+        cause = exc.__cause__ or exc
+        result = {"error": f"{type(exc).__name__}: {exc}"
+                           + (f" ({type(cause).__name__}: {cause})" if cause is not exc else "")}
+        code = 1
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return code
 
 
 def run_child(spec: dict[str, Any], timeout: float, module: str = "videotrain.bench",
