@@ -40,7 +40,7 @@ from videotrain.engine.optim import warmup_cosine
 from videotrain.engine.run_checkpoints import RunCheckpoints
 from videotrain.engine.trainer import Trainer, plan_steps
 from videotrain.memory.base import SelfPlanning
-from videotrain.metrics.logger import MetricsLogger
+from videotrain.metrics.logger import MetricsLogger, WandbSettings
 from videotrain.simulate.config_run import ConfigEstimator
 from videotrain.untrusted import check_run_folder, write_text
 
@@ -128,9 +128,8 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     # what the run resumes from (or a refusal) before anything of this run is written: a refused
     # resume leaves the run's config.yaml, metrics.jsonl and wandb run as they were
     checkpoints.find_resume()
-    logger = MetricsLogger(out_dir, enabled=ctx.is_main, wandb_mode=cfg.logger.wandb.mode,
-                           wandb_project=cfg.logger.wandb.project, run_name=out_dir.name,
-                           config={**config, "runtime": runtime})
+    logger = MetricsLogger(out_dir, enabled=ctx.is_main, wandb=WandbSettings(**cfg.logger.wandb),
+                           run_name=out_dir.name, config={**config, "runtime": runtime})
     try:
         # restores the checkpoint find_resume chose; config.yaml follows once that has worked
         trainer = Trainer(model, optimizer, scheduler, data, precision, settings, checkpoints,

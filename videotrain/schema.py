@@ -11,8 +11,9 @@ Where a group's keys are the arguments of what it instantiates (``_target_``: ba
 memory strategies), of a function the config feeds (``build_data``, ``warmup_cosine``) or the
 fields of a settings dataclass (``TrainerSettings``, ``AdamWSettings``, ``EvalSettings``, ...),
 the schema is made from that signature, so a default is declared once, in the code, and the
-YAML holds the same value (tests/test_schema.py checks every group). The logger group and the
-root's own keys have no such target and are written out below.
+YAML holds the same value (tests/test_schema.py checks every group): the logger group's
+``LoggerSettings`` and the root's own keys' ``RunSettings`` too. Only ``model``'s own keys (beside
+its backbone and head groups) are written out below.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ from videotrain.engine.evaluate import EvalSettings
 from videotrain.engine.inference import ExportSettings, PredictSettings
 from videotrain.engine.optim import AdamWSettings, SGDSettings, warmup_cosine
 from videotrain.engine.recipe import RecipeSettings
+from videotrain.engine.settings import RunSettings
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.auto.strategy import AutoStrategy
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.strategy import StochasticBackprop
+from videotrain.metrics.logger import LoggerSettings
 from videotrain.models import heads
 from videotrain.models.backbones import resnet, vit
 from videotrain.models.timm_backbone import timm_backbone
@@ -94,10 +97,17 @@ def schema_of_dataclass(cls: type, exclude: tuple[str, ...] = (), name: str | No
     """``cls``'s fields (but ``exclude``) with OmegaConf-supported types (a plain dataclass may
     use any), defaulting to its defaults."""
     hints = typing.get_type_hints(cls)
-    return dataclasses.make_dataclass(name or f"{cls.__name__}Schema", [
-        (f.name, _field_type(hints[f.name]), _field(f.default if f.default_factory is dataclasses.MISSING
-                                                     else f.default_factory()))
-        for f in dataclasses.fields(cls) if f.name not in exclude])
+    fields: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):  # a node of its own (logger.wandb)
+            nested = schema_of_dataclass(hints[f.name])
+            fields.append((f.name, nested, field(default_factory=nested)))
+            continue
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        fields.append((f.name, _field_type(hints[f.name]), _field(default)))
+    return dataclasses.make_dataclass(name or f"{cls.__name__}Schema", fields)
 
 
 def named(schema: type, name: str, cls_name: str) -> type:
@@ -106,17 +116,6 @@ def named(schema: type, name: str, cls_name: str) -> type:
 
 
 # ------------------------------------------- written out: no class or function of their own to derive from
-@dataclass
-class WandbSchema:
-    mode: str = "offline"
-    project: str = "videotrain"
-
-
-@dataclass
-class LoggerSchema:
-    wandb: WandbSchema = field(default_factory=WandbSchema)
-
-
 @dataclass
 class ModelSchema:
     backbone: Any = None
@@ -128,8 +127,9 @@ class ModelSchema:
 
 
 @dataclass
-class RootSchema:
-    """The top level: the groups (each with its own schema) and the run's own keys."""
+class RootSchema(RunSettings):
+    """The top level: the run's own keys (``RunSettings``) and the groups (each with its own
+    schema)."""
 
     data: Any = None
     model: ModelSchema = field(default_factory=ModelSchema)
@@ -142,12 +142,6 @@ class RootSchema:
     predict: Any = None
     export: Any = None
     recipe: Any = None
-    seed: int = 0
-    deterministic: bool = False
-    device: str = "auto"
-    checkpoint: Optional[str] = None  # noqa: UP045
-    run_config: bool = True  # eval/predict/export: the run's config.yaml (or the checkpoint's) is the base
-    video: Optional[str] = None  # noqa: UP045 (python -m videotrain.predict video=FILE|FOLDER)
 
 
 # data.max_bad_fraction is the data group's key (the trainer reads it from there)
@@ -170,7 +164,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
               "sgd_schema": schema_of_dataclass(SGDSettings, name="SGDSchema")},
     "sched": {"cosine_schema": named(schema_of(warmup_cosine, ("optimizer", "total_steps"), target=False),
                                      "cosine", "CosineSchema")},
-    "logger": {"logger_schema": LoggerSchema},
+    "logger": {"logger_schema": schema_of_dataclass(LoggerSettings)},
     "eval": {"eval_schema": schema_of_dataclass(EvalSettings)},
     "predict": {"predict_schema": schema_of_dataclass(PredictSettings)},
     "export": {"export_schema": schema_of_dataclass(ExportSettings)},

@@ -5,18 +5,20 @@ different world size is refused (mid-epoch, even when forced); keep_last_k and b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Annotated
 
 import pytest
 import torch
 
 import videotrain.run as run
 from videotrain.engine import checkpoint as ckpt
-from videotrain.engine.resume import config_diff, flatten, one_sided, resume_mode
+from videotrain.engine.resume import NEUTRAL, config_diff, flatten, one_sided, resume_mode
 from videotrain.engine.run_checkpoints import ResumeRefused
 
 BASE = dict(trainer__max_epochs=1, trainer__checkpoint_every_n_steps=2, model__head__dropout=0.5)
@@ -80,6 +82,46 @@ def test_math_neutral_keys_are_the_marked_fields() -> None:
         lr: float = 0.1
 
     assert resume.marked_neutral(Settings, "x.") == ("x.every",)
+
+
+def test_every_neutral_key_is_marked_where_it_is_declared() -> None:
+    """No hand list: the data keys are marked on build_data's arguments (Annotated), the logger's
+    wandb node on LoggerSettings, the eval keys on EvalSettings, the root's on RunSettings; a
+    nested marked dataclass field is a whole node (a prefix), and each marked key is a real key
+    of the composed default config."""
+    from omegaconf import OmegaConf
+
+    from videotrain.build import compose_cfg
+    from videotrain.engine import resume
+
+    rest = {k for k in resume.MATH_NEUTRAL if not k.startswith("trainer.")}
+    assert rest == {"data.num_workers", "data.worker_timeout", "data.val_batch_size",
+                    "data.max_bad_fraction", "logger.wandb.", "eval.clips", "eval.crops",
+                    "eval.aggregate", "eval.batch_size", "eval.frame_chunk", "checkpoint",
+                    "run_config", "device"}
+    keys = set(resume.flatten(OmegaConf.to_container(compose_cfg([]), resolve=False)))
+    for key in resume.MATH_NEUTRAL:
+        assert any(k == key or k.startswith(key) for k in keys if key.endswith(".")) or key in keys, key
+    assert not resume.is_neutral("data.batch_size") and not resume.is_neutral("seed")
+
+    assert resume.annotated_neutral(_marked_fn, "g.") == ("g.a",)
+    assert resume.marked_neutral(_Outer, "o.") == ("o.whole.", "o.part.y")
+
+
+def _marked_fn(a: Annotated[int, "math_neutral"], b: int = 0) -> None: ...
+
+
+@dataclasses.dataclass
+class _Inner:
+    x: int = 0
+    y: int = dataclasses.field(default=0, metadata=NEUTRAL)
+
+
+@dataclasses.dataclass
+class _Outer:
+    whole: _Inner = dataclasses.field(default_factory=_Inner, metadata=NEUTRAL)
+    part: _Inner = dataclasses.field(default_factory=_Inner)
+
 
 def test_invalid_resume_value_names_the_key(run_overrides, compose_cfg, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="trainer.resume must be one of auto, force, false; got 'maybe'"):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from videotrain.metrics.logger import MetricsLogger
+from videotrain.metrics.logger import MetricsLogger, WandbSettings
 
 
 def _rows(path: Path) -> list[dict]:
@@ -15,7 +15,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_log_rows_and_truncate(tmp_path: Path) -> None:
-    logger = MetricsLogger(tmp_path / "run", wandb_mode="disabled")
+    logger = MetricsLogger(tmp_path / "run", wandb=WandbSettings(mode="disabled"))
     for step in range(1, 5):
         logger.log({"train_loss": float(step)}, step)
     logger.log({"val_top1": float("nan")}, 4)
@@ -30,7 +30,7 @@ def test_log_rows_and_truncate(tmp_path: Path) -> None:
 
 
 def test_truncate_without_file_is_a_no_op(tmp_path: Path) -> None:
-    logger = MetricsLogger(tmp_path, wandb_mode="disabled")
+    logger = MetricsLogger(tmp_path, wandb=WandbSettings(mode="disabled"))
     logger.truncate_after(3)
     assert not logger.path.exists()
 
@@ -43,4 +43,4 @@ def test_disabled_logger_writes_nothing(tmp_path: Path) -> None:
 
 def test_bad_wandb_mode_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="logger.wandb.mode"):
-        MetricsLogger(tmp_path, wandb_mode="sometimes")
+        MetricsLogger(tmp_path, wandb=WandbSettings(mode="sometimes"))

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
@@ -242,6 +242,11 @@ def check_val_classes(train: annotations.VideoIndex, val: annotations.VideoIndex
         )
 
 
+# The resume guard's mark (engine/settings.NEUTRAL) on an argument that declares a config key
+# which may differ between a checkpoint and the run resuming it: Annotated[type, NEUTRAL].
+NEUTRAL = "math_neutral"
+
+
 def build_data(
     *,
     name: str,
@@ -255,11 +260,11 @@ def build_data(
     train_scale: Sequence[float],
     hflip: bool,
     batch_size: int,
-    val_batch_size: int,
-    num_workers: int | str,
+    val_batch_size: Annotated[int, NEUTRAL],
+    num_workers: Annotated[int | str, NEUTRAL],  # auto | N
     val_clips: int,
     val_crops: int,
-    max_bad_fraction: float,
+    max_bad_fraction: Annotated[float, NEUTRAL],
     num_classes: int | None = None,
     synthetic: dict | None = None,
     fold: int | None = None,
@@ -271,7 +276,7 @@ def build_data(
     video_dir: str | None = None,
     labels_file: str | None = None,
     video_ext: str | None = None,
-    worker_timeout: float = 600,
+    worker_timeout: Annotated[float, NEUTRAL] = 600,
     decoder: str = "pyav",
     sampler: str = "random",
     randaugment: tuple[int, int] = (0, 9),

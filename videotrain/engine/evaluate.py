@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from videotrain.data.loaders import DataBundle, check_bad_fraction
 from videotrain.engine.precision import Precision
+from videotrain.engine.settings import NEUTRAL
 from videotrain.metrics.accuracy import AGGREGATES, MultiViewAccuracy
 from videotrain.metrics.eval_report import write_eval_report
 
@@ -28,13 +29,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EvalSettings:
-    """The ``eval`` config group."""
+    """The ``eval`` config group: how a trained model is scored, so none of it changes training
+    (every key resume-neutral)."""
 
-    clips: int = 10  # temporal clips per video, evenly spaced
-    crops: int = 3  # spatial crops per clip: 1 = centre, 3 = left/centre/right (or top/.../bottom)
-    aggregate: str = "mean"  # how the views' softmax becomes the video's scores
-    batch_size: int = 1  # videos per forward (each is clips x crops views)
-    frame_chunk: int | str | None = "auto"  # backbone frames per forward: auto | None (all) | N
+    clips: int = field(default=10, metadata=NEUTRAL)  # temporal clips per video, evenly spaced
+    # spatial crops per clip: 1 = centre, 3 = left/centre/right (or top/.../bottom)
+    crops: int = field(default=3, metadata=NEUTRAL)
+    aggregate: str = field(default="mean", metadata=NEUTRAL)  # how the views' softmax becomes the video's scores
+    batch_size: int = field(default=1, metadata=NEUTRAL)  # videos per forward (each is clips x crops views)
+    # backbone frames per forward: auto | None (all) | N
+    frame_chunk: int | str | None = field(default="auto", metadata=NEUTRAL)
 
     def __post_init__(self) -> None:
         for key in ("clips", "crops", "batch_size"):

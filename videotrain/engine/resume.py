@@ -2,8 +2,9 @@
 
 Every checkpoint records the run's resolved config (a plain dict). On resume it is compared
 with the current one, key by dotted key. Keys that do not change what is computed
-(``MATH_NEUTRAL``, marked ``NEUTRAL`` on the field that declares each: when to stop, what is
-logged, how often to checkpoint or validate, data loading parallelism, evaluation settings, the device) may change freely; any other difference,
+(``MATH_NEUTRAL``, collected from the ``NEUTRAL`` mark where each key is declared: when to stop,
+what is logged, how often to checkpoint or validate, data loading parallelism, evaluation
+settings, the device) may change freely; any other difference,
 and a different number of DDP processes, refuses the resume with the keys and their old and new
 values, unless ``trainer.resume=force`` (then it is a warning). Keys set on one side only (added
 or removed by a videotrain update) are listed in a warning but do not block.
@@ -22,34 +23,61 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from videotrain.data.loaders import build_data
 from videotrain.engine.class_order import class_order_problem
-from videotrain.engine.settings import NEUTRAL, RESUME_MODES, TrainerSettings, resume_mode  # noqa: F401 (re-exported)
+from videotrain.engine.evaluate import EvalSettings
+from videotrain.engine.settings import (  # noqa: F401 (NEUTRAL, RESUME_MODES re-exported)
+    NEUTRAL,
+    RESUME_MODES,
+    RunSettings,
+    TrainerSettings,
+    resume_mode,
+)
 from videotrain.memory.renamed import normalise_memory
+from videotrain.metrics.logger import LoggerSettings
 from videotrain.untrusted import plain_tree_problem, shown
 
 log = logging.getLogger(__name__)
 
-# Math-neutral keys declared outside a settings dataclass of the engine: data loading parallelism
-# and the bad-video budget (build_data's arguments), the logger and eval groups whole, and the
-# root's checkpoint, run_config and device (videotrain.schema.RootSchema).
-_UNMARKED_NEUTRAL = (
-    "data.num_workers", "data.worker_timeout", "data.val_batch_size", "data.max_bad_fraction",
-    "logger.", "eval.", "checkpoint", "run_config", "device",
-)
+MARK = next(iter(NEUTRAL))  # "math_neutral": the same mark in field metadata and in Annotated
 
 
 def marked_neutral(cls: type, prefix: str) -> tuple[str, ...]:
-    """``prefix`` + the name of every field of the dataclass ``cls`` marked ``NEUTRAL``."""
-    return tuple(f"{prefix}{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("math_neutral"))
+    """``prefix`` + the name of every field of the dataclass ``cls`` marked ``NEUTRAL`` (with a
+    trailing ``.`` for a marked dataclass-typed field: its whole node), and the marked fields of
+    its unmarked dataclass-typed fields."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        nested = dataclasses.is_dataclass(hints[f.name])
+        if f.metadata.get(MARK):
+            out.append(f"{prefix}{f.name}{'.' if nested else ''}")
+        elif nested:
+            out += marked_neutral(hints[f.name], f"{prefix}{f.name}.")
+    return tuple(out)
+
+
+def annotated_neutral(fn: Callable[..., Any], prefix: str) -> tuple[str, ...]:
+    """``prefix`` + every argument of ``fn`` annotated ``Annotated[type, "math_neutral"]``."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    return tuple(f"{prefix}{name}" for name, hint in hints.items()
+                 if typing.get_origin(hint) is Annotated and MARK in hint.__metadata__)
 
 
 # Dotted keys (or prefixes, ending in ".") that may differ between a checkpoint and the run
-# resuming it. trainer.max_epochs / max_steps move where training stops, and with it the end of
-# the cosine schedule (the trainer logs the change); the rest changes no computed value.
-MATH_NEUTRAL: tuple[str, ...] = (*marked_neutral(TrainerSettings, "trainer."), *_UNMARKED_NEUTRAL)
+# resuming it, each marked where it is declared. trainer.max_epochs / max_steps move where
+# training stops, and with it the end of the cosine schedule (the trainer logs the change); the
+# rest changes no computed value.
+MATH_NEUTRAL: tuple[str, ...] = (
+    *marked_neutral(TrainerSettings, "trainer."), *annotated_neutral(build_data, "data."),
+    *marked_neutral(LoggerSettings, "logger."), *marked_neutral(EvalSettings, "eval."),
+    *marked_neutral(RunSettings, ""),
+)
 
 
 ABSENT = object()

@@ -1,4 +1,5 @@
-"""The ``trainer`` config group's settings, declared once, and the mark of a resume-neutral key.
+"""The ``trainer`` group's and the root config's own settings, declared once, and the mark of a
+resume-neutral key.
 
 Its own module so that both the loop (``engine.trainer``) and the resume guard
 (``engine.resume``, which derives its math-neutral keys from the marks) import it, neither
@@ -12,9 +13,26 @@ from typing import Any
 
 RESUME_MODES = ("auto", "force", "false")
 
-# The mark of a config key that may differ between a checkpoint and the run resuming it, put on
-# the dataclass field that declares the key: ``field(default=..., metadata=NEUTRAL)``.
+# The mark of a config key that may differ between a checkpoint and the run resuming it, put where
+# the key is declared: ``field(default=..., metadata=NEUTRAL)`` on a dataclass field (a dataclass-
+# typed field: its whole node), ``Annotated[type, "math_neutral"]`` on a function's argument
+# (``build_data``'s); the layers below the engine write the same mark (data.loaders.NEUTRAL,
+# metrics.logger.NEUTRAL). ``engine.resume`` collects them.
 NEUTRAL = {"math_neutral": True}
+
+
+@dataclass
+class RunSettings:
+    """The root config's own keys (``configs/config.yaml``; ``videotrain.schema.RootSchema`` adds
+    the groups)."""
+
+    seed: int = 0
+    deterministic: bool = False  # torch.use_deterministic_algorithms + no cuDNN autotuning
+    device: str = field(default="auto", metadata=NEUTRAL)  # auto | cpu | cuda | cuda:N
+    checkpoint: str | None = field(default=None, metadata=NEUTRAL)  # eval/predict/export: the model
+    # eval/predict/export: the run's config.yaml (or the checkpoint's) is the base
+    run_config: bool = field(default=True, metadata=NEUTRAL)
+    video: str | None = None  # python -m videotrain.predict video=FILE|FOLDER
 
 
 def resume_mode(value: Any) -> str:

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,28 @@ from videotrain.untrusted import open_append, read_text, write_text
 log = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online", "disabled")
+# The resume guard's mark (engine/settings.NEUTRAL): where a run logs changes nothing it computes
+NEUTRAL = {"math_neutral": True}
+
+
+@dataclass
+class WandbSettings:
+    """``logger.wandb``: offline needs no account (``wandb sync`` uploads later); online needs
+    an API key; disabled writes metrics.jsonl only."""
+
+    mode: str = "offline"
+    project: str = "videotrain"
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logger.wandb.mode must be one of {WANDB_MODES}, got {self.mode!r}")
+
+
+@dataclass
+class LoggerSettings:
+    """The ``logger`` config group, declared once (its schema is derived from it)."""
+
+    wandb: WandbSettings = field(default_factory=WandbSettings, metadata=NEUTRAL)
 MAX_METRICS_BYTES = 1 << 30  # metrics.jsonl read back on resume: at most 1 GiB
 
 
@@ -28,17 +51,18 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLogger:
+    """``metrics.jsonl`` in ``out_dir`` (on the process where ``enabled``), mirrored to wandb as
+    ``wandb`` says (None: no wandb)."""
+
     def __init__(
         self,
         out_dir: str | Path,
         enabled: bool = True,
-        wandb_mode: str = "disabled",
-        wandb_project: str = "videotrain",
+        wandb: WandbSettings | None = None,
         run_name: str | None = None,
         config: dict | None = None,
     ) -> None:
-        if wandb_mode not in WANDB_MODES:
-            raise ValueError(f"logger.wandb.mode must be one of {WANDB_MODES}, got {wandb_mode!r}")
+        wandb = wandb or WandbSettings(mode="disabled")
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self.path = self.out_dir / "metrics.jsonl"
@@ -46,8 +70,8 @@ class MetricsLogger:
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if wandb_mode != "disabled":
-            import wandb  # imported lazily: it is slow to import and optional at run time
+        if wandb.mode != "disabled":
+            import wandb as wandb_lib  # imported lazily: it is slow to import and optional at run time
 
             id_file = self.out_dir / "wandb_run_id"
             run_id = (read_text(id_file, 1024, "wandb_run_id").strip() if id_file.exists()
@@ -55,8 +79,8 @@ class MetricsLogger:
             if not run_id.isalnum():
                 raise ValueError(f"{id_file}: not a wandb run id (letters and digits)")
             write_text(id_file, run_id)
-            self._wandb = wandb.init(
-                project=wandb_project, mode=wandb_mode, dir=str(self.out_dir), name=run_name,
+            self._wandb = wandb_lib.init(
+                project=wandb.project, mode=wandb.mode, dir=str(self.out_dir), name=run_name,
                 id=run_id, resume="allow", config=config, reinit="finish_previous",
             )
 
