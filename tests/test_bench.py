@@ -391,7 +391,7 @@ def test_sac_milp_row_tiny(tmp_path: Path) -> None:
     assert "| sac_milp |" in table
 
 
-def test_predicted_step_peak_within_15_percent_and_eval_within_training() -> None:
+def test_estimated_step_peak_within_15_percent_and_eval_within_training() -> None:
     """The fit predictor (fake tensors) against the CPU meter the trainer uses, at the bench's
     setting (resnet18 + transformer head, 2 x 16 frames at 112 px, fp32, AdamW): every row
     within +-15%; and the validation forward (4x the clips, eval.frame_chunk=auto) never above

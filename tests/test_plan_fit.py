@@ -70,7 +70,7 @@ def test_plan_fit_refuses_a_non_positive_size(capsys: pytest.CaptureFixture) -> 
     assert "--fit takes the device's memory in GiB" in capsys.readouterr().err
 
 
-def test_fit_predicts_the_frozen_backbone_step_training_builds(report: dict) -> None:
+def test_fit_estimates_the_frozen_backbone_step_training_builds(report: dict) -> None:
     """``model.freeze_backbone=true`` (a linear probe): the e2e row's training step is what a
     fake step of the frozen model counts, built by hand as ``build_model`` builds it, and less than the
     unfrozen row (no backbone gradients, no optimizer state for them, nothing saved)."""

@@ -53,7 +53,7 @@ def test_training_run_on_cuda(cuda: torch.device, run_overrides, compose_cfg, me
 @pytest.mark.parametrize("memory", [["memory=e2e"], ["memory=sbp"], ["memory=sbp", "memory.bn_policy=frozen"],
                                     ["memory=recompute", "memory.policy=sqrt"]],
                          ids=["e2e", "sbp", "sbp-frozen", "checkpoint-sqrt"])
-def test_fit_prediction_against_the_cuda_peak(cuda: torch.device, compose_cfg, tmp_path: Path,
+def test_fit_estimate_against_the_cuda_peak(cuda: torch.device, compose_cfg, tmp_path: Path,
                                               memory: list[str]) -> None:
     """The default job's model and batch (synthetic task, resnet10 + tconv, B=8 x T=8 at 64
     px) in bf16: the fake-tensor prediction that ``plan --fit`` makes, against the trainer's

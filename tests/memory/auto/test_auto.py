@@ -82,7 +82,7 @@ class FakeMeasure:
 
 
 # ---------------------------------------------------------------------- predictions
-def test_sbp_peak_prediction() -> None:
+def test_sbp_peak_estimate() -> None:
     p = profile()
     # O + A_head + r (A_bb + X) = 18 + 2 + (k/8) 82, floored by the record pass (40) with BN
     assert sbp_peak(p, 4, record_pass=True, chunk=8) == pytest.approx((18 + 2 + 41) * MB)
@@ -95,7 +95,7 @@ def test_sbp_peak_prediction() -> None:
     assert dropout_peak(p, 4) == pytest.approx((18 + 0.5 * 84) * MB)
 
 
-def test_time_prediction_orders_plans() -> None:
+def test_time_estimate_orders_plans() -> None:
     p = profile()
     e2e = p.step_s
     assert sbp_time(p, 0.5, record_pass=False) < e2e  # half the backbone backward
@@ -170,7 +170,7 @@ def test_verification_over_budget_moves_on() -> None:
     assert by_name(cs)["sbp r=0.375"].note == "over budget when measured"
 
 
-def test_verify_off_trusts_predictions() -> None:
+def test_verify_off_trusts_estimates() -> None:
     measure = FakeMeasure({"ckpt-a": 80, "ckpt-b": 70}, scale=1.1)
     assert choose(cands(sbp_recompute=None), 55 * MB, measure, verify=False).name == "sbp r=0.375"
     assert "sbp r=0.375" not in measure.calls
@@ -224,7 +224,7 @@ def test_no_plan_fits_names_the_smallest_budget_measured() -> None:
     assert "| e2e |" in text  # the table comes with it
 
 
-def test_extrapolated_e2e_is_only_a_prediction() -> None:
+def test_extrapolated_e2e_is_only_an_estimate() -> None:
     """After an out-of-memory e2e profile, e2e is verified like any predicted plan, and a plan
     that runs out of memory in its profiling step is skipped."""
     cs = cands(profile(measured_clips=1), sbp_recompute=None)
@@ -249,7 +249,7 @@ def test_max_profiles_caps_profiling_steps() -> None:
     assert chosen.name == "sbp r=0.375" and chosen.measured_peak is None  # unverified: cap reached
 
 
-def test_table_lists_predicted_and_measured() -> None:
+def test_table_lists_estimated_and_measured() -> None:
     cs = cands(sbp_recompute=None)
     chosen = choose(cs, 55 * MB, FakeMeasure({"ckpt-a": 80, "ckpt-b": 70}))
     table = render_table(cs, 55 * MB, chosen)

@@ -118,13 +118,13 @@ def test_candidates_are_specs_without_figures() -> None:
     assert not [c for c in estimated_candidates(T, False, [0.5], Options()) if "frozen" in c.name]
 
 
-def test_e2e_fits_with_one_prediction() -> None:
+def test_e2e_fits_with_one_estimate() -> None:
     cs, predict = cands(), FakePredict()
     assert choose_estimated(cs, 120 * MB, predict).name == "e2e"
     assert predict.calls == ["e2e"]
 
 
-def test_bisection_finds_the_largest_keep_ratio_in_log_predictions() -> None:
+def test_bisection_finds_the_largest_keep_ratio_in_log_estimates() -> None:
     cs, predict = cands(), FakePredict()
     # recompute >= 40 MB; sbp 20 + 80 r fits up to r = 3/16 (35 MB), and sbp+recompute
     # 10 + 60 r up to r = 7/16 (36.25 MB): it wins on expected accuracy
@@ -217,7 +217,7 @@ def test_plan_estimated_budget_is_on_the_trainers_scale() -> None:
     json.dumps(report)
 
 
-def test_a_step_over_budget_predicts_its_way_down() -> None:
+def test_a_step_over_budget_estimates_its_way_down() -> None:
     """The first steps verify the choice: a step measured over the budget steps down to the
     next plan that fits the budget less the misprediction, predicting plans the first walk
     never needed."""
@@ -245,7 +245,7 @@ def test_budget_gb_is_exclusive_and_positive() -> None:
 
 
 # ---------------------------------------------------------------------- end to end
-def test_plan_cli_predicts_for_a_cuda_card_on_this_machine(tmp_path: Path, capsys) -> None:
+def test_plan_cli_estimates_for_a_cuda_card_on_this_machine(tmp_path: Path, capsys) -> None:
     """The default model for a 0.7 GiB CUDA device (0.2 GiB after the context): e2e does not
     fit, a recomputation plan does; no GPU is used and nothing is profiled."""
     out = tmp_path / "auto.json"
@@ -261,7 +261,7 @@ def test_plan_cli_predicts_for_a_cuda_card_on_this_machine(tmp_path: Path, capsy
     assert "chosen:" in capsys.readouterr().out
 
 
-def test_run_trains_on_the_predicted_choice(run_overrides, compose_cfg, tmp_path: Path) -> None:
+def test_run_trains_on_the_estimated_choice(run_overrides, compose_cfg, tmp_path: Path) -> None:
     """Frames large enough for activations (not the optimizer step) to set the peak; a budget
     e2e cannot meet; the run trains on the plan chosen from predictions and re-checks it."""
     ov = [o for o in run_overrides(memory="auto", trainer__max_steps=3) if not o.startswith("model")]

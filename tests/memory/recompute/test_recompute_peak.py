@@ -41,7 +41,7 @@ def backbones() -> dict:
 # (the tiny timm ViT is left out: its prediction is an upper bound too, but a constant ~70 KB
 # over the measured peak, 1.13x for e2e and up to 1.28x for the plans at these sizes)
 @pytest.mark.parametrize("name", ["resnet", "resnet18", "vit", "skip", "timm_resnet", "timm_convnext"])
-def test_predicted_peak_bounds_measured(kit, name: str) -> None:
+def test_estimated_peak_bounds_measured(kit, name: str) -> None:
     # timm_*: tiny timm models (tests/memory/conftest.py), traced with timm's notrace registry
     bb = (kit.BACKBONES[name]() if name.startswith("timm") else backbones()[name]).train()
     x = torch.randn(8, 3, 32, 32)  # (N, C, H, W)
