@@ -250,6 +250,7 @@ def paired(jobs: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     ok = [j for j in jobs if isinstance(j.get(metric), int | float) and not math.isnan(j[metric])]
     ref = {(pair_key(j), seed(j)): j for j in ok if j["strategy"] == "e2e"}
     split_by = varying_keys(jobs)
+    shown_keys = set(split_by)  # a group is named by the overrides that vary (the task)
     groups: dict[tuple[str, tuple], list[dict[str, Any]]] = {}
     for j in ok:
         label = line_label(j, split_by)
@@ -269,7 +270,8 @@ def paired(jobs: list[dict[str, Any]], metric: str) -> dict[str, Any]:
             pooled += diffs
             m, sd, _ = mean_ci([j[metric] for j in js])
             dm, _, dci = mean_ci(diffs) if diffs else (math.nan, math.nan, math.nan)
-            per_group.append({"row": label, "group": ", ".join(unquoted(v) for _, v in key) or "all",
+            name = ", ".join(unquoted(v) for k, v in key if k in shown_keys) or "all"
+            per_group.append({"row": label, "group": name,
                               "seeds": len(js), "mean": m, "std": sd, "diff": dm, "diff_ci95": dci})
         dm, dsd, dci = mean_ci(pooled) if pooled else (math.nan, math.nan, math.nan)
         means = [g["mean"] for g in per_group if g["row"] == label]
