@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from videotrain import NEUTRAL_MARK  # resume-neutral arguments (videotrain.engine.resume)
 from videotrain.data import annotations
 from videotrain.data.clip_sampling import check_sampler
 from videotrain.data.coverage import check_classes, drop_override, dropped_labels, without
@@ -242,11 +243,6 @@ def check_val_classes(train: annotations.VideoIndex, val: annotations.VideoIndex
         )
 
 
-# The resume guard's mark (engine/settings.NEUTRAL) on an argument that declares a config key
-# which may differ between a checkpoint and the run resuming it: Annotated[type, NEUTRAL].
-NEUTRAL = "math_neutral"
-
-
 def build_data(
     *,
     name: str,
@@ -260,11 +256,11 @@ def build_data(
     train_scale: Sequence[float],
     hflip: bool,
     batch_size: int,
-    val_batch_size: Annotated[int, NEUTRAL],
-    num_workers: Annotated[int | str, NEUTRAL],  # auto | N
+    val_batch_size: Annotated[int, NEUTRAL_MARK],
+    num_workers: Annotated[int | str, NEUTRAL_MARK],  # auto | N
     val_clips: int,
     val_crops: int,
-    max_bad_fraction: Annotated[float, NEUTRAL],
+    max_bad_fraction: Annotated[float, NEUTRAL_MARK],
     num_classes: int | None = None,
     synthetic: dict | None = None,
     fold: int | None = None,
@@ -276,7 +272,7 @@ def build_data(
     video_dir: str | None = None,
     labels_file: str | None = None,
     video_ext: str | None = None,
-    worker_timeout: Annotated[float, NEUTRAL] = 600,
+    worker_timeout: Annotated[float, NEUTRAL_MARK] = 600,
     decoder: str = "pyav",
     sampler: str = "random",
     randaugment: tuple[int, int] = (0, 9),

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
+from videotrain import NEUTRAL_MARK
 from videotrain.data.loaders import build_data
 from videotrain.engine.class_order import class_order_problem
 from videotrain.engine.evaluate import EvalSettings
@@ -44,7 +45,6 @@ from videotrain.untrusted import plain_tree_problem, shown
 
 log = logging.getLogger(__name__)
 
-MARK = next(iter(NEUTRAL))  # "math_neutral": the same mark in field metadata and in Annotated
 
 
 def marked_neutral(cls: type, prefix: str) -> tuple[str, ...]:
@@ -55,7 +55,7 @@ def marked_neutral(cls: type, prefix: str) -> tuple[str, ...]:
     out: list[str] = []
     for f in dataclasses.fields(cls):
         nested = dataclasses.is_dataclass(hints[f.name])
-        if f.metadata.get(MARK):
+        if f.metadata.get(NEUTRAL_MARK):
             out.append(f"{prefix}{f.name}{'.' if nested else ''}")
         elif nested:
             out += marked_neutral(hints[f.name], f"{prefix}{f.name}.")
@@ -66,7 +66,7 @@ def annotated_neutral(fn: Callable[..., Any], prefix: str) -> tuple[str, ...]:
     """``prefix`` + every argument of ``fn`` annotated ``Annotated[type, "math_neutral"]``."""
     hints = typing.get_type_hints(fn, include_extras=True)
     return tuple(f"{prefix}{name}" for name, hint in hints.items()
-                 if typing.get_origin(hint) is Annotated and MARK in hint.__metadata__)
+                 if typing.get_origin(hint) is Annotated and NEUTRAL_MARK in hint.__metadata__)
 
 
 # Dotted keys (or prefixes, ending in ".") that may differ between a checkpoint and the run

@@ -1,5 +1,5 @@
-"""The ``trainer`` group's and the root config's own settings, declared once, and the mark of a
-resume-neutral key.
+"""The ``trainer`` group's and the root config's own settings, declared once, their
+resume-neutral keys marked (``videotrain.NEUTRAL``).
 
 Its own module so that both the loop (``engine.trainer``) and the resume guard
 (``engine.resume``, which derives its math-neutral keys from the marks) import it, neither
@@ -11,14 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from videotrain import NEUTRAL  # noqa: F401 (the mark, re-exported for the engine)
+
 RESUME_MODES = ("auto", "force", "false")
 
-# The mark of a config key that may differ between a checkpoint and the run resuming it, put where
-# the key is declared: ``field(default=..., metadata=NEUTRAL)`` on a dataclass field (a dataclass-
-# typed field: its whole node), ``Annotated[type, "math_neutral"]`` on a function's argument
-# (``build_data``'s); the layers below the engine write the same mark (data.loaders.NEUTRAL,
-# metrics.logger.NEUTRAL). ``engine.resume`` collects them.
-NEUTRAL = {"math_neutral": True}
 
 
 @dataclass

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from videotrain import NEUTRAL
 from videotrain.untrusted import open_append, read_text, write_text
 
 log = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online", "disabled")
-# The resume guard's mark (engine/settings.NEUTRAL): where a run logs changes nothing it computes
-NEUTRAL = {"math_neutral": True}
 
 
 @dataclass
@@ -40,6 +39,7 @@ class WandbSettings:
 class LoggerSettings:
     """The ``logger`` config group, declared once (its schema is derived from it)."""
 
+    # where a run logs changes nothing it computes: resume-neutral
     wandb: WandbSettings = field(default_factory=WandbSettings, metadata=NEUTRAL)
 MAX_METRICS_BYTES = 1 << 30  # metrics.jsonl read back on resume: at most 1 GiB
 

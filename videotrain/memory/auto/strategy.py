@@ -72,6 +72,10 @@ __all__ = ["AutoStrategy", "NoPlanFits", "build_strategy"]
 
 STRATEGIES: dict[str, type] = {"e2e": EndToEnd, "recompute": Recompute, "sbp": StochasticBackprop,
                                 "sbp_recompute": StochasticBackprop, "frame_dropout": FrameDropout}
+# the defaults of sbp_recompute and recompute_fracs (their deprecated spellings are told apart
+# from a set value by them)
+SBP_RECOMPUTE = "blocks"
+RECOMPUTE_FRACS = (0.9, 0.75, 0.6, 0.5, 0.4)
 # candidate kinds as checkpoints written before the rename (issue 47) name them
 RENAMED_KINDS: dict[str, str] = {"checkpoint": "recompute", "sbp_checkpoint": "sbp_recompute"}
 
@@ -147,8 +151,8 @@ class AutoStrategy:
         free_frac: float = 0.9,
         allow_frame_dropout: bool = False,
         allow_frozen_bn: bool = True,
-        sbp_recompute: str | None = "blocks",
-        recompute_fracs: list[float] | tuple[float, ...] = (0.9, 0.75, 0.6, 0.5, 0.4),
+        sbp_recompute: str | None = SBP_RECOMPUTE,
+        recompute_fracs: list[float] | tuple[float, ...] = RECOMPUTE_FRACS,
         verify: bool = True,
         max_profiles: int = 16,
         recheck_tolerance: float = 0.02,
@@ -161,9 +165,10 @@ class AutoStrategy:
         checkpoint_fracs: list[float] | None = None,
     ) -> None:
         # deprecated spellings (videotrain.memory.renamed): sbp_checkpoint, checkpoint_fracs
-        sbp_recompute = renamed_argument("sbp_checkpoint", sbp_checkpoint, "sbp_recompute", sbp_recompute, "blocks")
+        sbp_recompute = renamed_argument("sbp_checkpoint", sbp_checkpoint, "sbp_recompute",
+                                         sbp_recompute, SBP_RECOMPUTE)
         recompute_fracs = renamed_argument("checkpoint_fracs", checkpoint_fracs, "recompute_fracs",
-                                           list(recompute_fracs), [0.9, 0.75, 0.6, 0.5, 0.4])
+                                           list(recompute_fracs), list(RECOMPUTE_FRACS))
         if sum(b is not None for b in (budget_mb, budget_frac, budget_gb)) > 1:
             raise ValueError("set at most one of memory.budget_gb, memory.budget_mb and memory.budget_frac")
         if budget_gb is not None and not budget_gb > 0:
