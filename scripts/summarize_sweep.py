@@ -236,7 +236,7 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
 def pair_key(job: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     """What a job shares with the e2e job it is paired with: every override but the row's own
     (strategy, ``memory.*``, ``row``), the seed and Hydra's."""
-    return tuple(sorted((k, repr(v)) for k, v in job["overrides"].items()
+    return tuple(sorted((k, str(v)) for k, v in job["overrides"].items()
                         if k not in OWN_COLUMNS and not k.startswith(("memory.", "hydra."))))
 
 
@@ -270,7 +270,7 @@ def paired(jobs: list[dict[str, Any]], metric: str) -> dict[str, Any]:
             pooled += diffs
             m, sd, _ = mean_ci([j[metric] for j in js])
             dm, _, dci = mean_ci(diffs) if diffs else (math.nan, math.nan, math.nan)
-            name = ", ".join(unquoted(v) for k, v in key if k in shown_keys) or "all"
+            name = ", ".join(v for k, v in key if k in shown_keys) or "all"
             per_group.append({"row": label, "group": name,
                               "seeds": len(js), "mean": m, "std": sd, "diff": dm, "diff_ci95": dci})
         dm, dsd, dci = mean_ci(pooled) if pooled else (math.nan, math.nan, math.nan)
@@ -279,11 +279,6 @@ def paired(jobs: list[dict[str, Any]], metric: str) -> dict[str, Any]:
                         "diff": dm, "diff_std": dsd, "diff_ci95": dci,
                         "weights_equal_e2e": bool(same) and all(same)})
     return {"per_group": per_group, "overall": overall}
-
-
-def unquoted(text: str) -> str:
-    """A ``repr``-ed override value shown plainly (``'direction'`` -> ``direction``)."""
-    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 def paired_markdown(summary: dict[str, Any], metric: str, scale: float, fmt: str) -> str:
