@@ -89,6 +89,16 @@ def test_collate() -> None:
     assert batch["skipped"] == ["x.mp4", "y.mp4"]
 
 
+def test_collate_gives_a_contiguous_batch_from_decoded_frames() -> None:
+    """Decoded frames are (T, H, W, C) permuted to (T, C, H, W), C innermost; the batch is laid
+    out NCHW whatever the clips' strides (the model lays out its input itself, and a CPU conv
+    fed channels_last input would run the slower NHWC kernels and hold more memory)."""
+    clips = [torch.rand(T, 4, 5, 3).permute(0, 3, 1, 2) for _ in range(2)]  # (T, C, H, W) views
+    assert not clips[0].is_contiguous()
+    batch = collate([{"video": c, "label": 0, "index": i, "skipped": []} for i, c in enumerate(clips)])
+    assert batch["video"].is_contiguous() and torch.equal(batch["video"], torch.stack(clips))
+
+
 # ------------------------------------------------------------------- transforms
 
 

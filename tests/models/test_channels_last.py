@@ -77,6 +77,23 @@ def test_channels_last_forced_on_cpu_matches_nchw(memory: list[str]) -> None:
     assert torch.allclose(logits, plain_logits, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_model_lays_out_its_input(channels_last: bool) -> None:
+    """The layout is the model's, not the caller's: a clip with C innermost (as decoded frames
+    come) runs NCHW with channels_last off, and a contiguous clip runs NHWC with it on."""
+    model = build_model(compose_cfg(["model/backbone=resnet18", "model.backbone.temporal_shift=0",
+                                     f"trainer.channels_last={str(channels_last).lower()}"]), num_classes=3)
+    inputs: list[torch.Tensor] = []
+    conv = next(m for m in model.backbone.modules() if isinstance(m, nn.Conv2d))
+    conv.register_forward_hook(lambda _m, args, _o: inputs.append(args[0]))
+    video = torch.randn(2, 3, 32, 32, 3).permute(0, 1, 4, 2, 3)  # (B, T, C, H, W), C innermost
+    video = video if not channels_last else video.contiguous()
+    model.train()(video).sum().backward()
+    model.eval()(video)
+    fmt = CL if channels_last else torch.contiguous_format
+    assert len(inputs) == 2 and all(x.is_contiguous(memory_format=fmt) for x in inputs)
+
+
 def test_cpu_default_stays_nchw() -> None:
     model = build_model(compose_cfg(["model/backbone=resnet18", "device=cpu"]), num_classes=3)
     assert not model.channels_last

@@ -183,8 +183,13 @@ def collate(items: list[dict]) -> dict:
     videos (``video`` None) are left out: a batch may hold fewer videos, or none (``video``
     None)."""
     good = [it for it in items if it["video"] is not None]
+    video = None
+    if good:  # (B, T, C, H, W), contiguous: decoded frames come (H, W, C), the model's layout is its own
+        first = good[0]["video"]
+        video = torch.stack([it["video"] for it in good],
+                            out=first.new_empty((len(good), *first.shape)))
     return {
-        "video": torch.stack([it["video"] for it in good]) if good else None,
+        "video": video,
         "label": torch.tensor([it["label"] for it in good], dtype=torch.long),
         "index": torch.tensor([it["index"] for it in good], dtype=torch.long),
         "skipped": [p for it in items for p in it["skipped"]],

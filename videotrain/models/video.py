@@ -65,6 +65,9 @@ class VideoClassifier(nn.Module):
         if max_frames is not None and video.shape[1] > max_frames:
             raise ValueError(f"a clip of {video.shape[1]} frames has frame positions up to "
                              f"{video.shape[1] - 1}, but model.head.max_frames={max_frames}")
+        # the layout the backbone runs in is the model's (``use_channels_last``), whatever the
+        # caller's: decoded clips come per-frame channels_last, and a CPU conv fed one runs NHWC
+        video = frames_channels_last(video) if self.channels_last else video.contiguous()
         if self.backbone_frozen:
             with torch.no_grad():
                 out = encode_all_frames(self.backbone, video, self.frame_chunk(video))

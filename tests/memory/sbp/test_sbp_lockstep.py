@@ -206,7 +206,7 @@ def test_channels_last_gives_the_same_results_and_keeps_the_format(kit, device: 
     got = {}
     for fmt in (torch.contiguous_format, torch.channels_last):
         _, model = kit.model_pair("resnet", sbp(bn_policy=policy))
-        model.to(device).backbone.to(memory_format=fmt)
+        model.to(device).use_channels_last(fmt == torch.channels_last)
         x = kit.video().to(device).flatten(0, 1).contiguous(memory_format=fmt).view(kit.B, kit.T, 3, kit.PX, kit.PX)
         formats = []
 
