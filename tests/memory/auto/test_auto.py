@@ -85,14 +85,26 @@ class FakeMeasure:
 def test_sbp_peak_estimate() -> None:
     p = profile()
     # O + A_head + r (A_bb + X) = 18 + 2 + (k/8) 82, floored by the record pass (40) with BN
-    assert sbp_peak(p, 4, record_pass=True, chunk=8) == pytest.approx((18 + 2 + 41) * MB)
-    assert sbp_peak(p, 1, record_pass=True, chunk=8) == pytest.approx(40 * MB)
+    assert sbp_peak(p, 4, full_batch=True, chunk=8) == pytest.approx((18 + 2 + 41) * MB)
+    assert sbp_peak(p, 1, full_batch=True, chunk=8) == pytest.approx(40 * MB)
     # frozen BN / no BN: dropped frames in chunks of 8 of the 16 frames -> half the no_grad peak
-    assert sbp_peak(p, 1, record_pass=False, chunk=8) == pytest.approx((20 + 82 / 8) * MB)
-    assert sbp_peak(p, 7, record_pass=False, chunk=8) == pytest.approx((20 + 7 * 82 / 8) * MB)
+    assert sbp_peak(p, 1, full_batch=False, chunk=8) == pytest.approx((20 + 82 / 8) * MB)
+    assert sbp_peak(p, 7, full_batch=False, chunk=8) == pytest.approx((20 + 7 * 82 / 8) * MB)
     peaks = [sbp_peak(p, k, True, 8) for k in keep_counts(8)]
     assert peaks == sorted(peaks, reverse=True) and peaks[0] < p.e2e_peak
     assert dropout_peak(p, 4) == pytest.approx((18 + 0.5 * 84) * MB)
+
+
+def test_sbp_peak_estimate_of_the_lockstep_pass() -> None:
+    """One lockstep pass (full-batch BN traced, or frames that meet, at any BN policy) holds,
+    beyond the no_grad forward's peak, the kept half of one block and the split input: at
+    r = 1/8 that floor (40 * (1 + 1/16) + 2 = 44.5 MB) is above the stored estimate (30.25)."""
+    traced = profile(lockstep=True)
+    assert sbp_peak(traced, 1, full_batch=True, chunk=8) == pytest.approx(44.5 * MB)
+    assert sbp_peak(traced, 1, full_batch=False, chunk=8) == pytest.approx((20 + 82 / 8) * MB)  # chunks
+    shift = profile(lockstep=True, mixes_frames=True)
+    assert sbp_peak(shift, 1, full_batch=False, chunk=8) == pytest.approx(44.5 * MB)
+    assert sbp_peak(shift, 6, full_batch=True, chunk=8) == pytest.approx((20 + 6 / 8 * 82) * MB)
 
 
 def test_time_estimate_orders_plans() -> None:

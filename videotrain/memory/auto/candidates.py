@@ -22,10 +22,13 @@ step peak ``P``, saved activations ``A`` (backbone ``A_bb``, head ``A_head = A -
 overhead ``O = P - A`` (gradients in flight, optimizer temporaries), input bytes ``X`` and the
 peak ``N`` of a ``no_grad`` backbone forward over all frames:
 
-- sbp at ``r = k/T``: ``max(O + A_head + r*(A_bb + X), N)`` with full-batch BN (the record pass
-  is one unchunked ``no_grad`` forward); without BN or with frozen BN the dropped frames run in
-  chunks of ``c`` frames and the transient is ``N * c / (B*T)``. ``r*X``: the kept frames are a
-  new tensor that the first layer saves (e2e saves the input, which is not counted);
+- sbp at ``r = k/T``: ``max(O + A_head + r*(A_bb + X), F)``. ``F``, the forward's transient:
+  ``N * (1 + r/2) + X`` for the lockstep code (full-batch BN on a traceable backbone, or any
+  backbone whose frames meet): at a BN it holds the kept block of the input beside the full
+  input and output that a ``no_grad`` forward peaks at, and both parts of the split input;
+  ``N`` for record/apply (one unchunked ``no_grad`` pass); otherwise the dropped frames run in
+  chunks of ``c`` frames and ``F = N * c / (B*T)``. ``r*X``: the kept frames are a new tensor
+  that the first layer saves (e2e saves the input, which is not counted);
 - frame dropout: ``O + r*(A + X)``;
 - recompute plans and sbp+recompute: no formula; one profiling step measures each (the
   planner's push-aware peak is a loose upper bound on another scale).
@@ -120,11 +123,16 @@ def _split(p: Profile) -> tuple[float, float, float, float]:
     return p.fwd_s * share, p.fwd_s * (1 - share), p.bwd_s * share, p.bwd_s * (1 - share)
 
 
-def sbp_peak(p: Profile, keep: int, record_pass: bool, chunk: int) -> float:
-    """Predicted step peak of frame-level SBP keeping ``keep`` of ``T`` frames (bytes)."""
+def sbp_peak(p: Profile, keep: int, full_batch: bool, chunk: int) -> float:
+    """Predicted step peak of frame-level SBP keeping ``keep`` of ``T`` frames (bytes);
+    ``full_batch``: training-mode BN with ``bn_policy=full_batch``."""
     r = keep / p.num_frames
     stored = p.head_saved + r * (p.saved_backbone + p.input_bytes)
-    if record_pass:  # full-batch BN: one no_grad pass over every frame before the kept rerun
+    if (full_batch and p.lockstep) or p.mixes_frames:
+        # one lockstep pass over both parts: beyond a no_grad forward's two full-size blocks at
+        # its peak (a BN's input and output) it holds the kept block of one, and the split input
+        transient = p.nograd_peak * (1 + r / 2) + p.input_bytes
+    elif full_batch:  # record/apply: one no_grad pass over every frame before the kept rerun
         transient = p.nograd_peak
     else:
         dropped = p.frames - keep * p.batch_size

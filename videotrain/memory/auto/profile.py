@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.base import MemoryStrategy
+from videotrain.memory.base import MemoryStrategy, mixes_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.recompute.execute import RecomputedForward
 from videotrain.memory.sbp.lockstep import lockstep_graph
@@ -87,6 +87,7 @@ class Profile:
     held_growth: float  # what the first step adds to what is held between steps (grads, optimizer state)
     measured_clips: int = 0  # clips of the batch really run (< batch_size: extrapolated); 0 = all
     lockstep: bool = False  # full-batch SBP runs one forward (the backbone traces; sbp/lockstep.py)
+    mixes_frames: bool = False  # frames meet in the backbone (temporal shift): frame SBP runs lockstep
 
     @property
     def extrapolated(self) -> bool:
@@ -300,7 +301,7 @@ class StepProbe:
             self.clips = self.video_shape[0]
         b, t = self.video_shape[:2]
         scale = b / clips  # activations, transients and compute grow with the clips; the rest not
-        peak, saved_total, saved_bb, nograd, times, bb_fwd, held, has_bn, lockstep = got
+        peak, saved_total, saved_bb, nograd, times, bb_fwd, held, has_bn, lockstep, mixes = got
         frames = self.video.flatten(0, 1)
         self.profiled = Profile(
             batch_size=b, num_frames=t, e2e_peak=peak + (scale - 1) * saved_total,
@@ -308,13 +309,13 @@ class StepProbe:
             input_bytes=float(frames.numel() * frames.element_size()), nograd_peak=nograd * scale,
             fwd_s=times[0] * scale, bwd_s=times[1] * scale, opt_s=times[2],
             backbone_fwd_s=bb_fwd * scale, has_batchnorm=has_bn, held_growth=held, measured_clips=clips,
-            lockstep=lockstep,
+            lockstep=lockstep, mixes_frames=mixes,
         )
         return self.profiled
 
     def _measure_e2e(self) -> tuple:
         """(peak, saved total, saved backbone, no_grad peak, [fwd, bwd, opt] s, backbone fwd s,
-        held growth, has BN, lockstep-traceable) of ``self.clips`` clips, on a fresh warmed-up
+        held growth, has BN, lockstep-traceable, mixes frames) of ``self.clips`` clips, on a fresh warmed-up
         copy."""
         self.model, self.optimizer, held = self._fresh_copy()
         model = self.model
@@ -336,7 +337,8 @@ class StepProbe:
         nograd = self._metered(nograd_forward)
         has_bn = any(isinstance(m, _BatchNorm) and m.training for m in model.backbone.modules())
         lockstep = has_bn and lockstep_graph(model.backbone) is not None
-        return peak, float(saved_total), float(saved_bb), nograd, times, bb_fwd, held, has_bn, lockstep
+        return (peak, float(saved_total), float(saved_bb), nograd, times, bb_fwd, held, has_bn, lockstep,
+                mixes_frames(model.backbone))
 
     def measure(self, strategy: MemoryStrategy, isolated: bool = False) -> ProfiledStep:
         """The second of two steps under ``strategy``. ``isolated``: on a fresh warmed-up copy

@@ -121,13 +121,14 @@ def recompute_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[float
     return plans
 
 
-def skip_frame_sbp(cands: list[Candidate], backbone: nn.Module) -> None:
-    """A backbone that mixes frames (TSM's temporal shift) cannot train with frame-level SBP
-    (``StochasticBackprop.prepare`` refuses it): its candidates are skipped, saying why."""
+def skip_sbp_recompute(cands: list[Candidate], backbone: nn.Module) -> None:
+    """SBP with recomputation runs record/apply, which cannot run a backbone whose frames meet
+    (TSM's temporal shift; ``StochasticBackprop.prepare`` refuses it): those candidates are
+    skipped, saying why. Frame SBP itself runs there, in the lockstep code."""
     if mixes_frames(backbone):
         for c in cands:
-            if c.kind in ("sbp", "sbp_recompute") and not c.skip:
-                c.skip = "sbp at frame granularity: the backbone's temporal shift mixes frames"
+            if c.kind == "sbp_recompute" and not c.skip:
+                c.skip = "sbp + recompute: the backbone's temporal shift mixes frames"
 
 
 def _mb(x: float | None) -> float | None:
@@ -274,7 +275,7 @@ class AutoStrategy:
                 plans = recompute_plans(probe.model.backbone, probe.frames(),
                                         self.recompute_fracs, self.lower_set_cap)
             self.candidates = build_candidates(profile, plans, self.options)
-            skip_frame_sbp(self.candidates, probe.model.backbone)
+            skip_sbp_recompute(self.candidates, probe.model.backbone)
             # NoPlanFits carries the table in its message
             chosen = choose(self.candidates, self.budget, lambda c: self._measure(probe, c),
                             verify=self.verify, max_profiles=self.max_profiles)
@@ -310,7 +311,7 @@ class AutoStrategy:
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.backbone.modules())
         self.candidates = estimated_candidates(num_frames, has_bn, self.recompute_fracs, self.options,
                                                self.lower_set_cap)
-        skip_frame_sbp(self.candidates, self.backbone)
+        skip_sbp_recompute(self.candidates, self.backbone)
         def run(c: Candidate) -> StepMemory | None:
             try:
                 mem = estimate(memory_node(c))

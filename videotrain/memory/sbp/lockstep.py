@@ -5,16 +5,17 @@ rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward take
 frames ``(n, ...)`` and the dropped frames ``(N - n, ...)`` as two contiguous row blocks and
 returns both parts' features. Every per-frame op becomes two ops, one per part: the dropped
 part's ops run under ``no_grad`` (their activations are never stored), the kept part's with
-autograd. Per segment between two *meeting points*, the dropped twins run first, in one
-``no_grad`` region, then the kept twins. Nothing is interpreted per step: the generated code
+autograd. Per segment between two *meeting points*, the kept twins run first, then the
+dropped twins in one ``no_grad`` region, where a ReLU or residual add whose input nothing else
+reads runs in place (as e2e's own ``inplace=True`` ops do; ``_in_place_twin``). Nothing is interpreted per step: the generated code
 is plain Python that fx compiled once, and the row bookkeeping of a step is a few index
 tensors (:class:`PartRows`).
 
 Meeting points, where the two parts meet:
 
 - **Training-mode BatchNorm** (``bn_policy=full_batch``; :func:`batchnorm_parts`): the two
-  blocks are concatenated (one copy; the rows are already in ``[kept | dropped]`` order, so
-  no gather or scatter), the layer's own training kernel (``_native_batch_norm_legit``) runs
+  blocks are concatenated (:func:`join_rows`, one copy; the rows are already in
+  ``[kept | dropped]`` order, so no gather or scatter), the layer's own training kernel (``_native_batch_norm_legit``) runs
   on all ``N`` rows: e2e's batch statistics and running-statistics update (once), and both
   parts' outputs as row blocks of its output. The kept block carries
   :class:`KeptRowsBatchNorm`'s graph, whose backward is e2e's BN backward with the dropped
@@ -151,22 +152,29 @@ class KeptRowsBatchNorm(torch.autograd.Function):
         return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, None
 
 
-def batchnorm_parts(bn: _BatchNorm, kept: torch.Tensor, dropped: torch.Tensor, rows: PartRows,
+def join_rows(kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """``[kept | dropped]`` as one ``(N, C, *)`` tensor without a graph: a BN's input. A node of
+    its own in the lockstep code, so that the dropped block is freed as soon as it is joined,
+    not held through the BN (at the stem, that block is the largest transient of the step)."""
+    with torch.no_grad():
+        return torch.cat((kept.detach(), dropped))
+
+
+def batchnorm_parts(bn: _BatchNorm, kept: torch.Tensor, full: torch.Tensor, rows: PartRows,
                     view_ok: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``bn`` over ``[kept | dropped]`` rows: e2e's training forward (statistics of all rows,
-    running statistics once); the kept block carries :class:`KeptRowsBatchNorm`'s graph.
-    ``view_ok``: every consumer of the kept output stores nothing of it (ReLU, add), so it may
-    stay a view of the full output; otherwise it gets its own storage, so that what autograd
-    saves holds only kept rows. A BN in eval mode normalises each part alone."""
+    """``bn`` over ``full = join_rows(kept, dropped)``: e2e's training forward (statistics of all
+    rows, running statistics once); the kept block carries :class:`KeptRowsBatchNorm`'s graph
+    (from ``kept``, which it saves). ``view_ok``: every consumer of the kept output stores
+    nothing of it (ReLU, add), so it may stay a view of the full output; otherwise it gets its
+    own storage, so that what autograd saves holds only kept rows. A BN in eval mode normalises
+    each part alone."""
+    n = kept.shape[0]
     if not bn.training:
         with torch.no_grad():
-            d_out = bn(dropped)
+            d_out = bn(full[n:])
         return bn(kept), d_out
-    n = kept.shape[0]
     with torch.no_grad():
-        full = torch.cat((kept.detach(), dropped))  # (N, C, *) in [kept | dropped] order
-        out, mean, rstd = train_bn_forward(bn, full)
-        del full
+        out, mean, rstd = train_bn_forward(bn, full)  # (N, C, *) in [kept | dropped] order
     y = out[:n] if view_ok else out[:n].clone()
     if rows.n_rows != out.shape[0]:
         raise RuntimeError(f"lockstep SBP: {type(bn).__name__} got {out.shape[0]} rows, not the "
@@ -193,6 +201,46 @@ def _view_safe(node: fx.Node, root: nn.Module) -> bool:
             continue
         return False
     return True
+
+
+def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b``, written into ``a`` when the sum has ``a``'s shape and dtype (a dropped
+    part's residual add, under ``no_grad``: no new block of rows)."""
+    if a.shape == torch.broadcast_shapes(a.shape, b.shape) and a.dtype == torch.result_type(a, b):
+        return a.add_(b)
+    return a + b
+
+
+_RELU_FUNCS = {F.relu, torch.relu}
+_ADD_FUNCS = {operator.add, torch.add}
+# modules whose output is a new tensor that nothing else aliases
+_FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, _BatchNorm, nn.ReLU)
+
+
+def _in_place_twin(node: fx.Node, root: nn.Module) -> Any:
+    """The in-place op for ``node``'s dropped twin, or ``None``. A dropped part runs under
+    ``no_grad`` and stores nothing, so a ReLU or residual add may overwrite its input, as e2e's
+    own ``ReLU(inplace=True)`` and ``out += identity`` do, when that input is read by nothing
+    else and is a tensor of its own (not a view of another value): one block of rows fewer in
+    the step's peak (the stem's ReLU, after the BN meet, sets the peak at small keep ratios)."""
+    if node.op == "call_module":
+        is_relu = type(root.get_submodule(str(node.target))) is nn.ReLU
+        is_add = False
+    elif node.op == "call_function":
+        is_relu = node.target in _RELU_FUNCS and set(node.kwargs) <= {"inplace"} and len(node.args) == 1
+        is_add = node.target in _ADD_FUNCS and not node.kwargs and len(node.args) == 2
+    else:
+        return None
+    if not (is_relu or is_add) or not isinstance(node.args[0], fx.Node):
+        return None
+    src = node.args[0]
+    if len(src.users) != 1 or (is_add and src is node.args[1]):
+        return None
+    fresh = (src.op == "call_module" and isinstance(root.get_submodule(str(src.target)), _FRESH_MODULES)) or (
+        src.op == "call_function" and src.target in _RELU_FUNCS | _ADD_FUNCS)
+    if not fresh:
+        return None
+    return torch.relu_ if is_relu else add_into
 
 
 def _fusable_bn(module: nn.Module) -> bool:
@@ -233,18 +281,22 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
     def is_split(node: fx.Node) -> bool:
         return any(isinstance(env[a], tuple) for a in node.all_input_nodes)
 
-    def flush() -> None:  # the segment's dropped twins under no_grad, then its kept twins
+    def flush() -> None:  # the segment's kept twins, then its dropped twins under no_grad
         if not pending:
             return
-        dropped: dict[fx.Node, fx.Node] = {}
+        # kept first: a kept output that is a view of a BN meet's output is read before a dropped
+        # twin overwrites its own rows of that output in place (_in_place_twin)
+        for node in pending:
+            env[node] = (g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0)), None)
         g.call_function(torch._C._set_grad_enabled, (False,))
         for node in pending:
-            dropped[node] = g.create_node(node.op, node.target, part(node.args, 1), part(node.kwargs, 1))
-            env[node] = (None, dropped[node])
+            in_place = _in_place_twin(node, gm)
+            if in_place is not None:
+                dropped = g.call_function(in_place, part(node.args, 1))
+            else:
+                dropped = g.create_node(node.op, node.target, part(node.args, 1), part(node.kwargs, 1))
+            env[node] = (env[node][0], dropped)
         g.call_function(torch._C._set_grad_enabled, (True,))
-        for node in pending:
-            env[node] = (g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0)),
-                         dropped[node])
         pending.clear()
 
     def meet(fn: Any, target: str, args: tuple) -> tuple[fx.Node, fx.Node]:
@@ -270,7 +322,8 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
                     raise _Unsupported(f"cannot fuse {type(module).__name__}")
                 flush()
                 x = env[node.args[0]]
-                env[node] = meet(batchnorm_parts, str(node.target), (x[0], x[1], rows, _view_safe(node, gm)))
+                full = g.call_function(join_rows, (x[0], x[1]))  # the dropped block's last use
+                env[node] = meet(batchnorm_parts, str(node.target), (x[0], full, rows, _view_safe(node, gm)))
             elif module is not None and callable(getattr(module, "lockstep_parts", None)):
                 flush()
                 x = env[node.args[0]]
