@@ -123,7 +123,7 @@ def test_model_level_matches_record_apply_and_runs_each_frame_once(kit, backbone
         hook.remove()
         out[lockstep] = (logits, kit.grads(model), kit.bn_buffers(model), rows)
     n_rows, n_keep = kit.B * kit.T, kit.B * 3  # 0.375 * 8 = 3 frames per clip
-    assert out[True][3] == [n_keep, n_rows - n_keep]  # kept, then dropped (no_grad): once each
+    assert out[True][3] == [n_rows - n_keep, n_keep]  # dropped (no_grad), kept: once each
     assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
     backbone = {k: v for k, v in out[True][1].items() if k.startswith("backbone.")}
@@ -241,7 +241,7 @@ def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backb
         conv.register_forward_hook(lambda _m, args, _o, rows=rows: rows.append(args[0].shape[0]))
         out[lockstep] = (kit.step(model, x), kit.grads(model), kit.bn_buffers(model), rows)
     n_rows, n_keep = kit.B * kit.T, kit.B * 3
-    assert out[True][3] == [n_keep, n_rows - n_keep]  # the branch's first conv: once per part
+    assert out[True][3] == [n_rows - n_keep, n_keep]  # the branch's first conv: once per part
     assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
     kit.assert_close_dicts(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)

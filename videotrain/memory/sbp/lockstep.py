@@ -5,9 +5,10 @@ rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward take
 frames ``(n, ...)`` and the dropped frames ``(N - n, ...)`` as two contiguous row blocks and
 returns both parts' features. Every per-frame op becomes two ops, one per part: the dropped
 part's ops run under ``no_grad`` (their activations are never stored), the kept part's with
-autograd. Per segment between two *meeting points*, the kept twins run first, then the
-dropped twins in one ``no_grad`` region, where a ReLU or residual add whose input nothing else
-reads runs in place (as e2e's own ``inplace=True`` ops do; ``_in_place_twin``). Nothing is interpreted per step: the generated code
+autograd. Per segment between two *meeting points*, the dropped twins run in one ``no_grad``
+region, where a ReLU or residual add whose input nothing else reads runs in place (as e2e's own
+``inplace=True`` ops do; ``_in_place_twin``), before the kept twins, or after them in a segment
+that starts at a BN meet (``flush``). Nothing is interpreted per step: the generated code
 is plain Python that fx compiled once, and the row bookkeeping of a step is a few index
 tensors (:class:`PartRows`).
 
@@ -217,12 +218,15 @@ _ADD_FUNCS = {operator.add, torch.add}
 _FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, _BatchNorm, nn.ReLU)
 
 
-def _in_place_twin(node: fx.Node, root: nn.Module) -> Any:
+def _in_place_twin(node: fx.Node, root: nn.Module, bn_source_ok: bool) -> Any:
     """The in-place op for ``node``'s dropped twin, or ``None``. A dropped part runs under
     ``no_grad`` and stores nothing, so a ReLU or residual add may overwrite its input, as e2e's
     own ``ReLU(inplace=True)`` and ``out += identity`` do, when that input is read by nothing
     else and is a tensor of its own (not a view of another value): one block of rows fewer in
-    the step's peak (the stem's ReLU, after the BN meet, sets the peak at small keep ratios)."""
+    the step's peak (the stem's ReLU, after the BN meet, sets the peak at small keep ratios).
+    A full-batch BN's dropped output shares its storage with the kept output, a view that
+    autograd refuses to read once its base changed: ``bn_source_ok`` only where the kept twins
+    run first."""
     if node.op == "call_module":
         is_relu = type(root.get_submodule(str(node.target))) is nn.ReLU
         is_add = False
@@ -236,7 +240,10 @@ def _in_place_twin(node: fx.Node, root: nn.Module) -> Any:
     src = node.args[0]
     if len(src.users) != 1 or (is_add and src is node.args[1]):
         return None
-    fresh = (src.op == "call_module" and isinstance(root.get_submodule(str(src.target)), _FRESH_MODULES)) or (
+    module = root.get_submodule(str(src.target)) if src.op == "call_module" else None
+    if isinstance(module, _BatchNorm) and not bn_source_ok:
+        return None
+    fresh = isinstance(module, _FRESH_MODULES) or (
         src.op == "call_function" and src.target in _RELU_FUNCS | _ADD_FUNCS)
     if not fresh:
         return None
@@ -281,22 +288,31 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
     def is_split(node: fx.Node) -> bool:
         return any(isinstance(env[a], tuple) for a in node.all_input_nodes)
 
-    def flush() -> None:  # the segment's kept twins, then its dropped twins under no_grad
+    after_bn = False  # the current segment starts at a BN meet
+
+    def flush() -> None:
+        """Emit the segment's twins: the dropped ones under ``no_grad``, where a ReLU or add may
+        run in place (``_in_place_twin``). After a BN meet the kept twins go first, since a
+        kept input may be a view of the meet's output, whose dropped rows are then overwritten;
+        elsewhere the dropped twins go first, so that their transient is gone before the kept
+        twins store anything (a ViT's whole network is one segment)."""
         if not pending:
             return
-        # kept first: a kept output that is a view of a BN meet's output is read before a dropped
-        # twin overwrites its own rows of that output in place (_in_place_twin)
-        for node in pending:
-            env[node] = (g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0)), None)
-        g.call_function(torch._C._set_grad_enabled, (False,))
-        for node in pending:
-            in_place = _in_place_twin(node, gm)
-            if in_place is not None:
-                dropped = g.call_function(in_place, part(node.args, 1))
-            else:
-                dropped = g.create_node(node.op, node.target, part(node.args, 1), part(node.kwargs, 1))
-            env[node] = (env[node][0], dropped)
-        g.call_function(torch._C._set_grad_enabled, (True,))
+        order = ("kept", "dropped") if after_bn else ("dropped", "kept")
+        for which in order:
+            if which == "dropped":
+                g.call_function(torch._C._set_grad_enabled, (False,))
+            for node in pending:
+                kept, dropped = env[node]  # the marker, or the twin the first pass emitted
+                if which == "kept":
+                    kept = g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0))
+                elif (in_place := _in_place_twin(node, gm, bn_source_ok=after_bn)) is not None:
+                    dropped = g.call_function(in_place, part(node.args, 1))
+                else:
+                    dropped = g.create_node(node.op, node.target, part(node.args, 1), part(node.kwargs, 1))
+                env[node] = (kept, dropped)
+            if which == "dropped":
+                g.call_function(torch._C._set_grad_enabled, (True,))
         pending.clear()
 
     def meet(fn: Any, target: str, args: tuple) -> tuple[fx.Node, fx.Node]:
@@ -324,10 +340,12 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
                 x = env[node.args[0]]
                 full = g.call_function(join_rows, (x[0], x[1]))  # the dropped block's last use
                 env[node] = meet(batchnorm_parts, str(node.target), (x[0], full, rows, _view_safe(node, gm)))
+                after_bn = True
             elif module is not None and callable(getattr(module, "lockstep_parts", None)):
                 flush()
                 x = env[node.args[0]]
                 env[node] = meet(module_parts, str(node.target), (x[0], x[1], rows))
+                after_bn = False
             else:
                 pending.append(node)
                 env[node] = (node, node)  # a marker: split, emitted at the next flush
