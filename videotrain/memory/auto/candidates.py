@@ -23,10 +23,10 @@ overhead ``O = P - A`` (gradients in flight, optimizer temporaries), input bytes
 peak ``N`` of a ``no_grad`` backbone forward over all frames:
 
 - sbp at ``r = k/T``: ``max(O + A_head + r*(A_bb + X), F)``. ``F``, the forward's transient:
-  ``N * (1 + r/2) + X`` for the lockstep code (full-batch BN on a traceable backbone, or any
-  backbone whose frames meet): at a BN it holds the kept block of the input beside the full
-  input and output that a ``no_grad`` forward peaks at, and both parts of the split input;
-  ``N`` for record/apply (one unchunked ``no_grad`` pass); otherwise the dropped frames run in
+  ``N * (1 + r/2) + X`` for the lockstep code with full-batch BN: at a BN it holds the kept
+  block of the input beside the full input and output that a ``no_grad`` forward peaks at, and
+  both parts of the split input; ``N`` for record/apply and for a backbone whose frames meet
+  only at its temporal shift (one unchunked ``no_grad`` pass); otherwise the dropped frames run in
   chunks of ``c`` frames and ``F = N * c / (B*T)``. ``r*X``: the kept frames are a new tensor
   that the first layer saves (e2e saves the input, which is not counted);
 - frame dropout: ``O + r*(A + X)``;
@@ -128,11 +128,13 @@ def sbp_peak(p: Profile, keep: int, full_batch: bool, chunk: int) -> float:
     ``full_batch``: training-mode BN with ``bn_policy=full_batch``."""
     r = keep / p.num_frames
     stored = p.head_saved + r * (p.saved_backbone + p.input_bytes)
-    if (full_batch and p.lockstep) or p.mixes_frames:
+    if full_batch and p.lockstep:
         # one lockstep pass over both parts: beyond a no_grad forward's two full-size blocks at
         # its peak (a BN's input and output) it holds the kept block of one, and the split input
         transient = p.nograd_peak * (1 + r / 2) + p.input_bytes
-    elif full_batch:  # record/apply: one no_grad pass over every frame before the kept rerun
+    elif full_batch or p.mixes_frames:
+        # record/apply's no_grad pass over every frame before the kept rerun; or the lockstep
+        # pass of frames that meet at a shift only, its dropped part in one no_grad pass
         transient = p.nograd_peak
     else:
         dropped = p.frames - keep * p.batch_size

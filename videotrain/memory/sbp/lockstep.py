@@ -306,7 +306,7 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
                 kept, dropped = env[node]  # the marker, or the twin the first pass emitted
                 if which == "kept":
                     kept = g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0))
-                elif (in_place := _in_place_twin(node, gm, bn_source_ok=after_bn)) is not None:
+                elif (in_place := _in_place_twin(node, gm, bn_source_ok=after_bn or not full_batch)) is not None:
                     dropped = g.call_function(in_place, part(node.args, 1))
                 else:
                     dropped = g.create_node(node.op, node.target, part(node.args, 1), part(node.kwargs, 1))
