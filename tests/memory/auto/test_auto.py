@@ -97,16 +97,34 @@ def test_sbp_peak_estimate() -> None:
 
 def test_sbp_peak_estimate_of_the_lockstep_pass() -> None:
     """The lockstep pass with full-batch BN holds, beyond the no_grad forward's peak, the kept
-    half of one block and the split input: at r = 1/8 that floor (40 * (1 + 1/16) + 2 = 44.5
+    half of one block and the kept input: at r = 1/8 that floor (40 * (1 + 1/16) + 2/8 = 42.75
     MB) is above the stored estimate (30.25). Frames that meet only at a shift (frozen BN) pass
     their dropped part in one unchunked no_grad pass: the no_grad peak (40)."""
     traced = profile(lockstep=True)
-    assert sbp_peak(traced, 1, full_batch=True, chunk=8) == pytest.approx(44.5 * MB)
+    assert sbp_peak(traced, 1, full_batch=True, chunk=8) == pytest.approx(42.75 * MB)
     assert sbp_peak(traced, 1, full_batch=False, chunk=8) == pytest.approx((20 + 82 / 8) * MB)  # chunks
     shift = profile(lockstep=True, mixes_frames=True)
     assert sbp_peak(shift, 1, full_batch=False, chunk=8) == pytest.approx(40 * MB)
-    assert sbp_peak(shift, 1, full_batch=True, chunk=8) == pytest.approx(44.5 * MB)
+    assert sbp_peak(shift, 1, full_batch=True, chunk=8) == pytest.approx(42.75 * MB)
     assert sbp_peak(shift, 6, full_batch=True, chunk=8) == pytest.approx((20 + 6 / 8 * 82) * MB)
+
+
+def test_nograd_chunk_auto_is_one_pass_unless_the_budget_needs_chunks() -> None:
+    """``nograd_chunk: auto``: the dropped frames of a candidate without BN statistics run in
+    one no_grad pass (one kernel per layer) where that fits, else in the largest power-of-two
+    chunks that fit; an integer is kept as set."""
+    p = profile(has_batchnorm=False)  # a ViT: its sbp candidates' dropped frames run alone
+    loose = by_name(build_candidates(p, [], Options(), budget=200 * MB))
+    assert {c.params["nograd_chunk"] for c in loose.values() if c.kind == "sbp"} == {"auto"}
+    # r = 1/8: stored 18 + 2 + 82/8 = 30.25 MB; one pass over the 14 dropped of 16 frames holds
+    # 40 * 14/16 = 35 MB, over a 32 MB budget; chunks of 8 hold 20
+    tight = by_name(build_candidates(p, [], Options(), budget=32 * MB))["sbp r=0.125"]
+    assert tight.params["nograd_chunk"] == 8 and tight.estimated_peak == pytest.approx(30.25 * MB)
+    assert sbp_peak(p, 1, False, 16) > 32 * MB  # twice the chunk does not fit
+    over = by_name(build_candidates(p, [], Options(), budget=32 * MB))["sbp r=0.500"]
+    assert over.params["nograd_chunk"] == "auto"  # 61 MB stored: no chunk would fit, none slows it
+    fixed = by_name(build_candidates(p, [], Options(nograd_chunk=4), budget=200 * MB))["sbp r=0.500"]
+    assert fixed.params["nograd_chunk"] == 4
 
 
 def test_time_estimate_orders_plans() -> None:

@@ -23,9 +23,9 @@ overhead ``O = P - A`` (gradients in flight, optimizer temporaries), input bytes
 peak ``N`` of a ``no_grad`` backbone forward over all frames:
 
 - sbp at ``r = k/T``: ``max(O + A_head + r*(A_bb + X), F)``. ``F``, the forward's transient:
-  ``N * (1 + r/2) + X`` for the lockstep code with full-batch BN: at a BN it holds the kept
+  ``N * (1 + r/2) + r*X`` for the lockstep code with full-batch BN: at a BN it holds the kept
   block of the input beside the full input and output that a ``no_grad`` forward peaks at, and
-  both parts of the split input; ``N`` for record/apply and for a backbone whose frames meet
+  the kept frames' copy of the input (the dropped frames' is freed after their first op); ``N`` for record/apply and for a backbone whose frames meet
   only at its temporal shift (one unchunked ``no_grad`` pass); otherwise the dropped frames run in
   chunks of ``c`` frames and ``F = N * c / (B*T)``. ``r*X``: the kept frames are a new tensor
   that the first layer saves (e2e saves the input, which is not counted);
@@ -130,8 +130,8 @@ def sbp_peak(p: Profile, keep: int, full_batch: bool, chunk: int) -> float:
     stored = p.head_saved + r * (p.saved_backbone + p.input_bytes)
     if full_batch and p.lockstep:
         # one lockstep pass over both parts: beyond a no_grad forward's two full-size blocks at
-        # its peak (a BN's input and output) it holds the kept block of one, and the split input
-        transient = p.nograd_peak * (1 + r / 2) + p.input_bytes
+        # its peak (a BN's input and output) it holds the kept block of one, and the kept input
+        transient = p.nograd_peak * (1 + r / 2) + r * p.input_bytes
     elif full_batch or p.mixes_frames:
         # record/apply's no_grad pass over every frame before the kept rerun; or the lockstep
         # pass of frames that meet at a shift only, its dropped part in one no_grad pass
@@ -176,13 +176,30 @@ class Options:
     sbp_recompute: str | None = "blocks"  # None: no sbp+recompute candidates
     sbp_recompute_error: str | None = None  # set when StochasticBackprop rejects `recompute`
     sampler: str = "uniform"  # the configs' default (configs/memory/*.yaml)
-    nograd_chunk: int = 8
+    nograd_chunk: int | str = "auto"  # auto: one no_grad pass unless the budget needs chunks
     seed: int = 0
 
 
-def build_candidates(p: Profile, recompute_plans: list[dict[str, Any]], opt: Options) -> list[Candidate]:
+def nograd_chunk_for(p: Profile, keep: int, chunk: int | str, budget: float | None) -> int | str:
+    """The no_grad chunk of a frame-SBP candidate whose dropped frames run alone (frozen BN, or
+    no BN; frames that do not meet): ``chunk`` when set; with ``auto`` one pass (``"auto"``,
+    the fastest: one kernel per layer) unless only chunks make its estimate fit ``budget``;
+    then the largest power-of-two chunk that does."""
+    if chunk != "auto":
+        return int(chunk)
+    if budget is None or sbp_peak(p, keep, False, p.frames) <= budget or sbp_peak(p, keep, False, 1) > budget:
+        return "auto"  # one pass fits, or no chunk would
+    size = 1 << (p.frames.bit_length() - 1)  # the largest power of two below B*T
+    while size > 1 and sbp_peak(p, keep, False, size) > budget:
+        size //= 2
+    return size
+
+
+def build_candidates(p: Profile, recompute_plans: list[dict[str, Any]], opt: Options,
+                     budget: float | None = None) -> list[Candidate]:
     """Every candidate with its estimates. ``recompute_plans``: ``{"params", "name",
-    "overhead_frac", ...}`` per distinct recomputation plan (planned by the caller)."""
+    "overhead_frac", ...}`` per distinct recomputation plan (planned by the caller); ``budget``
+    (bytes) sizes the no_grad chunks of ``nograd_chunk: auto`` (:func:`nograd_chunk_for`)."""
     t = p.num_frames
     measured = None if p.extrapolated else p.e2e_peak  # else its own profiling step must tell
     cands = [Candidate("e2e", "e2e", {}, TIER_EXACT, 1.0, p.e2e_peak, p.step_s, measured,
@@ -192,23 +209,29 @@ def build_candidates(p: Profile, recompute_plans: list[dict[str, Any]], opt: Opt
         cands.append(Candidate(plan["name"], "recompute", plan["params"], TIER_EXACT, 1.0, None,
                                recompute_time(p, plan["overhead_frac"]),
                                extra={"overhead_frac": plan["overhead_frac"], **extra}))
-    common = {"sampler": opt.sampler, "seed": opt.seed, "nograd_chunk": opt.nograd_chunk}
+    common = {"sampler": opt.sampler, "seed": opt.seed}
     for k in keep_counts(t):
         r = k / t
         full = p.has_batchnorm  # full_batch BN needs the unchunked record pass
-        cands.append(Candidate(f"sbp r={r:.3f}", "sbp", {"keep_ratio": r, "bn_policy": "full_batch", **common},
-                               TIER_SBP, r, sbp_peak(p, k, full, opt.nograd_chunk),
+        # the dropped frames' own no_grad pass, where nothing makes them meet the kept ones
+        alone = "auto" if p.mixes_frames else nograd_chunk_for(p, k, opt.nograd_chunk, budget)
+        chunk = p.frames if alone == "auto" else alone
+        cands.append(Candidate(f"sbp r={r:.3f}", "sbp", {"keep_ratio": r, "bn_policy": "full_batch",
+                                                         "nograd_chunk": "auto" if full else alone, **common},
+                               TIER_SBP, r, sbp_peak(p, k, full, chunk),
                                sbp_time(p, r, full and not p.lockstep)))
         if opt.sbp_recompute:
             c = Candidate(f"sbp+recompute r={r:.3f}", "sbp_recompute",
-                          {"keep_ratio": r, "bn_policy": "full_batch", "recompute": opt.sbp_recompute, **common},
+                          {"keep_ratio": r, "bn_policy": "full_batch", "recompute": opt.sbp_recompute,
+                           "nograd_chunk": "auto" if full else alone, **common},
                           TIER_SBP, r, None, sbp_time(p, r, full) + r * _split(p)[0],  # record/apply
                           isolated=True)
             c.skip = opt.sbp_recompute_error
             cands.append(c)
         if p.has_batchnorm:
-            c = Candidate(f"sbp r={r:.3f} bn=frozen", "sbp", {"keep_ratio": r, "bn_policy": "frozen", **common},
-                          TIER_SBP_FROZEN, r, sbp_peak(p, k, False, opt.nograd_chunk), sbp_time(p, r, False))
+            c = Candidate(f"sbp r={r:.3f} bn=frozen", "sbp",
+                          {"keep_ratio": r, "bn_policy": "frozen", "nograd_chunk": alone, **common},
+                          TIER_SBP_FROZEN, r, sbp_peak(p, k, False, chunk), sbp_time(p, r, False))
             if not opt.allow_frozen_bn:
                 c.skip = "sbp with frozen BN: not allowed (memory.allow_frozen_bn=false)"
             cands.append(c)

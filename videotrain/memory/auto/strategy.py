@@ -158,7 +158,7 @@ class AutoStrategy:
         max_profiles: int = 16,
         recheck_tolerance: float = 0.02,
         sampler: str = "uniform",
-        nograd_chunk: int = 8,
+        nograd_chunk: int | str = "auto",
         lower_set_cap: int = 500,
         seed: int = 0,
         rank: int | None = None,
@@ -190,14 +190,15 @@ class AutoStrategy:
             raise ValueError(f"memory.sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
         if sbp_recompute not in (None, "blocks", "sqrt"):
             raise ValueError(f"memory.sbp_recompute must be null, blocks or sqrt; got {sbp_recompute!r}")
-        if nograd_chunk < 1:
-            raise ValueError(f"memory.nograd_chunk must be >= 1, got {nograd_chunk}")
+        if nograd_chunk != "auto" and (isinstance(nograd_chunk, bool) or not isinstance(nograd_chunk, int)
+                                       or nograd_chunk < 1):
+            raise ValueError(f"memory.nograd_chunk must be auto or an integer >= 1, got {nograd_chunk!r}")
         self.budget_mb, self.budget_frac, self.free_frac = budget_mb, budget_frac, free_frac
         self.budget_gb = None if budget_gb is None else float(budget_gb)
         self.mode = ""  # profiled (real steps) | estimated (fake-tensor steps), once planned
         self.options = Options(allow_frame_dropout=bool(allow_frame_dropout),
                                allow_frozen_bn=bool(allow_frozen_bn), sbp_recompute=sbp_recompute,
-                               sampler=sampler, nograd_chunk=int(nograd_chunk), seed=int(seed))
+                               sampler=sampler, nograd_chunk=nograd_chunk, seed=int(seed))
         self.recompute_fracs = [float(f) for f in recompute_fracs]
         self.verify, self.max_profiles = bool(verify), int(max_profiles)
         self.recheck_tolerance, self.lower_set_cap, self.rank = float(recheck_tolerance), int(lower_set_cap), rank
@@ -274,7 +275,7 @@ class AutoStrategy:
             with probe.precision.autocast():  # planned as the profiling steps will re-plan
                 plans = recompute_plans(probe.model.backbone, probe.frames(),
                                         self.recompute_fracs, self.lower_set_cap)
-            self.candidates = build_candidates(profile, plans, self.options)
+            self.candidates = build_candidates(profile, plans, self.options, self.budget)
             skip_sbp_recompute(self.candidates, probe.model.backbone)
             # NoPlanFits carries the table in its message
             chosen = choose(self.candidates, self.budget, lambda c: self._measure(probe, c),

@@ -1,9 +1,9 @@
 """Frame-granularity SBP in one forward: the backbone's code with kept and dropped twins.
 
 The backbone is traced with ``torch.fx`` once (per backbone object), made out of place, and
-rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward takes the kept
-frames ``(n, ...)`` and the dropped frames ``(N - n, ...)`` as two contiguous row blocks and
-returns both parts' features. Every per-frame op becomes two ops, one per part: the dropped
+rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward takes the frames
+and the step's rows, gathers the kept frames ``(n, ...)`` and the dropped frames ``(N - n, ...)``
+as two contiguous row blocks and returns both parts' features. Every per-frame op becomes two ops, one per part: the dropped
 part's ops run under ``no_grad`` (their activations are never stored), the kept part's with
 autograd. Per segment between two *meeting points*, the dropped twins run in one ``no_grad``
 region, where a ReLU or residual add whose input nothing else reads runs in place (as e2e's own
@@ -153,6 +153,12 @@ class KeptRowsBatchNorm(torch.autograd.Function):
         return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, None
 
 
+def take_rows(x: torch.Tensor, rows: PartRows, kept: bool) -> torch.Tensor:
+    """The kept ``(n, ...)`` or dropped ``(N - n, ...)`` rows of ``x``, a new tensor each (the
+    first layer saves the kept one; indexing keeps the memory format)."""
+    return x[rows.keep_rows] if kept else x[rows.drop_rows]
+
+
 def join_rows(kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
     """``[kept | dropped]`` as one ``(N, C, *)`` tensor without a graph: a BN's input. A node of
     its own in the lockstep code, so that the dropped block is freed as soon as it is joined,
@@ -260,7 +266,7 @@ class _Unsupported(Exception):
 
 
 def lockstep_graph(backbone: nn.Module, full_batch: bool = True) -> fx.GraphModule | None:
-    """``backbone``'s twin module: ``twin(kept, dropped, rows) -> (kept out, dropped out)``
+    """``backbone``'s twin module: ``twin(frames, rows) -> (kept out, dropped out)``
     (module doc), or ``None`` when it cannot be built (untraceable backbone, a BN it cannot
     fuse). ``full_batch``: training-mode BN layers meet both parts (``bn_policy=full_batch``);
     otherwise BN runs per part like any layer (frozen BN, eval mode)."""
@@ -278,7 +284,11 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
     if sum(n.op == "placeholder" for n in src.nodes) != 1:
         raise _Unsupported("forward(frames) only")
     g = fx.Graph()
-    kept_in, dropped_in, rows = g.placeholder("kept"), g.placeholder("dropped"), g.placeholder("rows")
+    frames, rows = g.placeholder("frames"), g.placeholder("rows")
+    # the parts are gathered here, not by the caller, so that the dropped frames' copy is freed
+    # after its first op instead of living through the pass
+    kept_in = g.call_function(take_rows, (frames, rows, True))
+    dropped_in = g.call_function(take_rows, (frames, rows, False))
     env: dict[fx.Node, Any] = {}  # original node -> new node, or (kept node, dropped node)
     pending: list[fx.Node] = []  # per-frame nodes of the current segment, not yet emitted
 
@@ -358,7 +368,7 @@ def lockstep_forward(twin: fx.GraphModule, x: torch.Tensor, rows: PartRows,
     (``lockstep_graph(backbone)``), with autograd only through ``rows.keep_rows``; ``scale``
     multiplies the kept rows' gradient. Returns ``(N, ...)`` in ``x``'s row order."""
     with torch.enable_grad():  # restores grad mode if the dropped part fails under no_grad
-        kept, dropped = twin(x[rows.keep_rows], x[rows.drop_rows], rows)  # (n, ...), (N - n, ...)
+        kept, dropped = twin(x, rows)  # (n, ...), (N - n, ...)
     if not isinstance(kept, torch.Tensor):
         raise TypeError(f"lockstep SBP: the backbone returned {type(kept).__name__}, not a tensor")
     if scale is not None and scale != 1.0:
