@@ -2,25 +2,25 @@
 
 The backbone is traced with ``torch.fx`` once (per backbone object), made out of place, and
 rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward takes the frames
-and the step's rows, gathers the kept frames ``(n, ...)`` and the dropped frames ``(N - n, ...)``
-as two contiguous row blocks and returns both parts' features. Every per-frame op becomes two ops, one per part: the dropped
-part's ops run under ``no_grad`` (their activations are never stored), the kept part's with
-autograd. Per segment between two *meeting points*, the dropped twins run in one ``no_grad``
-region, where a ReLU or residual add whose input nothing else reads runs in place (as e2e's own
-``inplace=True`` ops do; ``_in_place_twin``), before the kept twins, or after them in a segment
-that starts at a BN meet (``flush``). Nothing is interpreted per step: the generated code
-is plain Python that fx compiled once, and the row bookkeeping of a step is a few index
-tensors (:class:`PartRows`).
+and the step's rows, gathers the kept frames ``(n, ...)`` and the dropped frames
+``(N - n, ...)`` as two contiguous row blocks and returns both parts' features. Every per-frame
+op becomes two ops, one per part: the dropped part's ops run under ``no_grad`` (their
+activations are never stored), the kept part's with autograd. Per segment between two
+*meeting points*, the dropped twins run in one ``no_grad`` region, where a ReLU or residual
+add whose input nothing else reads runs in place (as e2e's own ``inplace=True`` ops do;
+``_in_place_twin``), before the kept twins, or after them in a segment that starts at a BN
+meet (``flush``). Nothing is interpreted per step: the generated code is plain Python that fx
+compiled once, and the row bookkeeping of a step is a few index tensors (:class:`PartRows`).
 
 Meeting points, where the two parts meet:
 
 - **Training-mode BatchNorm** (``bn_policy=full_batch``; :func:`batchnorm_parts`): the two
   blocks are concatenated (:func:`join_rows`, one copy; the rows are already in
-  ``[kept | dropped]`` order, so no gather or scatter), the layer's own training kernel (``_native_batch_norm_legit``) runs
-  on all ``N`` rows: e2e's batch statistics and running-statistics update (once), and both
-  parts' outputs as row blocks of its output. The kept block carries
-  :class:`KeptRowsBatchNorm`'s graph, whose backward is e2e's BN backward with the dropped
-  rows held constant, from ATen's own BN backward kernel (one kernel and one
+  ``[kept | dropped]`` order, so no gather or scatter), the layer's own training kernel
+  (``_native_batch_norm_legit``) runs on all ``N`` rows: e2e's batch statistics and
+  running-statistics update (once), and both parts' outputs as row blocks of its output. The
+  kept block carries :class:`KeptRowsBatchNorm`'s graph, whose backward is e2e's BN backward
+  with the dropped rows held constant, from ATen's own BN backward kernel (one kernel and one
   ``addcmul``; see the class). The SyncBatchNorm kernels that would do this on several parts
   (``batch_norm_stats`` and friends) have no CPU kernels (torch 2.11-2.14), so the fused
   formulation is the one that runs, and counts, the same on both devices.
@@ -316,8 +316,8 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
                 kept, dropped = env[node]  # the marker, or the twin the first pass emitted
                 if which == "kept":
                     kept = g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0))
-                elif (in_place := _in_place_twin(node, gm, bn_source_ok=after_bn or not full_batch)) is not None:
-                    dropped = g.call_function(in_place, part(node.args, 1))
+                elif (op := _in_place_twin(node, gm, bn_source_ok=after_bn or not full_batch)) is not None:
+                    dropped = g.call_function(op, part(node.args, 1))
                 else:
                     dropped = g.create_node(node.op, node.target, part(node.args, 1), part(node.kwargs, 1))
                 env[node] = (kept, dropped)
