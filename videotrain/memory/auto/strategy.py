@@ -56,7 +56,7 @@ from videotrain.memory.recompute.planner import InfeasibleBudget
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.renamed import normalise_memory, renamed_argument
 from videotrain.memory.sampling import SAMPLERS
-from videotrain.memory.sbp.strategy import StochasticBackprop
+from videotrain.memory.sbp.strategy import StochasticBackprop, check_nograd_chunk
 from videotrain.memory.simulate import (
     CUDA_CONTEXT_GIB,
     GIB,
@@ -190,9 +190,7 @@ class AutoStrategy:
             raise ValueError(f"memory.sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
         if sbp_recompute not in (None, "blocks", "sqrt"):
             raise ValueError(f"memory.sbp_recompute must be null, blocks or sqrt; got {sbp_recompute!r}")
-        if nograd_chunk != "auto" and (isinstance(nograd_chunk, bool) or not isinstance(nograd_chunk, int)
-                                       or nograd_chunk < 1):
-            raise ValueError(f"memory.nograd_chunk must be auto or an integer >= 1, got {nograd_chunk!r}")
+        check_nograd_chunk(nograd_chunk)
         self.budget_mb, self.budget_frac, self.free_frac = budget_mb, budget_frac, free_frac
         self.budget_gb = None if budget_gb is None else float(budget_gb)
         self.mode = ""  # profiled (real steps) | estimated (fake-tensor steps), once planned

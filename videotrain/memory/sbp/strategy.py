@@ -138,6 +138,12 @@ GRANULARITIES = ("auto", "frame", "block")
 GRAD_SCALES = ("auto", "none", "inverse_keep")
 
 
+def check_nograd_chunk(value: Any) -> None:
+    """``memory.nograd_chunk``: ``auto`` or an integer >= 1 (SBP's, and ``memory=auto``'s)."""
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"memory.nograd_chunk must be auto or an integer >= 1, got {value!r}")
+
+
 class StochasticBackprop(SamplerStateMixin):
     """SBP memory strategy. See the module docstring for the options and the BN policy."""
 
@@ -175,9 +181,7 @@ class StochasticBackprop(SamplerStateMixin):
                 raise ValueError(f"memory.{key} must be one of {', '.join(allowed)}; got {value!r}")
         if not isinstance(lockstep, bool):
             raise ValueError(f"memory.lockstep must be true or false, got {lockstep!r}")
-        if nograd_chunk != "auto" and (isinstance(nograd_chunk, bool) or not isinstance(nograd_chunk, int)
-                                       or nograd_chunk < 1):
-            raise ValueError(f"memory.nograd_chunk must be auto or an integer >= 1, got {nograd_chunk!r}")
+        check_nograd_chunk(nograd_chunk)
         if recompute is not None and granularity == "block":
             raise ValueError("memory.recompute composes with memory.granularity=frame only "
                              f"(got granularity={granularity!r})")
