@@ -308,21 +308,24 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
         twins store anything (a ViT's whole network is one segment)."""
         if not pending:
             return
-        order = ("kept", "dropped") if after_bn else ("dropped", "kept")
-        for which in order:
-            if which == "dropped":
-                g.call_function(torch._C._set_grad_enabled, (False,))
+
+        def kept() -> None:
             for node in pending:
-                kept, dropped = env[node]  # the marker, or the twin the first pass emitted
-                if which == "kept":
-                    kept = g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0))
-                elif (op := _in_place_twin(node, gm, bn_source_ok=after_bn or not full_batch)) is not None:
-                    dropped = g.call_function(op, part(node.args, 1))
-                else:
-                    dropped = g.create_node(node.op, node.target, part(node.args, 1), part(node.kwargs, 1))
-                env[node] = (kept, dropped)
-            if which == "dropped":
-                g.call_function(torch._C._set_grad_enabled, (True,))
+                env[node] = (g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0)),
+                             env[node][1])
+
+        def dropped() -> None:
+            g.call_function(torch._C._set_grad_enabled, (False,))
+            for node in pending:
+                args = part(node.args, 1)
+                op = _in_place_twin(node, gm, bn_source_ok=after_bn or not full_batch)
+                twin = (g.call_function(op, args) if op is not None
+                        else g.create_node(node.op, node.target, args, part(node.kwargs, 1)))
+                env[node] = (env[node][0], twin)
+            g.call_function(torch._C._set_grad_enabled, (True,))
+
+        for emit in ((kept, dropped) if after_bn else (dropped, kept)):
+            emit()
         pending.clear()
 
     def meet(fn: Any, target: str, args: tuple) -> tuple[fx.Node, fx.Node]:
