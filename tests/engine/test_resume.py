@@ -17,9 +17,11 @@ import pytest
 import torch
 
 import videotrain.run as run
+from videotrain import NEUTRAL
 from videotrain.engine import checkpoint as ckpt
-from videotrain.engine.resume import NEUTRAL, config_diff, flatten, one_sided, resume_mode
+from videotrain.engine.resume import config_diff, flatten, one_sided
 from videotrain.engine.run_checkpoints import ResumeRefused
+from videotrain.engine.settings import resume_mode
 
 BASE = dict(trainer__max_epochs=1, trainer__checkpoint_every_n_steps=2, model__head__dropout=0.5)
 
@@ -78,7 +80,7 @@ def test_math_neutral_keys_are_the_marked_fields() -> None:
 
     @dataclasses.dataclass
     class Settings:
-        every: int = dataclasses.field(default=1, metadata=resume.NEUTRAL)
+        every: int = dataclasses.field(default=1, metadata=NEUTRAL)
         lr: float = 0.1
 
     assert resume.marked_neutral(Settings, "x.") == ("x.every",)

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from videotrain import NEUTRAL
 from videotrain.data.loaders import DataBundle, check_bad_fraction
 from videotrain.engine.precision import Precision
-from videotrain.engine.settings import NEUTRAL
 from videotrain.metrics.accuracy import AGGREGATES, MultiViewAccuracy
 from videotrain.metrics.eval_report import write_eval_report
 

@@ -32,19 +32,12 @@ from videotrain import NEUTRAL_MARK
 from videotrain.data.loaders import build_data
 from videotrain.engine.class_order import class_order_problem
 from videotrain.engine.evaluate import EvalSettings
-from videotrain.engine.settings import (  # noqa: F401 (NEUTRAL, RESUME_MODES re-exported)
-    NEUTRAL,
-    RESUME_MODES,
-    RunSettings,
-    TrainerSettings,
-    resume_mode,
-)
+from videotrain.engine.settings import RunSettings, TrainerSettings
 from videotrain.memory.renamed import normalise_memory
 from videotrain.metrics.logger import LoggerSettings
 from videotrain.untrusted import plain_tree_problem, shown
 
 log = logging.getLogger(__name__)
-
 
 
 def marked_neutral(cls: type, prefix: str) -> tuple[str, ...]:

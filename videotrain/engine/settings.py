@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from videotrain import NEUTRAL  # noqa: F401 (the mark, re-exported for the engine)
+from videotrain import NEUTRAL
 
 RESUME_MODES = ("auto", "force", "false")
-
 
 
 @dataclass
