@@ -121,16 +121,6 @@ def recompute_plans(backbone: nn.Module, frames: torch.Tensor, fracs: list[float
     return plans
 
 
-def skip_sbp_recompute(cands: list[Candidate], backbone: nn.Module) -> None:
-    """SBP with recomputation runs record/apply, which cannot run a backbone whose frames meet
-    (TSM's temporal shift; ``StochasticBackprop.prepare`` refuses it): those candidates are
-    skipped, saying why. Frame SBP itself runs there, in the lockstep code."""
-    if mixes_frames(backbone):
-        for c in cands:
-            if c.kind == "sbp_recompute" and not c.skip:
-                c.skip = "sbp + recompute: the backbone's temporal shift mixes frames"
-
-
 def _mb(x: float | None) -> float | None:
     return None if x is None else x / MB
 
@@ -232,13 +222,18 @@ class AutoStrategy:
                 f"memory.free_frac={self.free_frac} x (free device memory {free_bytes / MB:.0f} MB - "
                 f"gradients and optimizer state {profile.held_growth / MB:.1f} MB)")
 
-    def _sbp_recompute_error(self) -> str | None:
+    def _sbp_recompute_error(self, backbone: nn.Module) -> str | None:
+        """Why the SBP + recompute candidates are skipped, or ``None``. Record/apply, which they
+        run, cannot run a backbone whose frames meet (TSM's temporal shift;
+        ``StochasticBackprop.prepare`` refuses it); frame SBP itself runs there, lockstep."""
         if not self.options.sbp_recompute:
             return "sbp+recompute: disabled (memory.sbp_recompute=null)"
         try:
             StochasticBackprop(0.5, recompute=self.options.sbp_recompute)
         except TypeError as err:
             return f"sbp+recompute: StochasticBackprop does not take recompute= yet ({err})"
+        if mixes_frames(backbone):
+            return "sbp + recompute: the backbone's temporal shift mixes frames"
         return None
 
     def _measure(self, probe: StepProbe, c: Candidate) -> None:
@@ -269,12 +264,11 @@ class AutoStrategy:
         try:
             self.profile = profile = probe.profile()
             self.budget, self.budget_source = self.resolve_budget(profile, free)
-            self.options.sbp_recompute_error = self._sbp_recompute_error()
+            self.options.sbp_recompute_error = self._sbp_recompute_error(probe.model.backbone)
             with probe.precision.autocast():  # planned as the profiling steps will re-plan
                 plans = recompute_plans(probe.model.backbone, probe.frames(),
                                         self.recompute_fracs, self.lower_set_cap)
             self.candidates = build_candidates(profile, plans, self.options, self.budget)
-            skip_sbp_recompute(self.candidates, probe.model.backbone)
             # NoPlanFits carries the table in its message
             chosen = choose(self.candidates, self.budget, lambda c: self._measure(probe, c),
                             verify=self.verify, max_profiles=self.max_profiles)
@@ -305,12 +299,11 @@ class AutoStrategy:
         else:  # CUDA, no budget: a share of what the allocator can still get, weights included
             usable = self.free_frac * (device_free_bytes(device) + torch.cuda.memory_allocated(device))
             source = f"memory.free_frac={self.free_frac} x free device memory"
-        self.options.sbp_recompute_error = self._sbp_recompute_error()
         assert self.backbone is not None, "prepare(backbone) comes first (VideoClassifier does it)"
+        self.options.sbp_recompute_error = self._sbp_recompute_error(self.backbone)
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.backbone.modules())
         self.candidates = estimated_candidates(num_frames, has_bn, self.recompute_fracs, self.options,
                                                self.lower_set_cap)
-        skip_sbp_recompute(self.candidates, self.backbone)
         def run(c: Candidate) -> StepMemory | None:
             try:
                 mem = estimate(memory_node(c))
