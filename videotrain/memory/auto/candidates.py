@@ -25,10 +25,11 @@ peak ``N`` of a ``no_grad`` backbone forward over all frames:
 - sbp at ``r = k/T``: ``max(O + A_head + r*(A_bb + X), F)``. ``F``, the forward's transient:
   ``N * (1 + r/2) + r*X`` for the lockstep code with full-batch BN: at a BN it holds the kept
   block of the input beside the full input and output that a ``no_grad`` forward peaks at, and
-  the kept frames' copy of the input (the dropped frames' is freed after their first op); ``N`` for record/apply and for a backbone whose frames meet
-  only at its temporal shift (one unchunked ``no_grad`` pass); otherwise the dropped frames run in
-  chunks of ``c`` frames and ``F = N * c / (B*T)``. ``r*X``: the kept frames are a new tensor
-  that the first layer saves (e2e saves the input, which is not counted);
+  the kept frames' copy of the input (the dropped frames' is freed after their first op); ``N``
+  for record/apply and for a backbone whose frames meet only at its temporal shift (one
+  unchunked ``no_grad`` pass); otherwise the dropped frames run in chunks of ``c`` frames and
+  ``F = N * c / (B*T)``. ``r*X``: the kept frames are a new tensor that the first layer saves
+  (e2e saves the input, which is not counted);
 - frame dropout: ``O + r*(A + X)``;
 - recompute plans and sbp+recompute: no formula; one profiling step measures each (the
   planner's push-aware peak is a loose upper bound on another scale).
@@ -187,7 +188,8 @@ def nograd_chunk_for(p: Profile, keep: int, chunk: int | str, budget: float | No
     then the largest power-of-two chunk that does."""
     if chunk != "auto":
         return int(chunk)
-    if budget is None or sbp_peak(p, keep, False, p.frames) <= budget or sbp_peak(p, keep, False, 1) > budget:
+    one_pass, smallest = sbp_peak(p, keep, False, p.frames), sbp_peak(p, keep, False, 1)
+    if budget is None or one_pass <= budget or smallest > budget:
         return "auto"  # one pass fits, or no chunk would
     size = 1 << (p.frames.bit_length() - 1)  # the largest power of two below B*T
     while size > 1 and sbp_peak(p, keep, False, size) > budget:

@@ -315,8 +315,8 @@ class StepProbe:
 
     def _measure_e2e(self) -> tuple:
         """(peak, saved total, saved backbone, no_grad peak, [fwd, bwd, opt] s, backbone fwd s,
-        held growth, has BN, lockstep-traceable, mixes frames) of ``self.clips`` clips, on a fresh warmed-up
-        copy."""
+        held growth, has BN, lockstep-traceable, mixes frames) of ``self.clips`` clips, on a fresh
+        warmed-up copy."""
         self.model, self.optimizer, held = self._fresh_copy()
         model = self.model
         times: list[float] = []
