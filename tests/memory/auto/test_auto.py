@@ -118,11 +118,12 @@ def test_nograd_chunk_auto_is_one_pass_unless_the_budget_needs_chunks() -> None:
     assert {c.params["nograd_chunk"] for c in loose.values() if c.kind == "sbp"} == {"auto"}
     # r = 1/8: stored 18 + 2 + 82/8 = 30.25 MB; one pass over the 14 dropped of 16 frames holds
     # 40 * 14/16 = 35 MB, over a 32 MB budget; chunks of 8 hold 20
-    tight = by_name(build_candidates(p, [], Options(), budget=32 * MB))["sbp r=0.125"]
-    assert tight.params["nograd_chunk"] == 8 and tight.estimated_peak == pytest.approx(30.25 * MB)
+    tight = by_name(build_candidates(p, [], Options(), budget=32 * MB))
+    assert tight["sbp r=0.125"].params["nograd_chunk"] == 8
+    assert tight["sbp r=0.125"].estimated_peak == pytest.approx(30.25 * MB)
     assert sbp_peak(p, 1, False, 16) > 32 * MB  # twice the chunk does not fit
-    over = by_name(build_candidates(p, [], Options(), budget=32 * MB))["sbp r=0.500"]
-    assert over.params["nograd_chunk"] == "auto"  # 61 MB stored: no chunk would fit, none slows it
+    # r = 1/2: 61 MB stored, no chunk would fit, so none slows it
+    assert tight["sbp r=0.500"].params["nograd_chunk"] == "auto"
     fixed = by_name(build_candidates(p, [], Options(nograd_chunk=4), budget=200 * MB))["sbp r=0.500"]
     assert fixed.params["nograd_chunk"] == 4
 
