@@ -3,7 +3,9 @@
 The measurements run in a fresh interpreter, whose resident set holds nothing of other tests;
 the last of them runs after ``keep_freed_memory`` (as the trainer calls it after its metered
 steps), which a later ``start`` must undo: under it, malloc keeps a freed 24 MiB block resident
-and maps a 28 MiB one beside it, and a meter would read their sum.
+and maps a 28 MiB one beside it, and a meter would read their sum. One step runs with 64 MiB of
+garbage in a reference cycle pending: were the collector to free it inside the step, the meter
+would read 0 (it did, in a shared pytest worker, before the meter paused the collector).
 
 Tolerance: 2 MiB either side of the bytes the step allocated. ``VmHWM``/``VmRSS`` count whole
 pages, and between ``start`` and ``stop`` the rest of the process moves a little (the
@@ -16,6 +18,7 @@ earlier, larger step).
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -59,6 +62,20 @@ out["held_before_16"] = step([16], True)
 del keep
 out["small_after_big_8"] = step([8], True)  # the 80 MiB high-water mark above was reset
 
+import gc
+gc.collect()
+gc.disable()  # the cycle below outlives this line...
+junk = {"t": torch.ones(64 * MiB // 4)}
+junk["self"] = junk
+del junk
+gc.enable()  # ...until the collector's next automatic run: where it runs, in the step below
+meter.start()
+objs = [[] for _ in range(5000)]  # enough new objects for an automatic collection
+t = torch.ones(16 * MiB // 4)
+del t, objs
+out["garbage_pending_16"] = meter.stop()  # 0 if the 64 MiB cycle were freed in the step
+out["gc_enabled_after"] = gc.isenabled()
+
 from videotrain.metrics.memory import keep_freed_memory
 keep_freed_memory()
 meter.start()
@@ -81,11 +98,25 @@ def peaks() -> dict[str, float]:
 
 @pytest.mark.parametrize(("key", "mib"), [("one_64", 64), ("seq_32_48", 48), ("both_32_48", 80),
                                           ("held_before_16", 16), ("small_after_big_8", 8),
-                                          ("after_keep_freed_28", 28)])
+                                          ("garbage_pending_16", 16), ("after_keep_freed_28", 28)])
 def test_cpu_peak_is_the_bytes_the_step_allocated(peaks: dict[str, float], key: str, mib: float) -> None:
     got = peaks[key]
     assert got is not None, "clear_refs not writable: the meter cannot measure here"
     assert abs(got - mib) <= TOLERANCE_MIB, f"{key}: reported {got:.2f} MiB, allocated {mib} MiB"
+
+
+def test_the_collector_is_paused_for_the_step_only(peaks: dict[str, float]) -> None:
+    """Paused from start to stop (garbage_pending_16 above), and running again after; a start
+    whose step raised (no stop) is ended by the next meter's stop, as a new run's would."""
+    assert peaks["gc_enabled_after"] is True
+    cpu = torch.device("cpu")
+    assert gc.isenabled()
+    StepPeakMemory(cpu).start()  # the step raised: no stop
+    assert not gc.isenabled()
+    meter = StepPeakMemory(cpu)
+    meter.start()
+    meter.stop()
+    assert gc.isenabled()
 
 
 def test_meter_reports_none_rather_than_a_wrong_number(monkeypatch: pytest.MonkeyPatch) -> None:

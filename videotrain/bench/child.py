@@ -204,7 +204,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         with precision.autocast():
             logits = model(video)  # (B, K)
         precision.backward(F.cross_entropy(logits.float(), labels))
-        fwd_bwd = meter.stop() if measured else None  # high-water mark so far, not reset
+        fwd_bwd = meter.read() if measured else None  # high-water mark so far, not reset
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=bool(spec.get("free_grads", False)))

@@ -267,8 +267,10 @@ class StepProbe:
 
     def _metered(self, fn: Callable[[], None]) -> float:
         self.meter.start()
-        fn()
-        peak = self.meter.stop()
+        try:
+            fn()
+        finally:
+            peak = self.meter.stop()  # also when the step raised (it resumes the collector)
         if peak is None:
             raise RuntimeError(
                 "memory=auto needs per-step peak memory, but it cannot be measured here "
