@@ -135,6 +135,18 @@ def test_report_files(tmp_path: Path) -> None:
     assert Path(files["confusion"]).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_report_draws_class_names_as_plain_text(tmp_path: Path) -> None:
+    """Class names come from a stranger's annotation file: one that is broken mathtext is drawn
+    as it is, and the report is whole (savefig raised on it, before eval.json was written)."""
+    names = ["a $ sign", "$\\frac{$", "$x^2$"]
+    summary = {"video_top1": 0.0, "mean_class_acc": 0.0, "videos": 3, "clips": 1, "crops": 1,
+               "aggregate": "mean"}
+    files = write_eval_report(tmp_path, summary, torch.eye(3), names)
+    assert json.loads(Path(files["eval"]).read_text())["videos"] == 3
+    assert Path(files["confusion"]).read_bytes()[:8] == PNG_MAGIC
+    assert [r["class_name"] for r in csv.DictReader(open(files["per_class"]))] == names
+
+
 def test_eval_settings_validation() -> None:
     with pytest.raises(ValueError, match="eval.aggregate must be one of mean, sum, max"):
         EvalSettings(aggregate="median")

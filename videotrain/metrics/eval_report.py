@@ -61,8 +61,10 @@ def plot_confusion(path: Path, confusion: torch.Tensor, class_names: list[str], 
     image = ax.imshow(norm.numpy(), cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
     if k <= MAX_LABELLED_CLASSES:
-        ax.set_xticks(range(k), class_names, rotation=90, fontsize=7)
-        ax.set_yticks(range(k), class_names, fontsize=7)
+        # class names come from annotation files (untrusted): drawn as plain text, never parsed as
+        # mathtext (a name such as "$\frac{$" made savefig raise, and eval.json was never written)
+        ax.set_xticks(range(k), class_names, rotation=90, fontsize=7, parse_math=False)
+        ax.set_yticks(range(k), class_names, fontsize=7, parse_math=False)
         if k <= 20:  # small enough to print the counts
             for i in range(k):
                 for j in range(k):
