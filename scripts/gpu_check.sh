@@ -2,14 +2,16 @@
 # One prepared device call for a session with a GPU lease (issue 46): machine facts, the
 # gpu-marked tests, then the GPU bench suite (ResNet-50 + transformer, B=8 x T=16 at 224 px,
 # bf16; 5 warm-up and 20 timed steps per row, GPU busy and kernels per step from torch.profiler;
-# e2e with and without channels_last; ViT-B/16 at 64 frames). Everything lands in $OUT, at most
-# 8 files and one folder down, which is what the device tool brings back:
-#   $OUT/machine.txt  $OUT/gpu_tests.log  $OUT/bench.log  $OUT/bench/bench.{json,md,png}
+# e2e with and without channels_last; ViT-B/16 at 64 frames), with the default job in between
+# (issue 46: its data wait against its step, and the trainer's bottleneck warning). Everything
+# lands in $OUT, at most 8 files and one folder down, which is what the device tool brings back:
+#   $OUT/machine.txt  $OUT/gpu_tests.log  $OUT/default_job.log  $OUT/default_job_results.json
+#   $OUT/bench.log  $OUT/bench/bench.{json,md,png}
 #
 # Run it from the repository root, naming the commit (the copy on the device has no .git):
 #   VIDEOTRAIN_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh
 # as the device tool's `run` command (put the sha in the command string; timeout_s 600; the
-# script ends by itself in about 560 s). Then copy $OUT/bench/* to docs/results/gpu/<gpu>/.
+# script ends by itself in about 570 s). Then copy $OUT/bench/* to docs/results/gpu/<gpu>/.
 #
 # Packages: the device image has torch 2.11, torchvision, timm, pytest(-timeout, -xdist),
 # matplotlib, but not hydra-core, omegaconf, antlr4-python3-runtime, av, pytorchvideo and its
@@ -22,13 +24,17 @@
 # (the pure-Python ones as py3-none-any; av as its abi3 wheel), then name `.whl` in the
 # run's `carry`. This script installs whatever .whl/ holds into /tmp/site first.
 #
-# Time: TEST_S seconds for the tests (default 150), BENCH_S for the bench (default 360: the
-# rows that would start after it are reported as not run); ONLY: comma-separated row globs
-# (default: the whole suite, in its order: the acceptance rows first); ROUNDS (default 1).
+# Time: TEST_S seconds for the tests (default 120; 122 tests took 74 s on an H100), JOB_S for
+# the default job (default 90, at most JOB_STEPS=100 steps; JOB_S=0 skips it), BENCH_S for the
+# bench (default 330: the rows that would start after it are reported as not run); ONLY:
+# comma-separated row globs (default: the whole suite, in its order: the acceptance rows
+# first); ROUNDS (default 1).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
-TEST_S=${TEST_S:-150}
-BENCH_S=${BENCH_S:-360}
+TEST_S=${TEST_S:-120}
+JOB_S=${JOB_S:-90}
+JOB_STEPS=${JOB_STEPS:-100}
+BENCH_S=${BENCH_S:-330}
 ROUNDS=${ROUNDS:-1}
 ONLY=${ONLY:-}
 mkdir -p "$OUT"
@@ -63,6 +69,18 @@ cat "$OUT/machine.txt"
 timeout "$TEST_S" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests \
     >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests: exit $? (log: gpu_tests.log)"; tail -n 5 "$OUT/gpu_tests.log"
+
+# the default job as a user starts it (data.num_workers: auto), cut to JOB_STEPS steps; its run
+# folder stays outside $OUT, its results.json and the log's last lines come back
+if [ "$JOB_S" -gt 0 ]; then
+    job=/tmp/gpu_check_default_job
+    rm -rf "$job"
+    timeout "$JOB_S" python3 -m videotrain trainer.progress=false logger.wandb.mode=disabled         trainer.max_steps="$JOB_STEPS" hydra.run.dir="$job" >/tmp/gpu_check_default_job.log 2>&1
+    echo "default job: exit $?"
+    tail -n 40 /tmp/gpu_check_default_job.log >"$OUT/default_job.log"
+    cp "$job/results.json" "$OUT/default_job_results.json" 2>/dev/null
+    grep -h "bottleneck" /tmp/gpu_check_default_job.log | head -n 3
+fi
 
 # the GPU bench: bench.json names the GPU, torch and commit (meta.machine); --out keeps it in
 # $OUT (without it the suite writes outputs/bench/gpu/<gpu>/, which the device tool does not bring back)
