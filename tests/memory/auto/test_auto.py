@@ -109,6 +109,18 @@ def test_sbp_peak_estimate_of_the_lockstep_pass() -> None:
     assert sbp_peak(shift, 6, full_batch=True, chunk=8) == pytest.approx((20 + 6 / 8 * 82) * MB)
 
 
+def test_sbp_peak_estimate_of_one_pass_over_frames_that_do_not_meet() -> None:
+    """Frozen BN or no BN in one pass: the lockstep pass measured keeping r0 = 1/8
+    (``twin_nograd_peak``, 37 MB with a 2 MB input: a dropped share of (37 - 2/8) / (7/8) = 42
+    MB) gives the transient at r as (1 - r) 42 + r 2. Chunks run another path: the no_grad peak
+    scaled by the chunk, as without a lockstep profile."""
+    p = profile(twin_nograd_peak=37 * MB)
+    assert sbp_peak(p, 1, full_batch=False, chunk=16) == pytest.approx(37 * MB)  # over stored 30.25
+    assert sbp_peak(p, 3, full_batch=False, chunk=16) == pytest.approx((20 + 3 / 8 * 82) * MB)
+    assert sbp_peak(p, 1, full_batch=False, chunk=8) == pytest.approx((20 + 82 / 8) * MB)
+    assert sbp_peak(profile(), 1, full_batch=False, chunk=16) == pytest.approx(35 * MB)  # 40 x 14/16
+
+
 def test_nograd_chunk_auto_is_one_pass_unless_the_budget_needs_chunks() -> None:
     """``nograd_chunk: auto``: the dropped frames of a candidate without BN statistics run in
     one no_grad pass (one kernel per layer) where that fits, else in the largest power-of-two

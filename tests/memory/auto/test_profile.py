@@ -24,7 +24,8 @@ from torch import nn
 
 from videotrain.engine.optim import build_optimizer
 from videotrain.engine.precision import Precision
-from videotrain.memory.auto.profile import MB, StepProbe, device_free_bytes, unprepare
+from videotrain.memory.auto.candidates import sbp_peak
+from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
 from videotrain.memory.recompute.execute import RecomputedForward
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.split import PatchedBN
@@ -91,6 +92,7 @@ def _metered_figures() -> dict[str, object]:
     _, probe = model_and_probe()
     out: dict[str, object] = {"profile": dataclasses.asdict(probe.profile())}
     out["sbp"] = probe.measure(StochasticBackprop(0.25)).peak
+    out["frozen"] = probe.measure(StochasticBackprop(0.125, bn_policy="frozen")).peak
     out["ckpt"] = probe.measure(Recompute("blocks"), isolated=True).peak
     probe.close()
     real = StepProbe._step
@@ -130,6 +132,18 @@ def test_metered_peaks_are_consistent(metered: dict) -> None:
     # so it saves at least half of the other three quarters; block checkpointing saves some
     assert sbp < prof["e2e_peak"] - 0.5 * 0.75 * prof["saved_backbone"], metered
     assert ckpt < prof["e2e_peak"], metered
+
+
+def test_lockstep_nograd_pass_counts_its_input_copies(metered: dict) -> None:
+    """SBP's one lockstep pass with frozen BN, one frame of each clip kept: the dropped frames'
+    no_grad forward (7/8 of the no_grad peak) plus the copies of the input it makes, which are
+    live at a ResNet's first conv, where its no_grad peak is; and frozen SBP at r = 1/8 as
+    ``sbp_peak`` estimates it from the profile."""
+    prof = metered["profile"]
+    expected = 7 / 8 * prof["nograd_peak"] + prof["input_bytes"]
+    assert abs(prof["twin_nograd_peak"] - expected) < 0.5 * prof["input_bytes"], metered
+    estimate = sbp_peak(Profile(**prof), 1, full_batch=False, chunk=16)
+    assert estimate == pytest.approx(metered["frozen"], rel=0.05), metered
 
 
 def test_profile_on_fewer_clips_after_out_of_memory(metered: dict) -> None:

@@ -140,6 +140,12 @@ def sbp_peak(p: Profile, keep: int, full_batch: bool, chunk: int) -> float:
     else:
         dropped = p.frames - keep * p.batch_size
         transient = p.nograd_peak * min(chunk, dropped) / p.frames
+        if chunk >= dropped and p.twin_nograd_peak is not None:
+            # one lockstep pass, measured keeping r0 = 1/T: the dropped part's share of it (its
+            # forward and its input copy) scales with 1 - r, the kept input copy with r
+            r0 = 1 / p.num_frames
+            dropped_part = (p.twin_nograd_peak - r0 * p.input_bytes) / (1 - r0)
+            transient = (1 - r) * dropped_part + r * p.input_bytes
     return max(p.overhead + stored, transient)
 
 

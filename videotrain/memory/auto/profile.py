@@ -47,7 +47,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from videotrain.memory.base import MemoryStrategy, mixes_frames
 from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.recompute.execute import RecomputedForward
-from videotrain.memory.sbp.lockstep import lockstep_graph
+from videotrain.memory.sbp.lockstep import PartRows, lockstep_graph
 from videotrain.memory.sbp.split import PatchedBN
 from videotrain.metrics.memory import StepPeakMemory, _status_kb
 from videotrain.metrics.saved import saved_activation_bytes, saved_bytes
@@ -88,6 +88,10 @@ class Profile:
     measured_clips: int = 0  # clips of the batch really run (< batch_size: extrapolated); 0 = all
     lockstep: bool = False  # full-batch SBP runs one forward (the backbone traces; sbp/lockstep.py)
     mixes_frames: bool = False  # frames meet in the backbone (temporal shift): frame SBP runs lockstep
+    # peak of SBP's one lockstep pass over frames that do not meet (frozen BN, no BN) under no_grad,
+    # one frame of each clip kept: the dropped part's forward with its own input copy, live up
+    # to its first op, and the kept input copy. None: frames meet, or the backbone does not trace
+    twin_nograd_peak: float | None = None
 
     @property
     def extrapolated(self) -> bool:
@@ -113,8 +117,9 @@ class Profile:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         for key in ("e2e_peak", "saved_total", "saved_backbone", "input_bytes", "nograd_peak",
-                    "held_growth"):
-            out[f"{key}_mb"] = out.pop(key) / MB
+                    "held_growth", "twin_nograd_peak"):
+            value = out.pop(key)
+            out[f"{key}_mb"] = None if value is None else value / MB
         out["overhead_mb"] = self.overhead / MB
         return out
 
@@ -303,7 +308,7 @@ class StepProbe:
             self.clips = self.video_shape[0]
         b, t = self.video_shape[:2]
         scale = b / clips  # activations, transients and compute grow with the clips; the rest not
-        peak, saved_total, saved_bb, nograd, times, bb_fwd, held, has_bn, lockstep, mixes = got
+        peak, saved_total, saved_bb, nograd, twin_nograd, times, bb_fwd, held, has_bn, lockstep, mixes = got
         frames = self.video.flatten(0, 1)
         self.profiled = Profile(
             batch_size=b, num_frames=t, e2e_peak=peak + (scale - 1) * saved_total,
@@ -312,13 +317,14 @@ class StepProbe:
             fwd_s=times[0] * scale, bwd_s=times[1] * scale, opt_s=times[2],
             backbone_fwd_s=bb_fwd * scale, has_batchnorm=has_bn, held_growth=held, measured_clips=clips,
             lockstep=lockstep, mixes_frames=mixes,
+            twin_nograd_peak=None if twin_nograd is None else twin_nograd * scale,
         )
         return self.profiled
 
     def _measure_e2e(self) -> tuple:
-        """(peak, saved total, saved backbone, no_grad peak, [fwd, bwd, opt] s, backbone fwd s,
-        held growth, has BN, lockstep-traceable, mixes frames) of ``self.clips`` clips, on a fresh
-        warmed-up copy."""
+        """(peak, saved total, saved backbone, no_grad peak, lockstep no_grad peak, [fwd, bwd, opt]
+        s, backbone fwd s, held growth, has BN, lockstep-traceable, mixes frames) of
+        ``self.clips`` clips, on a fresh warmed-up copy."""
         self.model, self.optimizer, held = self._fresh_copy()
         model = self.model
         times: list[float] = []
@@ -337,10 +343,31 @@ class StepProbe:
                 model.backbone(frames)  # (b*T, D), dropped at once
 
         nograd = self._metered(nograd_forward)
+        mixes = mixes_frames(model.backbone)
+        twin_nograd = None if mixes else self._twin_nograd_peak(model.backbone, frames)
         has_bn = any(isinstance(m, _BatchNorm) and m.training for m in model.backbone.modules())
         lockstep = has_bn and lockstep_graph(model.backbone) is not None
-        return (peak, float(saved_total), float(saved_bb), nograd, times, bb_fwd, held, has_bn, lockstep,
-                mixes_frames(model.backbone))
+        return (peak, float(saved_total), float(saved_bb), nograd, twin_nograd, times, bb_fwd, held,
+                has_bn, lockstep, mixes)
+
+    def _twin_nograd_peak(self, backbone: nn.Module, frames: torch.Tensor) -> float | None:
+        """Peak of the lockstep code's pass as frozen-BN or BN-free frame SBP runs it (one pass,
+        frames that do not meet; ``lockstep_graph(full_batch=False)``) under ``no_grad``, keeping
+        the first frame of each clip; ``None`` where it does not trace or a clip has one frame.
+        Unlike ``nograd_peak`` it counts the input copies the pass makes: a ResNet's no_grad
+        peak is at its first conv, where the dropped frames' copy is still live."""
+        b, t = self.clips, self.video_shape[1]
+        twin = lockstep_graph(backbone, full_batch=False) if t > 1 else None
+        if twin is None:
+            return None
+        rows = torch.arange(b * t, device=frames.device).view(b, t)  # (b, T)
+        part_rows = PartRows(rows[:, 0].contiguous(), rows[:, 1:].flatten())  # (b,), (b*(T-1),)
+
+        def twin_pass() -> None:
+            with torch.no_grad(), self.precision.autocast():
+                twin(frames, part_rows)
+
+        return self._metered(twin_pass)
 
     def measure(self, strategy: MemoryStrategy, isolated: bool = False) -> ProfiledStep:
         """The second of two steps under ``strategy``. ``isolated``: on a fresh warmed-up copy
