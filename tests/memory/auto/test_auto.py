@@ -121,6 +121,16 @@ def test_sbp_peak_estimate_of_one_pass_over_frames_that_do_not_meet() -> None:
     assert sbp_peak(profile(), 1, full_batch=False, chunk=16) == pytest.approx(35 * MB)  # 40 x 14/16
 
 
+def test_sbp_and_dropout_hold_r_of_the_overhead_that_grows_with_the_frames() -> None:
+    """Of the 18 MB overhead, 8 grow with the frames that backpropagate: at r = 1/2 the step holds
+    10 + 4 of it; a measured part above the overhead counts as all of it."""
+    p = profile(overhead_frames=8 * MB)
+    assert p.overhead_at(0.5) == pytest.approx(14 * MB) and p.overhead_at(1.0) == p.overhead
+    assert sbp_peak(p, 4, full_batch=True, chunk=8) == pytest.approx((14 + 2 + 41) * MB)
+    assert dropout_peak(p, 4) == pytest.approx((14 + 0.5 * 84) * MB)
+    assert profile(overhead_frames=30 * MB).overhead_at(0.0) == 0.0
+
+
 def test_nograd_chunk_auto_is_one_pass_unless_the_budget_needs_chunks() -> None:
     """``nograd_chunk: auto``: the dropped frames of a candidate without BN statistics run in
     one no_grad pass (one kernel per layer) where that fits, else in the largest power-of-two

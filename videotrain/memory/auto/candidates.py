@@ -19,18 +19,22 @@ that ranking and takes the first plan whose peak fits the budget.
 
 Estimated peak, on the trainer's ``train_peak_mem_mb`` scale (bytes). With the e2e profile's
 step peak ``P``, saved activations ``A`` (backbone ``A_bb``, head ``A_head = A - A_bb``), the
-overhead ``O = P - A`` (gradients in flight, optimizer temporaries), input bytes ``X`` and the
-peak ``N`` of a ``no_grad`` backbone forward over all frames:
+overhead ``O = P - A`` (gradients in flight, optimizer temporaries), of which ``O_f`` grows with
+the frames that backpropagate (measured on half the clips; a plan through ``r`` of the frames
+holds ``O(r) = O - (1 - r) O_f``), input bytes ``X`` and the peak ``N`` of a ``no_grad`` backbone
+forward over all frames:
 
-- sbp at ``r = k/T``: ``max(O + A_head + r*(A_bb + X), F)``. ``F``, the forward's transient:
+- sbp at ``r = k/T``: ``max(O(r) + A_head + r*(A_bb + X), F)``. ``F``, the forward's transient:
   ``N * (1 + r/2) + r*X`` for the lockstep code with full-batch BN: at a BN it holds the kept
   block of the input beside the full input and output that a ``no_grad`` forward peaks at, and
   the kept frames' copy of the input (the dropped frames' is freed after their first op); ``N``
   for record/apply and for a backbone whose frames meet only at its temporal shift (one
-  unchunked ``no_grad`` pass); otherwise the dropped frames run in chunks of ``c`` frames and
-  ``F = N * c / (B*T)``. ``r*X``: the kept frames are a new tensor that the first layer saves
-  (e2e saves the input, which is not counted);
-- frame dropout: ``O + r*(A + X)``;
+  unchunked ``no_grad`` pass); frames that do not meet (frozen BN, no BN) in one pass: the
+  lockstep pass ``L`` measured at ``r0 = 1/T``, ``F = (1 - r) (L - r0 X) / (1 - r0) + r X``;
+  otherwise the dropped frames run in chunks of ``c`` frames and ``F = N * c / (B*T)``. ``r*X``:
+  the kept frames are a new tensor that the first layer saves (e2e saves the input, which is not
+  counted);
+- frame dropout: ``O(r) + r*(A + X)``;
 - recompute plans and sbp+recompute: no formula; one profiling step measures each (the
   planner's push-aware peak is a loose upper bound on another scale).
 
@@ -146,7 +150,7 @@ def sbp_peak(p: Profile, keep: int, full_batch: bool, chunk: int) -> float:
             r0 = 1 / p.num_frames
             dropped_part = (p.twin_nograd_peak - r0 * p.input_bytes) / (1 - r0)
             transient = (1 - r) * dropped_part + r * p.input_bytes
-    return max(p.overhead + stored, transient)
+    return max(p.overhead_at(r) + stored, transient)
 
 
 def sbp_time(p: Profile, r: float, record_pass: bool) -> float:
@@ -158,7 +162,7 @@ def sbp_time(p: Profile, r: float, record_pass: bool) -> float:
 
 def dropout_peak(p: Profile, keep: int) -> float:
     r = keep / p.num_frames
-    return p.overhead + r * (p.saved_total + p.input_bytes)
+    return p.overhead_at(r) + r * (p.saved_total + p.input_bytes)
 
 
 def dropout_time(p: Profile, r: float) -> float:

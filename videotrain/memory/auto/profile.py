@@ -92,6 +92,10 @@ class Profile:
     # one frame of each clip kept: the dropped part's forward with its own input copy, live up
     # to its first op, and the kept input copy. None: frames meet, or the backbone does not trace
     twin_nograd_peak: float | None = None
+    # the part of the overhead that grows with the frames that backpropagate (the backbone's
+    # gradients in flight, a ViT's attention backward), from a second e2e step on half the
+    # clips; 0 where one clip was measured. SBP and frame dropout hold r of it
+    overhead_frames: float = 0.0
 
     @property
     def extrapolated(self) -> bool:
@@ -106,6 +110,10 @@ class Profile:
         """Peak minus saved activations: gradients in flight, optimizer temporaries, transients."""
         return max(self.e2e_peak - self.saved_total, 0.0)
 
+    def overhead_at(self, r: float) -> float:
+        """The overhead of a step whose backbone backpropagates through ``r`` of the frames."""
+        return self.overhead - (1.0 - r) * min(self.overhead_frames, self.overhead)
+
     @property
     def head_saved(self) -> float:
         return max(self.saved_total - self.saved_backbone, 0.0)
@@ -117,7 +125,7 @@ class Profile:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         for key in ("e2e_peak", "saved_total", "saved_backbone", "input_bytes", "nograd_peak",
-                    "held_growth", "twin_nograd_peak"):
+                    "held_growth", "twin_nograd_peak", "overhead_frames"):
             value = out.pop(key)
             out[f"{key}_mb"] = None if value is None else value / MB
         out["overhead_mb"] = self.overhead / MB
@@ -308,23 +316,25 @@ class StepProbe:
             self.clips = self.video_shape[0]
         b, t = self.video_shape[:2]
         scale = b / clips  # activations, transients and compute grow with the clips; the rest not
-        peak, saved_total, saved_bb, nograd, twin_nograd, times, bb_fwd, held, has_bn, lockstep, mixes = got
+        (peak, saved_total, saved_bb, nograd, twin_nograd, overhead_frames, times, bb_fwd, held, has_bn,
+         lockstep, mixes) = got
         frames = self.video.flatten(0, 1)
         self.profiled = Profile(
-            batch_size=b, num_frames=t, e2e_peak=peak + (scale - 1) * saved_total,
+            batch_size=b, num_frames=t, e2e_peak=peak + (scale - 1) * (saved_total + overhead_frames),
             saved_total=saved_total * scale, saved_backbone=saved_bb * scale,
             input_bytes=float(frames.numel() * frames.element_size()), nograd_peak=nograd * scale,
             fwd_s=times[0] * scale, bwd_s=times[1] * scale, opt_s=times[2],
             backbone_fwd_s=bb_fwd * scale, has_batchnorm=has_bn, held_growth=held, measured_clips=clips,
             lockstep=lockstep, mixes_frames=mixes,
             twin_nograd_peak=None if twin_nograd is None else twin_nograd * scale,
+            overhead_frames=overhead_frames * scale,
         )
         return self.profiled
 
     def _measure_e2e(self) -> tuple:
-        """(peak, saved total, saved backbone, no_grad peak, lockstep no_grad peak, [fwd, bwd, opt]
-        s, backbone fwd s, held growth, has BN, lockstep-traceable, mixes frames) of
-        ``self.clips`` clips, on a fresh warmed-up copy."""
+        """(peak, saved total, saved backbone, no_grad peak, lockstep no_grad peak, overhead that
+        grows with the frames, [fwd, bwd, opt] s, backbone fwd s, held growth, has BN,
+        lockstep-traceable, mixes frames) of ``self.clips`` clips, on a fresh warmed-up copy."""
         self.model, self.optimizer, held = self._fresh_copy()
         model = self.model
         times: list[float] = []
@@ -347,8 +357,27 @@ class StepProbe:
         twin_nograd = None if mixes else self._twin_nograd_peak(model.backbone, frames)
         has_bn = any(isinstance(m, _BatchNorm) and m.training for m in model.backbone.modules())
         lockstep = has_bn and lockstep_graph(model.backbone) is not None
-        return (peak, float(saved_total), float(saved_bb), nograd, twin_nograd, times, bb_fwd, held,
-                has_bn, lockstep, mixes)
+        overhead_frames = self._overhead_frames(model, peak, float(saved_total))
+        return (peak, float(saved_total), float(saved_bb), nograd, twin_nograd, overhead_frames, times,
+                bb_fwd, held, has_bn, lockstep, mixes)
+
+    def _overhead_frames(self, model: nn.Module, peak: float, saved_total: float) -> float:
+        """The part of the e2e step's overhead (peak minus saved activations) that grows with the
+        clips, from the step on half of them: ``peak - peak_half = (1 - f) (A + O_frames)``, ``f``
+        the fraction of clips run. The half step runs twice and the second is metered (a new
+        shape's first step pays one-off work). 0 with one clip."""
+        clips = self.clips
+        if clips < 2:
+            return 0.0
+        self.clips = clips // 2
+        try:
+            self._step(model, self.optimizer)
+            half = self._metered(lambda: self._step(model, self.optimizer))
+        finally:
+            self.clips = clips
+        f = (clips // 2) / clips
+        grows = (peak - half) / (1.0 - f) - saved_total
+        return min(max(grows, 0.0), max(peak - saved_total, 0.0))
 
     def _twin_nograd_peak(self, backbone: nn.Module, frames: torch.Tensor) -> float | None:
         """Peak of the lockstep code's pass as frozen-BN or BN-free frame SBP runs it (one pass,
