@@ -16,6 +16,9 @@ from videotrain.memory import StochasticBackprop
 from videotrain.memory.sbp import strategy as sbp_strategy
 from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
 from videotrain.memory.sbp.split import FullBatchNorm, split_forward
+from videotrain.models.backbones import resnet
+from videotrain.models.heads import TConvHead
+from videotrain.models.video import VideoClassifier
 
 
 def sbp(**kw) -> StochasticBackprop:
@@ -246,3 +249,18 @@ def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backb
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
     kit.assert_close_dicts(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
     kit.assert_close_dicts(out[True][2], out[False][2], rtol=1e-5, atol=1e-6)
+
+
+def test_module_hooks_see_the_parts() -> None:
+    """What docs/memory.md says of forward hooks under frame SBP: a per-frame module runs once per
+    part (kept rows, then or before the dropped rows), so its hooks fire twice a step with the two
+    parts' rows; a full-batch BN runs through its training kernel on both parts at once and its
+    module hooks do not fire."""
+    torch.manual_seed(0)
+    bb = resnet(layers=[1, 1, 1, 1])
+    model = VideoClassifier(bb, TConvHead(bb.feature_dim, 4, hidden_dim=16), sbp(keep_ratio=0.25)).train()
+    seen: list[tuple[str, int]] = []
+    bb.net.conv1.register_forward_hook(lambda m, i, o: seen.append(("conv", o.shape[0])))
+    bb.net.bn1.register_forward_hook(lambda m, i, o: seen.append(("bn", o.shape[0])))
+    model(torch.randn(2, 8, 3, 32, 32)).sum().backward()  # 16 frames, 2 x 2 kept
+    assert sorted(seen) == [("conv", 4), ("conv", 12)]
