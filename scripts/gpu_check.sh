@@ -75,7 +75,8 @@ echo "gpu tests: exit $? (log: gpu_tests.log)"; tail -n 5 "$OUT/gpu_tests.log"
 if [ "$JOB_S" -gt 0 ]; then
     job=/tmp/gpu_check_default_job
     rm -rf "$job"
-    timeout "$JOB_S" python3 -m videotrain trainer.progress=false logger.wandb.mode=disabled         trainer.max_steps="$JOB_STEPS" hydra.run.dir="$job" >/tmp/gpu_check_default_job.log 2>&1
+    timeout "$JOB_S" python3 -m videotrain trainer.progress=false logger.wandb.mode=disabled \
+        trainer.max_steps="$JOB_STEPS" hydra.run.dir="$job" >/tmp/gpu_check_default_job.log 2>&1
     echo "default job: exit $?"
     tail -n 40 /tmp/gpu_check_default_job.log >"$OUT/default_job.log"
     cp "$job/results.json" "$OUT/default_job_results.json" 2>/dev/null

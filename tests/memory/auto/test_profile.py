@@ -97,21 +97,19 @@ def _simulated_oom(real):
 
 
 def _metered_figures() -> dict[str, object]:
-    """What the fresh interpreter measures: the e2e profile, SBP at r=0.25 and block
-    checkpointing on one probe, then the profile of a probe whose 2-clip steps run out of memory."""
+    """What the fresh interpreter measures: the e2e profile, SBP at r=0.25, frozen-BN SBP at
+    r=1/8 and block checkpointing on one probe; a small ViT's profile and its SBP at r=1/8; then
+    the profile of a probe whose 2-clip steps run out of memory."""
     _, probe = model_and_probe()
     out: dict[str, object] = {"profile": dataclasses.asdict(probe.profile())}
     out["sbp"] = probe.measure(StochasticBackprop(0.25)).peak
     out["frozen"] = probe.measure(StochasticBackprop(0.125, bn_policy="frozen")).peak
+    out["ckpt"] = probe.measure(Recompute("blocks"), isolated=True).peak
     probe.close()
     vit_probe = _vit_probe()
     out["vit_profile"] = dataclasses.asdict(vit_probe.profile())
     out["vit_sbp"] = vit_probe.measure(StochasticBackprop(0.125)).peak
     vit_probe.close()
-    _, probe = model_and_probe()
-    probe.profile()
-    out["ckpt"] = probe.measure(Recompute("blocks"), isolated=True).peak
-    probe.close()
     real = StepProbe._step
     StepProbe._step = _simulated_oom(real)
     try:
