@@ -37,12 +37,26 @@ def per_class_rows(confusion: torch.Tensor, class_names: list[str]) -> list[dict
     return rows
 
 
+# a text cell starting with one of these is run as a formula by Excel / LibreOffice
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_text(value: str) -> str:
+    """``value`` (a class name from an annotation file: untrusted) as a CSV text cell: with a
+    leading ``'`` when it starts with ``= + - @``, a tab or a carriage return, so that a
+    spreadsheet opening ``per_class.csv`` shows it as text instead of running it as a formula
+    (CSV injection, OWASP's recommendation); any other value unchanged. Only for text cells:
+    numbers are written as they are, and ``eval.json`` keeps the raw names."""
+    return f"'{value}" if value.startswith(_FORMULA_STARTS) else value
+
+
 def write_per_class_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     f = io.StringIO(newline="")  # built in memory, then written without following a link
     writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["class_index"])
     writer.writeheader()
     for r in rows:
-        writer.writerow({k: ("" if v is None else f"{v:.4f}" if isinstance(v, float) else v)
+        writer.writerow({k: ("" if v is None else f"{v:.4f}" if isinstance(v, float)
+                             else _csv_text(v) if isinstance(v, str) else v)
                          for k, v in r.items()})
     write_text(path, f.getvalue())
 
