@@ -83,10 +83,28 @@ class PlainBNNet(OddNet):
         self.bn2 = nn.BatchNorm2d(6, track_running_stats=False)
 
 
-@pytest.mark.parametrize("net_cls", [OddNet, PlainBNNet], ids=["every-node-kind", "plain-bn"])
+class TwinConvNet(OddNet):
+    """Convolutions into a BN that run once per part (no ``KeptRowsConv``): a padding mode of
+    its own, and a convolution whose output the BN does not read alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 6, 3, padding=1, padding_mode="reflect")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 3, H, W) -> (N, 12)
+        c = self.conv2(torch.relu(self.bn(self.conv(x))) * self.gain)
+        z = self.bn2(c) + c  # c read twice
+        pooled = z.mean(dim=(2, 3))
+        return torch.cat((pooled, pooled.square()), dim=1)
+
+
+@pytest.mark.parametrize("net_cls", [OddNet, PlainBNNet, TwinConvNet],
+                         ids=["every-node-kind", "plain-bn", "twin-convs"])
 def test_lockstep_matches_record_apply(kit, net_cls) -> None:
-    """Every node kind, and BN layers without affine parameters or running statistics: the
-    generated code gives record/apply's values, gradients and buffers."""
+    """Every node kind, BN layers without affine parameters or running statistics, and
+    convolutions that run once per part: the generated code gives record/apply's values,
+    gradients and buffers."""
     x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1)).requires_grad_()
     got = _run(net_cls().train(), x, lockstep=True)
     x_grad, x.grad = x.grad.clone(), None
@@ -126,7 +144,7 @@ def test_model_level_matches_record_apply_and_runs_each_frame_once(kit, backbone
         hook.remove()
         out[lockstep] = (logits, kit.grads(model), kit.bn_buffers(model), rows)
     n_rows, n_keep = kit.B * kit.T, kit.B * 3  # 0.375 * 8 = 3 frames per clip
-    assert out[True][3] == [n_rows - n_keep, n_keep]  # dropped (no_grad), kept: once each
+    assert out[True][3] == [n_rows]  # into a BN: once over all frames (the kept rows' graph beside)
     assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
     backbone = {k: v for k, v in out[True][1].items() if k.startswith("backbone.")}
@@ -232,8 +250,9 @@ def test_channels_last_gives_the_same_results_and_keeps_the_format(kit, device: 
 
 @pytest.mark.parametrize("backbone", ["resnet", "timm_resnet"])
 def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backbone: str) -> None:
-    """Block SBP with full-batch BN runs each split branch's twins once (dropped, then kept),
-    with record/apply's values, gradients and BN statistics."""
+    """Block SBP with full-batch BN runs each split branch's code once (a convolution into a BN
+    over all frames, with the kept rows' graph beside it), with record/apply's values, gradients
+    and BN statistics."""
     x = kit.video()
     out = {}
     for lockstep in (True, False):
@@ -244,7 +263,7 @@ def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backb
         conv.register_forward_hook(lambda _m, args, _o, rows=rows: rows.append(args[0].shape[0]))
         out[lockstep] = (kit.step(model, x), kit.grads(model), kit.bn_buffers(model), rows)
     n_rows, n_keep = kit.B * kit.T, kit.B * 3
-    assert out[True][3] == [n_rows - n_keep, n_keep]  # the branch's first conv: once per part
+    assert out[True][3] == [n_rows]  # the branch's first conv, into a BN: once over all frames
     assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
     kit.assert_close_dicts(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
@@ -252,15 +271,16 @@ def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backb
 
 
 def test_module_hooks_see_the_parts() -> None:
-    """What docs/memory.md says of forward hooks under frame SBP: a per-frame module runs once per
-    part (kept rows, then or before the dropped rows), so its hooks fire twice a step with the two
-    parts' rows; a full-batch BN runs through its training kernel on both parts at once and its
-    module hooks do not fire."""
+    """What docs/memory.md says of forward hooks under frame SBP: a convolution into a full-batch
+    BN runs once over all frames, and so does the BN (through its training kernel: its module
+    hooks do not fire); a max pool after a BN's ReLU runs on the kept rows and then on all rows;
+    any other per-frame module runs once per part, kept rows and dropped rows."""
     torch.manual_seed(0)
     bb = resnet(layers=[1, 1, 1, 1])
     model = VideoClassifier(bb, TConvHead(bb.feature_dim, 4, hidden_dim=16), sbp(keep_ratio=0.25)).train()
     seen: list[tuple[str, int]] = []
-    bb.net.conv1.register_forward_hook(lambda m, i, o: seen.append(("conv", o.shape[0])))
-    bb.net.bn1.register_forward_hook(lambda m, i, o: seen.append(("bn", o.shape[0])))
+    for name, m in (("conv", bb.net.conv1), ("bn", bb.net.bn1), ("pool", bb.net.maxpool),
+                    ("avgpool", bb.net.avgpool)):
+        m.register_forward_hook(lambda m, i, o, name=name: seen.append((name, o.shape[0])))
     model(torch.randn(2, 8, 3, 32, 32)).sum().backward()  # 16 frames, 2 x 2 kept
-    assert sorted(seen) == [("conv", 4), ("conv", 12)]
+    assert sorted(seen) == [("avgpool", 4), ("avgpool", 12), ("conv", 16), ("pool", 4), ("pool", 16)]

@@ -2,31 +2,38 @@
 
 The backbone is traced with ``torch.fx`` once (per backbone object), made out of place, and
 rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward takes the frames
-and the step's rows, gathers the kept frames ``(n, ...)`` and the dropped frames
-``(N - n, ...)`` as two contiguous row blocks and returns both parts' features. Every per-frame
-op becomes two ops, one per part: the dropped part's ops run under ``no_grad`` (their
-activations are never stored), the kept part's with autograd. Per segment between two
-*meeting points*, the dropped twins run in one ``no_grad`` region, where a ReLU or residual
-add whose input nothing else reads runs in place (as e2e's own ``inplace=True`` ops do;
-``_in_place_twin``), before the kept twins, or after them in a segment that starts at a BN
-meet (``flush``). Nothing is interpreted per step: the generated code is plain Python that fx
-compiled once, and the row bookkeeping of a step is a few index tensors (:class:`PartRows`).
+and the step's rows and returns the kept part's features ``(n, ...)`` with autograd and the
+dropped part's ``(N - n, ...)`` without. The rows run in ``[kept | dropped]`` order, so a
+value is either two row blocks, one per part, or one tensor of all ``N`` rows whose first
+``n`` rows are the kept ones:
+
+- **Twins**: a per-frame op becomes two ops, one per part: the dropped part's under
+  ``no_grad`` (its activations are never stored), the kept part's with autograd. Per segment
+  between two *meeting points*, the dropped twins run in one ``no_grad`` region, where a ReLU
+  or residual add whose input nothing else reads runs in place (``_in_place_twin``), before the
+  kept twins, or after them in a segment that starts at a BN meet (``flush``).
+- **All rows at once**, where e2e's own kernel can run over both parts and the kept rows' graph
+  can be built beside it (``videotrain.memory.sbp.kept_rows``): a convolution whose only reader
+  is a full-batch BN (``conv_parts``: no ``cat`` to join the parts, one kernel), the ReLU or max
+  pool after it (its kept rows with autograd, then all rows, in place where nothing else reads
+  them), and a residual add with its ReLU (``add_relu_parts``). What autograd saves is still
+  ``n``-row tensors of their own. This is what holds a ResNet step's aten ops (GPU kernel
+  launches) to 1.5x e2e's.
 
 Meeting points, where the two parts meet:
 
-- **Training-mode BatchNorm** (``bn_policy=full_batch``; :func:`batchnorm_parts`): the two
-  blocks are concatenated (:func:`join_rows`, one copy; the rows are already in
-  ``[kept | dropped]`` order, so no gather or scatter), the layer's own training kernel
-  (``_native_batch_norm_legit``) runs on all ``N`` rows: e2e's batch statistics and
-  running-statistics update (once), and both parts' outputs as row blocks of its output. The
-  kept block carries :class:`KeptRowsBatchNorm`'s graph, whose backward is e2e's BN backward
-  with the dropped rows held constant, from ATen's own BN backward kernel (one kernel and one
-  ``addcmul``; see the class). The SyncBatchNorm kernels that would do this on several parts
-  (``batch_norm_stats`` and friends) have no CPU kernels (torch 2.11-2.14), so the fused
-  formulation is the one that runs, and counts, the same on both devices.
+- **Training-mode BatchNorm** (``bn_policy=full_batch``; :func:`batchnorm_parts`): on a value
+  known on all rows, or on the two blocks joined (:func:`join_rows`, one copy, no gather or
+  scatter), the layer's own training kernel (``_native_batch_norm_legit``) runs on all ``N``
+  rows: e2e's batch statistics and running-statistics update (once). The kept block carries
+  ``KeptRowsBatchNorm``'s graph: e2e's BN backward with the dropped rows held constant, from
+  ATen's own BN backward kernel and one ``addcmul``.
 - **A module with ``lockstep_parts(kept, dropped, rows)``**: TSM's temporal shift
   (``videotrain.models.temporal_shift``) reads each frame's neighbours from both parts, the
   dropped ones as constants.
+
+Nothing is interpreted per step: the generated code is plain Python that fx compiled once, and
+the row bookkeeping of a step is a few index tensors (:class:`PartRows`).
 
 What it computes: e2e's forward (BN statistics over all frames, running statistics updated
 once; values equal up to rounding since the rows are reduced in another order), and the e2e
@@ -50,34 +57,14 @@ from torch.fx.node import map_arg
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from videotrain.memory.recompute.graph import fx_tracer, make_out_of_place
+from videotrain.memory.sbp.kept_rows import (
+    BatchNormCoefficients,
+    KeptRowsBatchNorm,
+    add_relu_parts,
+    conv_parts,
+    plain_conv,
+)
 from videotrain.memory.sbp.split import ScaleGrad, suggest_memory_format, train_bn_forward
-
-
-class BatchNormCoefficients:
-    """The per-channel factors of one step's kept-rows BN backwards (:class:`KeptRowsBatchNorm`),
-    ``rho * w`` and ``w * rstd`` of every fused BN, computed for all of them by two ``_foreach``
-    ops at the first BN backward instead of two small ops per BN."""
-
-    def __init__(self, rho: float) -> None:
-        self.rho = rho
-        self.layers: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (weight, rstd) per BN
-        self._coefs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    def add(self, weight: torch.Tensor | None, rstd: torch.Tensor) -> int:
-        self.layers.append((weight, rstd))
-        return len(self.layers) - 1
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rho * w, w * rstd)`` of BN ``i`` (``w = 1`` without affine weights)."""
-        if self._coefs is None:
-            with torch.no_grad():
-                affine = [(w, r) for w, r in self.layers if w is not None]
-                ws, rs = [w.detach() for w, _ in affine], [r for _, r in affine]
-                w_rho = iter(torch._foreach_mul(ws, self.rho) if ws else [])
-                w_r = iter(torch._foreach_mul(ws, rs) if ws else [])
-                self._coefs = [(next(w_rho), next(w_r)) if w is not None
-                               else (r.new_full(r.shape, self.rho), r) for w, r in self.layers]
-        return self._coefs[i]
 
 
 class PartRows:
@@ -89,8 +76,16 @@ class PartRows:
         self.keep_rows, self.drop_rows = keep_rows, drop_rows  # (n,), (N - n,)
         self.n_keep = int(keep_rows.numel())
         self.n_rows = self.n_keep + int(drop_rows.numel())
+        self._order: torch.Tensor | None = None
         self._neighbours: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.bn = BatchNormCoefficients(self.n_keep / self.n_rows)
+
+    @property
+    def order(self) -> torch.Tensor:
+        """``(N,)``: the original row of every part row, ``[kept | dropped]``."""
+        if self._order is None:
+            self._order = torch.cat((self.keep_rows, self.drop_rows))
+        return self._order
 
     def neighbours(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(next, prev)``, each ``(N,)``: for every part row, the part row of the same
@@ -99,7 +94,7 @@ class PartRows:
             if self.n_rows % num_frames:
                 raise ValueError(f"temporal shift: {self.n_rows} frames are not whole clips of "
                                  f"{num_frames} frames")
-            order = torch.cat((self.keep_rows, self.drop_rows))  # (N,): part row -> original row
+            order = self.order  # (N,): part row -> original row
             pos = torch.empty(self.n_rows + 1, dtype=order.dtype, device=order.device)  # (N + 1,)
             pos[order] = torch.arange(self.n_rows, device=order.device)  # original row -> part row
             pos[-1] = self.n_rows  # the zero row
@@ -112,51 +107,22 @@ class PartRows:
         return self._neighbours[num_frames]
 
 
-class KeptRowsBatchNorm(torch.autograd.Function):
-    """The kept rows ``y`` of a full-batch BN output, with the graph of the kept input ``x``.
-
-    ``mean``, ``rstd`` are the full batch's statistics (``N`` rows, ``rho = n / N`` of them
-    kept). Backward, with ``xhat = (x - mean) * rstd``, ``g`` the output gradient and ``m_k``
-    the mean over the kept rows (and positions)::
-
-        dx = w rstd (g - rho m_k(g) - rho xhat m_k(g xhat))            (e2e's BN backward,
-           = rho * bn_backward_train(g; weight w) + (1 - rho) w rstd g   dropped rows constant)
-
-    ATen's training-mode BN backward with the saved statistics and weight ``rho * w`` gives the
-    first term and, in the same kernel, the weight and bias gradients (``sum(g xhat)``,
-    ``sum(g)``, independent of the weight passed); one ``addcmul_`` adds the second. The
-    per-channel factors come from the step's :class:`BatchNormCoefficients`. Only ``x`` (and
-    the per-channel statistics) is saved, like native BN."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                coefs: BatchNormCoefficients, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, mean, rstd)
-        ctx.coefs, ctx.index = coefs, coefs.add(weight, rstd)
-        ctx.eps, ctx.has_weight, ctx.has_bias = eps, weight is not None, bias is not None
-        return y  # (n, C, *): returned as is (a view for autograd)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, mean, rstd = ctx.saved_tensors
-        rho = ctx.coefs.rho
-        w_rho, w_rstd = ctx.coefs[ctx.index]  # (C,), (C,)
-        need_w = ctx.has_weight and ctx.needs_input_grad[1]
-        need_b = ctx.has_bias and ctx.needs_input_grad[2]
-        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            grad, x, w_rho, None, None, mean, rstd, True, ctx.eps,
-            [ctx.needs_input_grad[0], need_w, need_b])
-        if gx is not None and rho < 1.0:
-            shape = (1, -1) + (1,) * (x.dim() - 2)  # (C,) over (n, C, *)
-            gx = gx.addcmul_(grad, w_rstd.view(shape), value=1.0 - rho)
-        return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, None
-
-
 def take_rows(x: torch.Tensor, rows: PartRows, kept: bool) -> torch.Tensor:
     """The kept ``(n, ...)`` or dropped ``(N - n, ...)`` rows of ``x``, a new tensor each (the
     first layer saves the kept one; indexing keeps the memory format)."""
     return x[rows.keep_rows] if kept else x[rows.drop_rows]
+
+
+def all_rows(x: torch.Tensor, rows: PartRows) -> torch.Tensor:
+    """All rows of ``x`` in ``[kept | dropped]`` order ``(N, ...)``, a new tensor without a
+    graph: the input of a layer that runs once over all rows (``kept_rows.conv_parts``)."""
+    with torch.no_grad():
+        return x[rows.order]
+
+
+def dropped_rows(full: torch.Tensor, rows: PartRows) -> torch.Tensor:
+    """The dropped block ``(N - n, ...)`` of ``full``, a view."""
+    return full[rows.n_keep:]
 
 
 def join_rows(kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
@@ -169,25 +135,25 @@ def join_rows(kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
 
 def batchnorm_parts(bn: _BatchNorm, kept: torch.Tensor, full: torch.Tensor, rows: PartRows,
                     view_ok: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``bn`` over ``full = join_rows(kept, dropped)``: e2e's training forward (statistics of all
-    rows, running statistics once); the kept block carries :class:`KeptRowsBatchNorm`'s graph
-    (from ``kept``, which it saves). ``view_ok``: every consumer of the kept output stores
-    nothing of it (ReLU, add), so it may stay a view of the full output; otherwise it gets its
-    own storage, so that what autograd saves holds only kept rows. A BN in eval mode normalises
-    each part alone."""
+    """``bn`` over ``full (N, C, *)``, all rows in ``[kept | dropped]`` order: e2e's training
+    forward (statistics of all rows, running statistics once), returned whole, without a graph;
+    the kept block carries :class:`KeptRowsBatchNorm`'s graph (from ``kept``, which it saves).
+    ``view_ok``: every consumer of the kept output stores nothing of it (ReLU, add), so it may
+    stay a view of the full output; otherwise it gets its own storage, so that what autograd
+    saves holds only kept rows. A BN in eval mode normalises each row alone: the kept rows with
+    a graph, all rows without. Returns ``(kept (n, C, *), full (N, C, *))``."""
     n = kept.shape[0]
+    if rows.n_rows != full.shape[0]:
+        raise RuntimeError(f"lockstep SBP: {type(bn).__name__} got {full.shape[0]} rows, not the "
+                           f"step's {rows.n_rows} frames")
     if not bn.training:
         with torch.no_grad():
-            d_out = bn(full[n:])
-        return bn(kept), d_out
+            out = bn(full)
+        return bn(kept), out
     with torch.no_grad():
         out, mean, rstd = train_bn_forward(bn, full)  # (N, C, *) in [kept | dropped] order
     y = out[:n] if view_ok else out[:n].clone()
-    if rows.n_rows != out.shape[0]:
-        raise RuntimeError(f"lockstep SBP: {type(bn).__name__} got {out.shape[0]} rows, not the "
-                           f"step's {rows.n_rows} frames")
-    kept_out = KeptRowsBatchNorm.apply(kept, bn.weight, bn.bias, y, mean, rstd, rows.bn, bn.eps)
-    return kept_out, out[n:]
+    return KeptRowsBatchNorm.apply(kept, bn.weight, bn.bias, y, mean, rstd, rows.bn, bn.eps), out
 
 
 def module_parts(module: nn.Module, kept: Any, dropped: Any, rows: PartRows) -> tuple[Any, Any]:
@@ -224,23 +190,28 @@ _ADD_FUNCS = {operator.add, torch.add}
 _FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, _BatchNorm, nn.ReLU)
 
 
+def _is_relu(node: fx.Node, root: nn.Module) -> bool:
+    """A ReLU of one value: an ``nn.ReLU`` module or ``relu`` (no other arguments)."""
+    if node.op == "call_module":
+        return type(root.get_submodule(str(node.target))) is nn.ReLU and len(node.args) == 1
+    return (node.op == "call_function" and node.target in _RELU_FUNCS
+            and set(node.kwargs) <= {"inplace"} and len(node.args) == 1)
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _ADD_FUNCS and not node.kwargs
+            and len(node.args) == 2)
+
+
 def _in_place_twin(node: fx.Node, root: nn.Module, bn_source_ok: bool) -> Any:
     """The in-place op for ``node``'s dropped twin, or ``None``. A dropped part runs under
     ``no_grad`` and stores nothing, so a ReLU or residual add may overwrite its input, as e2e's
     own ``ReLU(inplace=True)`` and ``out += identity`` do, when that input is read by nothing
     else and is a tensor of its own (not a view of another value): one block of rows fewer in
-    the step's peak (the stem's ReLU, after the BN meet, sets the peak at small keep ratios).
-    A full-batch BN's dropped output shares its storage with the kept output, a view that
-    autograd refuses to read once its base changed: ``bn_source_ok`` only where the kept twins
-    run first."""
-    if node.op == "call_module":
-        is_relu = type(root.get_submodule(str(node.target))) is nn.ReLU
-        is_add = False
-    elif node.op == "call_function":
-        is_relu = node.target in _RELU_FUNCS and set(node.kwargs) <= {"inplace"} and len(node.args) == 1
-        is_add = node.target in _ADD_FUNCS and not node.kwargs and len(node.args) == 2
-    else:
-        return None
+    the step's peak. A full-batch BN's dropped output shares its storage with the kept output,
+    a view that autograd refuses to read once its base changed: ``bn_source_ok`` only where the
+    kept twins run first."""
+    is_relu, is_add = _is_relu(node, root), _is_add(node)
     if not (is_relu or is_add) or not isinstance(node.args[0], fx.Node):
         return None
     src = node.args[0]
@@ -288,15 +259,39 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
     # the parts are gathered here, not by the caller, so that the dropped frames' copy is freed
     # after its first op instead of living through the pass
     kept_in = g.call_function(take_rows, (frames, rows, True))
-    dropped_in = g.call_function(take_rows, (frames, rows, False))
-    env: dict[fx.Node, Any] = {}  # original node -> new node, or (kept node, dropped node)
+    # original node -> new node, or (kept node, dropped node or None: a view of its full value)
+    env: dict[fx.Node, Any] = {}
+    full: dict[fx.Node, fx.Node] = {}  # original node -> its value on all N rows, no graph
+    owned: set[fx.Node] = set()  # full values that are a tensor of their own (may be overwritten)
     pending: list[fx.Node] = []  # per-frame nodes of the current segment, not yet emitted
+    source: list[fx.Node] = []  # the backbone's input
+
+    def dropped_of(n: fx.Node) -> fx.Node:
+        kept, dropped = env[n]
+        if dropped is None:  # made where first needed: the dropped frames' copy lives from here
+            dropped = (g.call_function(dropped_rows, (full[n], rows)) if n in full
+                       else g.call_function(take_rows, (frames, rows, False)))
+            env[n] = (kept, dropped)
+        return dropped
+
+    def full_of(n: fx.Node) -> fx.Node | None:
+        if n not in full and source and n is source[0]:
+            full[n] = g.call_function(all_rows, (frames, rows))
+        return full.get(n)
 
     def part(value: Any, i: int) -> Any:
-        return map_arg(value, lambda n: env[n][i] if isinstance(env[n], tuple) else env[n])
+        def pick(n: fx.Node) -> Any:
+            if not isinstance(env[n], tuple):
+                return env[n]
+            return env[n][0] if i == 0 else dropped_of(n)
+        return map_arg(value, pick)
 
     def is_split(node: fx.Node) -> bool:
         return any(isinstance(env[a], tuple) for a in node.all_input_nodes)
+
+    def set_full(node: fx.Node, kept: fx.Node, value: fx.Node) -> None:
+        env[node], full[node] = (kept, None), value
+        owned.add(node)
 
     after_bn = False  # the current segment starts at a BN meet
 
@@ -328,36 +323,83 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
             emit()
         pending.clear()
 
-    def meet(fn: Any, target: str, args: tuple) -> tuple[fx.Node, fx.Node]:
-        flush()
-        both = g.call_function(fn, (g.get_attr(target), *args))
-        return g.call_function(operator.getitem, (both, 0)), g.call_function(operator.getitem, (both, 1))
+    def call(fn: Any, args: tuple, outputs: int = 2) -> list[fx.Node]:
+        both = g.call_function(fn, args)
+        return [g.call_function(operator.getitem, (both, i)) for i in range(outputs)]
+
+    def module(node: fx.Node) -> nn.Module | None:
+        return gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+
+    def feeds_fused_bn(node: fx.Node) -> bool:
+        users = list(node.users)
+        return (full_batch and len(users) == 1 and isinstance(module(users[0]), _BatchNorm)
+                and _fusable_bn(module(users[0])) and users[0].args == (node,) and not users[0].kwargs)
 
     for node in src.nodes:
+        if node in env:  # emitted with the node before it (a residual add's ReLU)
+            continue
         if node.op == "placeholder":
-            env[node] = (kept_in, dropped_in)
+            env[node] = (kept_in, None)
+            source.append(node)
         elif node.op == "output":
             flush()
             out = node.args[0]
             if not isinstance(out, fx.Node) or not isinstance(env[out], tuple):
                 raise _Unsupported("the backbone must return one tensor computed from its input")
-            g.output((env[out][0], env[out][1]))
+            g.output((env[out][0], dropped_of(out)))
         elif node.op == "get_attr" or not is_split(node):
             env[node] = g.node_copy(node, lambda n: env[n])
         else:
-            module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-            if isinstance(module, _BatchNorm) and full_batch:
-                if not _fusable_bn(module) or len(node.args) != 1 or node.kwargs:
-                    raise _Unsupported(f"cannot fuse {type(module).__name__}")
+            mod = module(node)
+            arg = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            if isinstance(mod, _BatchNorm) and full_batch:
+                # the meet: BN's training kernel once over all rows
+                if not _fusable_bn(mod) or len(node.args) != 1 or node.kwargs:
+                    raise _Unsupported(f"cannot fuse {type(mod).__name__}")
                 flush()
-                x = env[node.args[0]]
-                full = g.call_function(join_rows, (x[0], x[1]))  # the dropped block's last use
-                env[node] = meet(batchnorm_parts, str(node.target), (x[0], full, rows, _view_safe(node, gm)))
+                x = env[arg]
+                whole = full_of(arg)
+                if whole is None:  # the dropped block's last use
+                    whole = g.call_function(join_rows, (x[0], dropped_of(arg)))
+                kept, out = call(batchnorm_parts, (g.get_attr(str(node.target)), x[0], whole, rows,
+                                                   _view_safe(node, gm)))
+                set_full(node, kept, out)
                 after_bn = True
-            elif module is not None and callable(getattr(module, "lockstep_parts", None)):
+            elif (plain_conv(mod) and len(node.args) == 1 and not node.kwargs
+                  and feeds_fused_bn(node) and full_of(arg) is not None):
+                # a convolution into a BN meet: once over all rows, as the BN's input
                 flush()
-                x = env[node.args[0]]
-                env[node] = meet(module_parts, str(node.target), (x[0], x[1], rows))
+                kept, out = call(conv_parts, (g.get_attr(str(node.target)), env[arg][0], full[arg]))
+                set_full(node, kept, out)
+            elif (_is_relu(node, gm) and arg in full) or (
+                    type(mod) is nn.MaxPool2d and not mod.return_indices and arg in full
+                    and len(node.args) == 1 and not node.kwargs):
+                # a cheap per-row op of a value known on all rows: its kept rows with a graph,
+                # then all rows (in place where nothing else reads them), for the layers after it
+                flush()
+                kept = g.create_node(node.op, node.target, (env[arg][0],), dict(node.kwargs))
+                g.call_function(torch._C._set_grad_enabled, (False,))
+                if type(mod) is nn.MaxPool2d:
+                    out = g.call_module(str(node.target), (full[arg],))
+                else:  # the kept rows read their input first: it may be a view of full[arg]
+                    in_place = arg in owned and len(arg.users) == 1
+                    out = g.call_function(torch.relu_ if in_place else torch.relu, (full[arg],))
+                g.call_function(torch._C._set_grad_enabled, (True,))
+                set_full(node, kept, out)
+            elif (_is_add(node) and len(node.users) == 1 and _is_relu(next(iter(node.users)), gm)
+                  and all(isinstance(a, fx.Node) and a in full for a in node.args)
+                  and node.args[0] is not node.args[1]):
+                # a residual add and its ReLU over all rows at once (KeptRowsAddReLU)
+                flush()
+                a, b = node.args
+                in_place = a in owned and len(a.users) == 1
+                kept, out = call(add_relu_parts, (env[a][0], env[b][0], full[a], full[b], in_place))
+                set_full(next(iter(node.users)), kept, out)
+            elif mod is not None and callable(getattr(mod, "lockstep_parts", None)):
+                flush()
+                x = env[arg]
+                env[node] = tuple(call(module_parts, (g.get_attr(str(node.target)), x[0],
+                                                      dropped_of(arg), rows)))
                 after_bn = False
             else:
                 pending.append(node)

@@ -1,0 +1,96 @@
+"""The kept-rows autograd functions (``sbp/kept_rows.py``): an op run once over all rows, with the
+kept rows' graph beside it, gives the gradient of the same op run on the kept rows alone with
+autograd (the dropped rows held constant), and what it saves holds the kept rows only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from videotrain.memory.sbp.kept_rows import add_relu_parts, conv_parts, plain_conv
+
+N, n = 6, 2  # rows, of which the first n are kept
+
+
+def _kept_input(full: torch.Tensor) -> torch.Tensor:
+    return full[:n].clone().requires_grad_()
+
+
+@pytest.mark.parametrize("kw", [
+    {"kernel_size": 3, "padding": 1},
+    {"kernel_size": 3, "stride": 2, "padding": 1, "bias": False},
+    {"kernel_size": 3, "padding": 2, "dilation": 2, "groups": 2},
+    {"kernel_size": 1},
+])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_conv_parts_gives_the_kept_rows_gradient(kw: dict, fmt: torch.memory_format) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, **kw).to(memory_format=fmt)
+    full = torch.randn(N, 4, 9, 9).contiguous(memory_format=fmt)
+    x = _kept_input(full)
+    kept, out = conv_parts(conv, x, full)
+    torch.testing.assert_close(out, conv(full).detach())
+    assert kept.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()  # its own rows
+    assert kept.is_contiguous(memory_format=fmt)
+    g = torch.randn_like(kept)
+    kept.backward(g)
+    got = (x.grad, *(p.grad for p in conv.parameters()))
+    conv.zero_grad()
+    x2 = _kept_input(full)
+    conv(x2).backward(g)
+    for a, b in zip(got, (x2.grad, *(p.grad for p in conv.parameters())), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_parts_under_bf16_autocast_matches_autocast() -> None:
+    """The kept input is saved in the dtype the convolution ran in, the weight gradient comes
+    back in the parameter's dtype, as with autocast's own convolution."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 5, 3, padding=1)
+    full = torch.randn(N, 3, 8, 8)
+    grads = []
+    for ours in (True, False):
+        conv.zero_grad()
+        x = _kept_input(full)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kept = conv_parts(conv, x, full)[0] if ours else conv(x)
+        assert kept.dtype == torch.bfloat16
+        kept.float().square().sum().backward()
+        grads.append([x.grad, conv.weight.grad, conv.bias.grad])
+    for a, b in zip(*grads, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_plain_conv_is_the_stock_zero_padded_conv() -> None:
+    assert plain_conv(nn.Conv2d(3, 4, 3, padding=1))
+    assert not plain_conv(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"))
+    assert not plain_conv(nn.Conv2d(3, 4, 3, padding="same"))
+    assert not plain_conv(nn.Conv1d(3, 4, 3))
+
+    class Scaled(nn.Conv2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    assert not plain_conv(Scaled(3, 4, 3))
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("b_shape", [(N, 4, 5, 5), (1, 4, 1, 1)], ids=["residual", "broadcast"])
+def test_add_relu_parts_gives_the_kept_rows_gradient(in_place: bool, b_shape: tuple) -> None:
+    torch.manual_seed(0)
+    full_a, full_b = torch.randn(N, 4, 5, 5), torch.randn(*b_shape)
+    want_full = torch.relu(full_a + full_b)
+    a = _kept_input(full_a)
+    b = (full_b[:n] if b_shape[0] == N else full_b).clone().requires_grad_()
+    kept, out = add_relu_parts(a, b, full_a, full_b, in_place)
+    torch.testing.assert_close(out, want_full)
+    assert (out is full_a) == in_place  # written into full_a only when asked
+    torch.testing.assert_close(kept, want_full[:n])
+    g = torch.randn_like(kept)
+    kept.backward(g)
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    torch.relu(a2 + b2).backward(g)
+    torch.testing.assert_close(a.grad, a2.grad)
+    torch.testing.assert_close(b.grad, b2.grad)

@@ -1,0 +1,172 @@
+"""Autograd for the kept rows of an op that ran once over all rows (lockstep SBP).
+
+The lockstep code (``videotrain.memory.sbp.lockstep``) runs a convolution that feeds a
+full-batch BN, the BN itself, and a residual add with its ReLU once over all ``N`` rows of a
+step, in ``[kept | dropped]`` row order and without a graph, as e2e's forward does. The kept
+rows ``[:n]`` still need a graph, and what that graph saves must hold the kept rows only (the
+point of SBP). Each function here takes the kept rows' inputs (with their graphs) and the
+already computed output, saves what the op's backward needs, as ``n``-row tensors of their own,
+and in the backward runs ATen's own kernel for the op on the kept rows: e2e's gradient with
+the dropped rows held constant (their gradient paths cut).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class BatchNormCoefficients:
+    """The per-channel factors of one step's kept-rows BN backwards (:class:`KeptRowsBatchNorm`),
+    ``rho * w`` and ``w * rstd`` of every fused BN, computed for all of them by two ``_foreach``
+    ops at the first BN backward instead of two small ops per BN."""
+
+    def __init__(self, rho: float) -> None:
+        self.rho = rho
+        self.layers: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (weight, rstd) per BN
+        self._coefs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def add(self, weight: torch.Tensor | None, rstd: torch.Tensor) -> int:
+        self.layers.append((weight, rstd))
+        return len(self.layers) - 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rho * w, w * rstd)`` of BN ``i`` (``w = 1`` without affine weights)."""
+        if self._coefs is None:
+            with torch.no_grad():
+                affine = [(w, r) for w, r in self.layers if w is not None]
+                ws, rs = [w.detach() for w, _ in affine], [r for _, r in affine]
+                w_rho = iter(torch._foreach_mul(ws, self.rho) if ws else [])
+                w_r = iter(torch._foreach_mul(ws, rs) if ws else [])
+                self._coefs = [(next(w_rho), next(w_r)) if w is not None
+                               else (r.new_full(r.shape, self.rho), r) for w, r in self.layers]
+        return self._coefs[i]
+
+
+class KeptRowsBatchNorm(torch.autograd.Function):
+    """The kept rows ``y`` of a full-batch BN output, with the graph of the kept input ``x``.
+
+    ``mean``, ``rstd`` are the full batch's statistics (``N`` rows, ``rho = n / N`` of them
+    kept). Backward, with ``xhat = (x - mean) * rstd``, ``g`` the output gradient and ``m_k``
+    the mean over the kept rows (and positions)::
+
+        dx = w rstd (g - rho m_k(g) - rho xhat m_k(g xhat))            (e2e's BN backward,
+           = rho * bn_backward_train(g; weight w) + (1 - rho) w rstd g   dropped rows constant)
+
+    ATen's training-mode BN backward with the saved statistics and weight ``rho * w`` gives the
+    first term and, in the same kernel, the weight and bias gradients (``sum(g xhat)``,
+    ``sum(g)``, independent of the weight passed); one ``addcmul_`` adds the second. The
+    per-channel factors come from the step's :class:`BatchNormCoefficients`. Only ``x`` (and
+    the per-channel statistics) is saved, like native BN. The SyncBatchNorm kernels that would
+    do this on several parts (``batch_norm_stats`` and friends) have no CPU kernels (torch
+    2.11-2.14), so this formulation is the one that runs, and counts, the same on both devices."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                coefs: BatchNormCoefficients, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, mean, rstd)
+        ctx.coefs, ctx.index = coefs, coefs.add(weight, rstd)
+        ctx.eps, ctx.has_weight, ctx.has_bias = eps, weight is not None, bias is not None
+        return y  # (n, C, *): returned as is (a view for autograd)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, rstd = ctx.saved_tensors
+        rho = ctx.coefs.rho
+        w_rho, w_rstd = ctx.coefs[ctx.index]  # (C,), (C,)
+        need_w = ctx.has_weight and ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            grad, x, w_rho, None, None, mean, rstd, True, ctx.eps,
+            [ctx.needs_input_grad[0], need_w, need_b])
+        if gx is not None and rho < 1.0:
+            shape = (1, -1) + (1,) * (x.dim() - 2)  # (C,) over (n, C, *)
+            gx = gx.addcmul_(grad, w_rstd.view(shape), value=1.0 - rho)
+        return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, None
+
+
+def plain_conv(module: nn.Module) -> bool:
+    """A stock ``nn.Conv2d`` (its own ``forward``) with zero padding given as numbers: what
+    :class:`KeptRowsConv`'s backward reproduces."""
+    return (isinstance(module, nn.Conv2d) and type(module).forward is nn.Conv2d.forward
+            and module.padding_mode == "zeros" and not isinstance(module.padding, str))
+
+
+class KeptRowsConv(torch.autograd.Function):
+    """The kept rows ``y (n, C', H', W')`` of ``conv`` over all rows, with the graph of the
+    kept input ``x (n, C, H, W)``: the convolution's backward on the kept rows
+    (``aten.convolution_backward``, the kernel e2e's backward runs). ``x`` is saved in the
+    dtype the convolution ran in (an autocast cast, as autocast saves its cast input); the
+    weight is cast in the backward, and its gradient goes back to the parameter's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                y: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+        ctx.save_for_backward(x if x.dtype == y.dtype else x.to(y.dtype), weight)
+        ctx.conv, ctx.has_bias = conv, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        conv = ctx.conv
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], need_b]
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad, x, weight.to(grad.dtype), [weight.shape[0]] if need_b else None,
+            list(conv.stride), list(conv.padding), list(conv.dilation), False, [0, 0],
+            conv.groups, mask)
+        return gx, gw, gb if need_b else None, None, None
+
+
+class KeptRowsAddReLU(torch.autograd.Function):
+    """``relu(a + b)``, the residual add and ReLU that end a ResNet block, on all rows: the
+    full sum ``s (N, ...)`` (``s + add`` when ``add`` is given) is made ReLU'd in place, and its
+    kept rows ``(n, ...)`` are returned as a tensor of their own that the backward saves, with
+    the graphs of the kept inputs ``a``, ``b``. The in-place ops run inside the function, after
+    autograd has taken the kept inputs' graphs: ``a`` may be a view of ``s`` (a BN's kept
+    output), which autograd refuses to read once its base changed."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, s: torch.Tensor,
+                add: torch.Tensor | None) -> torch.Tensor:
+        if add is not None:
+            s.add_(add)
+        s.relu_()  # (N, ...)
+        kept = s[: a.shape[0]].clone(memory_format=torch.preserve_format)  # (n, ...)
+        ctx.save_for_backward(kept)
+        ctx.shapes = (a.shape, b.shape)
+        return kept
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (kept,) = ctx.saved_tensors
+        g = torch.ops.aten.threshold_backward(grad, kept, 0)
+        ga, gb = (g if g.shape == shape else g.sum_to_size(shape) for shape in ctx.shapes)
+        return ga, gb, None, None
+
+
+def add_relu_parts(a: torch.Tensor, b: torch.Tensor, full_a: torch.Tensor, full_b: torch.Tensor,
+                   in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kept, full)`` of ``relu(a + b)`` (:class:`KeptRowsAddReLU`); ``in_place``: nothing
+    else reads ``full_a``, so the sum is written into it, as e2e's ``out += identity`` does."""
+    if in_place and full_a.shape == torch.broadcast_shapes(full_a.shape, full_b.shape) and (
+            full_a.dtype == torch.result_type(full_a, full_b)):
+        return KeptRowsAddReLU.apply(a, b, full_a, full_b), full_a
+    with torch.no_grad():
+        s = full_a + full_b  # (N, ...)
+    return KeptRowsAddReLU.apply(a, b, s, None), s
+
+
+def conv_parts(conv: nn.Conv2d, kept: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kept, full)`` of ``conv`` over ``full (N, C, H, W)`` in ``[kept | dropped]`` order,
+    run once (its module hooks fire once, on all rows), without a graph; the kept rows get
+    :class:`KeptRowsConv`'s graph from ``kept (n, C, H, W)`` and storage of their own, which
+    the BN after the convolution saves."""
+    with torch.no_grad():
+        out = conv(full)  # (N, C', H', W')
+    y = out[: kept.shape[0]].clone(memory_format=torch.preserve_format)  # (n, C', H', W')
+    return KeptRowsConv.apply(kept, conv.weight, conv.bias, y, conv), out
