@@ -137,15 +137,20 @@ def test_model_level_matches_record_apply_and_runs_each_frame_once(kit, backbone
     out: dict[bool, tuple] = {}
     for lockstep in (True, False):
         _, model = kit.model_pair(backbone, sbp(lockstep=lockstep))
-        rows: list[int] = []
-        conv1 = next(m for m in model.backbone.modules() if isinstance(m, nn.Conv2d))  # a leaf
-        hook = conv1.register_forward_hook(lambda _m, args, _o, rows=rows: rows.append(args[0].shape[0]))
+        rows: dict[int, list[int]] = {0: [], 1: []}
+        convs = [m for m in model.backbone.modules() if isinstance(m, nn.Conv2d)]  # leaves
+        hooks = [convs[i].register_forward_hook(
+            lambda _m, args, _o, seen=rows[i]: seen.append(args[0].shape[0])) for i in rows]
         logits = kit.step(model, x)
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         out[lockstep] = (logits, kit.grads(model), kit.bn_buffers(model), rows)
     n_rows, n_keep = kit.B * kit.T, kit.B * 3  # 0.375 * 8 = 3 frames per clip
-    assert out[True][3] == [n_rows]  # into a BN: once over all frames (the kept rows' graph beside)
-    assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
+    # the stem, on the input's two parts: dropped (no_grad), kept, once each; the next
+    # convolution, into a BN: once over all frames (the kept rows' graph beside it)
+    assert out[True][3] == {0: [n_rows - n_keep, n_keep], 1: [n_rows]}
+    # record pass over all frames, then kept again
+    assert out[False][3] == {0: [n_rows, n_keep], 1: [n_rows, n_keep]}
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
     backbone = {k: v for k, v in out[True][1].items() if k.startswith("backbone.")}
     kit.assert_close_dicts(backbone, {k: out[False][1][k] for k in backbone}, rtol=1e-4, atol=1e-6)
@@ -250,7 +255,7 @@ def test_channels_last_gives_the_same_results_and_keeps_the_format(kit, device: 
 
 @pytest.mark.parametrize("backbone", ["resnet", "timm_resnet"])
 def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backbone: str) -> None:
-    """Block SBP with full-batch BN runs each split branch's code once (a convolution into a BN
+    """Block SBP with full-batch BN runs each split branch's code once (a convolution after a BN
     over all frames, with the kept rows' graph beside it), with record/apply's values, gradients
     and BN statistics."""
     x = kit.video()
@@ -258,29 +263,35 @@ def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backb
     for lockstep in (True, False):
         strategy = sbp(granularity="block", blocks=1.0, lockstep=lockstep)
         _, model = kit.model_pair(backbone, strategy)
-        conv = model.backbone.blocks()[0].conv1
-        rows: list[int] = []
-        conv.register_forward_hook(lambda _m, args, _o, rows=rows: rows.append(args[0].shape[0]))
+        block = model.backbone.blocks()[0]
+        rows: dict[str, list[int]] = {"conv1": [], "conv2": []}
+        for name, seen in rows.items():
+            getattr(block, name).register_forward_hook(
+                lambda _m, args, _o, seen=seen: seen.append(args[0].shape[0]))
         out[lockstep] = (kit.step(model, x), kit.grads(model), kit.bn_buffers(model), rows)
     n_rows, n_keep = kit.B * kit.T, kit.B * 3
-    assert out[True][3] == [n_rows]  # the branch's first conv, into a BN: once over all frames
-    assert out[False][3] == [n_rows, n_keep]  # record pass over all frames, then kept again
+    # the branch's first conv on its input's two parts; the second, after a BN: all frames at once
+    assert out[True][3] == {"conv1": [n_rows - n_keep, n_keep], "conv2": [n_rows]}
+    # record pass over all frames, then kept again
+    assert out[False][3] == {"conv1": [n_rows, n_keep], "conv2": [n_rows, n_keep]}
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
     kit.assert_close_dicts(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
     kit.assert_close_dicts(out[True][2], out[False][2], rtol=1e-5, atol=1e-6)
 
 
 def test_module_hooks_see_the_parts() -> None:
-    """What docs/memory.md says of forward hooks under frame SBP: a convolution into a full-batch
-    BN runs once over all frames, and so does the BN (through its training kernel: its module
-    hooks do not fire); a max pool after a BN's ReLU runs on the kept rows and then on all rows;
-    any other per-frame module runs once per part, kept rows and dropped rows."""
+    """What docs/memory.md says of forward hooks under frame SBP: a convolution from a BN's
+    output into a full-batch BN runs once over all frames, and so does the BN (through its
+    training kernel: its module hooks do not fire); a max pool after a BN's ReLU runs on the kept
+    rows and then on all rows; any other per-frame module, the stem's convolution included, runs
+    once per part, kept rows and dropped rows."""
     torch.manual_seed(0)
     bb = resnet(layers=[1, 1, 1, 1])
     model = VideoClassifier(bb, TConvHead(bb.feature_dim, 4, hidden_dim=16), sbp(keep_ratio=0.25)).train()
     seen: list[tuple[str, int]] = []
-    for name, m in (("conv", bb.net.conv1), ("bn", bb.net.bn1), ("pool", bb.net.maxpool),
-                    ("avgpool", bb.net.avgpool)):
+    for name, m in (("stem", bb.net.conv1), ("bn", bb.net.bn1), ("pool", bb.net.maxpool),
+                    ("conv", bb.net.layer1[0].conv1), ("avgpool", bb.net.avgpool)):
         m.register_forward_hook(lambda m, i, o, name=name: seen.append((name, o.shape[0])))
     model(torch.randn(2, 8, 3, 32, 32)).sum().backward()  # 16 frames, 2 x 2 kept
-    assert sorted(seen) == [("avgpool", 4), ("avgpool", 12), ("conv", 16), ("pool", 4), ("pool", 16)]
+    assert sorted(seen) == [("avgpool", 4), ("avgpool", 12), ("conv", 16), ("pool", 4), ("pool", 16),
+                            ("stem", 4), ("stem", 12)]

@@ -13,10 +13,12 @@ value is either two row blocks, one per part, or one tensor of all ``N`` rows wh
   or residual add whose input nothing else reads runs in place (``_in_place_twin``), before the
   kept twins, or after them in a segment that starts at a BN meet (``flush``).
 - **All rows at once**, where e2e's own kernel can run over both parts and the kept rows' graph
-  can be built beside it (``videotrain.memory.sbp.kept_rows``): a convolution whose only reader
-  is a full-batch BN (``conv_parts``: no ``cat`` to join the parts, one kernel), the ReLU or max
-  pool after it (its kept rows with autograd, then all rows, in place where nothing else reads
-  them), and a residual add with its ReLU (``add_relu_parts``). What autograd saves is still
+  can be built beside it (``videotrain.memory.sbp.kept_rows``): a convolution of a value known
+  on all rows whose only reader is a full-batch BN (``conv_parts``: no ``cat`` to join the parts,
+  one kernel; the stem's runs on the input's two parts, whose copies are freed once used), the
+  ReLU or max pool after a BN (its kept rows with autograd, then all rows, in place where
+  nothing else reads them), an identity module, and a residual add with its ReLU
+  (``add_relu_parts``). What autograd saves is still
   ``n``-row tensors of their own. This is what holds a ResNet step's aten ops (GPU kernel
   launches) to 1.5x e2e's.
 
@@ -111,13 +113,6 @@ def take_rows(x: torch.Tensor, rows: PartRows, kept: bool) -> torch.Tensor:
     """The kept ``(n, ...)`` or dropped ``(N - n, ...)`` rows of ``x``, a new tensor each (the
     first layer saves the kept one; indexing keeps the memory format)."""
     return x[rows.keep_rows] if kept else x[rows.drop_rows]
-
-
-def all_rows(x: torch.Tensor, rows: PartRows) -> torch.Tensor:
-    """All rows of ``x`` in ``[kept | dropped]`` order ``(N, ...)``, a new tensor without a
-    graph: the input of a layer that runs once over all rows (``kept_rows.conv_parts``)."""
-    with torch.no_grad():
-        return x[rows.order]
 
 
 def dropped_rows(full: torch.Tensor, rows: PartRows) -> torch.Tensor:
@@ -264,7 +259,6 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
     full: dict[fx.Node, fx.Node] = {}  # original node -> its value on all N rows, no graph
     owned: set[fx.Node] = set()  # full values that are a tensor of their own (may be overwritten)
     pending: list[fx.Node] = []  # per-frame nodes of the current segment, not yet emitted
-    source: list[fx.Node] = []  # the backbone's input
 
     def dropped_of(n: fx.Node) -> fx.Node:
         kept, dropped = env[n]
@@ -273,11 +267,6 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
                        else g.call_function(take_rows, (frames, rows, False)))
             env[n] = (kept, dropped)
         return dropped
-
-    def full_of(n: fx.Node) -> fx.Node | None:
-        if n not in full and source and n is source[0]:
-            full[n] = g.call_function(all_rows, (frames, rows))
-        return full.get(n)
 
     def part(value: Any, i: int) -> Any:
         def pick(n: fx.Node) -> Any:
@@ -340,7 +329,6 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
             continue
         if node.op == "placeholder":
             env[node] = (kept_in, None)
-            source.append(node)
         elif node.op == "output":
             flush()
             out = node.args[0]
@@ -358,7 +346,7 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
                     raise _Unsupported(f"cannot fuse {type(mod).__name__}")
                 flush()
                 x = env[arg]
-                whole = full_of(arg)
+                whole = full.get(arg)
                 if whole is None:  # the dropped block's last use
                     whole = g.call_function(join_rows, (x[0], dropped_of(arg)))
                 kept, out = call(batchnorm_parts, (g.get_attr(str(node.target)), x[0], whole, rows,
@@ -366,11 +354,16 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
                 set_full(node, kept, out)
                 after_bn = True
             elif (plain_conv(mod) and len(node.args) == 1 and not node.kwargs
-                  and feeds_fused_bn(node) and full_of(arg) is not None):
+                  and feeds_fused_bn(node) and arg in full):
                 # a convolution into a BN meet: once over all rows, as the BN's input
                 flush()
                 kept, out = call(conv_parts, (g.get_attr(str(node.target)), env[arg][0], full[arg]))
                 set_full(node, kept, out)
+            elif type(mod) is nn.Identity and arg in full and len(node.args) == 1:
+                # e.g. timm's disabled drop_block and anti-aliasing layers: the value itself
+                env[node], full[node] = env[arg], full[arg]
+                if arg in owned and len(arg.users) == 1:
+                    owned.add(node)
             elif (_is_relu(node, gm) and arg in full) or (
                     type(mod) is nn.MaxPool2d and not mod.return_indices and arg in full
                     and len(node.args) == 1 and not node.kwargs):
