@@ -99,12 +99,30 @@ class TwinConvNet(OddNet):
         return torch.cat((pooled, pooled.square()), dim=1)
 
 
-@pytest.mark.parametrize("net_cls", [OddNet, PlainBNNet, TwinConvNet],
-                         ids=["every-node-kind", "plain-bn", "twin-convs"])
+class FullRowNet(nn.Module):
+    """Every op the lockstep code runs on all rows: convolutions into BNs, a ReLU module, a max
+    pool, an identity module, and a residual add with its ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.bn = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.act, self.pool, self.skip = nn.ReLU(), nn.MaxPool2d(2), nn.Identity()
+        self.conv2, self.bn2 = nn.Conv2d(6, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+        self.conv3, self.bn3 = nn.Conv2d(6, 6, 1, groups=2), nn.BatchNorm2d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 3, H, W) -> (N, 6)
+        y = self.pool(self.act(self.bn(self.stem(x))))  # (N, 6, H/2, W/2)
+        z = self.act(self.skip(self.bn2(self.conv2(y))))
+        return torch.relu(self.bn3(self.conv3(z)) + y).mean(dim=(2, 3))
+
+
+@pytest.mark.parametrize("net_cls", [OddNet, PlainBNNet, TwinConvNet, FullRowNet],
+                         ids=["every-node-kind", "plain-bn", "twin-convs", "full-rows"])
 def test_lockstep_matches_record_apply(kit, net_cls) -> None:
-    """Every node kind, BN layers without affine parameters or running statistics, and
-    convolutions that run once per part: the generated code gives record/apply's values,
-    gradients and buffers."""
+    """Every node kind, BN layers without affine parameters or running statistics,
+    convolutions that run once per part, and every op that runs on all rows: the generated code
+    gives record/apply's values, gradients and buffers."""
     x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1)).requires_grad_()
     got = _run(net_cls().train(), x, lockstep=True)
     x_grad, x.grad = x.grad.clone(), None
@@ -117,6 +135,10 @@ def test_lockstep_matches_record_apply(kit, net_cls) -> None:
     assert x_grad[drop].abs().sum() == 0 and x_grad[keep].abs().sum() > 0
     if net_cls is OddNet:
         assert int(got[2]["bn.num_batches_tracked"]) == int(got[2]["bn2.num_batches_tracked"]) == 1
+    if net_cls is FullRowNet:
+        code = lockstep_graph(FullRowNet().train()).code
+        assert code.count("conv_parts(") == 2 and code.count("add_relu_parts(") == 1
+        assert code.count("join_rows(") == 1  # the stem's parts, at its BN
 
 
 def test_forward_is_e2e_forward() -> None:

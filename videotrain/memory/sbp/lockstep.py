@@ -372,7 +372,7 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
                 flush()
                 kept = g.create_node(node.op, node.target, (env[arg][0],), dict(node.kwargs))
                 g.call_function(torch._C._set_grad_enabled, (False,))
-                if type(mod) is nn.MaxPool2d:
+                if mod is not None:  # a max pool, or a ReLU module (its hooks see both calls)
                     out = g.call_module(str(node.target), (full[arg],))
                 else:  # the kept rows read their input first: it may be a view of full[arg]
                     in_place = arg in owned and len(arg.users) == 1
