@@ -1,6 +1,7 @@
 """The kept-rows autograd functions (``sbp/kept_rows.py``): an op run once over all rows, with the
 kept rows' graph beside it, gives the gradient of the same op run on the kept rows alone with
-autograd (the dropped rows held constant), and what it saves holds the kept rows only."""
+autograd (the dropped rows held constant), and what it saves holds the kept rows only. Each test
+has a CUDA twin in the gpu-marked run (``device``)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ def _kept_input(full: torch.Tensor) -> torch.Tensor:
     {"kernel_size": 1},
 ])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
-def test_conv_parts_gives_the_kept_rows_gradient(kw: dict, fmt: torch.memory_format) -> None:
+def test_conv_parts_gives_the_kept_rows_gradient(kw: dict, fmt: torch.memory_format,
+                                                 device: torch.device) -> None:
     torch.manual_seed(0)
-    conv = nn.Conv2d(4, 6, **kw).to(memory_format=fmt)
-    full = torch.randn(N, 4, 9, 9).contiguous(memory_format=fmt)
+    conv = nn.Conv2d(4, 6, **kw).to(device, memory_format=fmt)
+    full = torch.randn(N, 4, 9, 9, device=device).contiguous(memory_format=fmt)
     x = _kept_input(full)
     kept, out = conv_parts(conv, x, full)
     torch.testing.assert_close(out, conv(full).detach())
@@ -39,21 +41,22 @@ def test_conv_parts_gives_the_kept_rows_gradient(kw: dict, fmt: torch.memory_for
     conv.zero_grad()
     x2 = _kept_input(full)
     conv(x2).backward(g)
+    tol = 1e-5 if device.type == "cpu" else 1e-2  # TF32 convolutions on CUDA
     for a, b in zip(got, (x2.grad, *(p.grad for p in conv.parameters())), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
-def test_conv_parts_under_bf16_autocast_matches_autocast() -> None:
+def test_conv_parts_under_bf16_autocast_matches_autocast(device: torch.device) -> None:
     """The kept input is saved in the dtype the convolution ran in, the weight gradient comes
     back in the parameter's dtype, as with autocast's own convolution."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(3, 5, 3, padding=1)
-    full = torch.randn(N, 3, 8, 8)
+    conv = nn.Conv2d(3, 5, 3, padding=1).to(device)
+    full = torch.randn(N, 3, 8, 8, device=device)
     grads = []
     for ours in (True, False):
         conv.zero_grad()
         x = _kept_input(full)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             kept = conv_parts(conv, x, full)[0] if ours else conv(x)
         assert kept.dtype == torch.bfloat16
         kept.float().square().sum().backward()
@@ -78,9 +81,10 @@ def test_plain_conv_is_the_stock_zero_padded_conv() -> None:
 
 @pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("b_shape", [(N, 4, 5, 5), (1, 4, 1, 1)], ids=["residual", "broadcast"])
-def test_add_relu_parts_gives_the_kept_rows_gradient(in_place: bool, b_shape: tuple) -> None:
+def test_add_relu_parts_gives_the_kept_rows_gradient(in_place: bool, b_shape: tuple,
+                                                    device: torch.device) -> None:
     torch.manual_seed(0)
-    full_a, full_b = torch.randn(N, 4, 5, 5), torch.randn(*b_shape)
+    full_a, full_b = torch.randn(N, 4, 5, 5, device=device), torch.randn(*b_shape, device=device)
     want_full = torch.relu(full_a + full_b)
     a = _kept_input(full_a)
     b = (full_b[:n] if b_shape[0] == N else full_b).clone().requires_grad_()
