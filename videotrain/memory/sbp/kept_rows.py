@@ -149,12 +149,22 @@ class KeptRowsAddReLU(torch.autograd.Function):
         return ga, gb, None, None
 
 
+def sums_into(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a + b`` has ``a``'s shape and dtype, so it may be written into ``a``."""
+    return a.shape == torch.broadcast_shapes(a.shape, b.shape) and a.dtype == torch.result_type(a, b)
+
+
+def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b``, written into ``a`` where :func:`sums_into` (a dropped part's residual add,
+    under ``no_grad``: no new block of rows)."""
+    return a.add_(b) if sums_into(a, b) else a + b
+
+
 def add_relu_parts(a: torch.Tensor, b: torch.Tensor, full_a: torch.Tensor, full_b: torch.Tensor,
                    in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kept, full)`` of ``relu(a + b)`` (:class:`KeptRowsAddReLU`); ``in_place``: nothing
     else reads ``full_a``, so the sum is written into it, as e2e's ``out += identity`` does."""
-    if in_place and full_a.shape == torch.broadcast_shapes(full_a.shape, full_b.shape) and (
-            full_a.dtype == torch.result_type(full_a, full_b)):
+    if in_place and sums_into(full_a, full_b):
         return KeptRowsAddReLU.apply(a, b, full_a, full_b), full_a
     with torch.no_grad():
         s = full_a + full_b  # (N, ...)

@@ -62,6 +62,7 @@ from videotrain.memory.recompute.graph import fx_tracer, make_out_of_place
 from videotrain.memory.sbp.kept_rows import (
     BatchNormCoefficients,
     KeptRowsBatchNorm,
+    add_into,
     add_relu_parts,
     conv_parts,
     plain_conv,
@@ -78,16 +79,8 @@ class PartRows:
         self.keep_rows, self.drop_rows = keep_rows, drop_rows  # (n,), (N - n,)
         self.n_keep = int(keep_rows.numel())
         self.n_rows = self.n_keep + int(drop_rows.numel())
-        self._order: torch.Tensor | None = None
         self._neighbours: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.bn = BatchNormCoefficients(self.n_keep / self.n_rows)
-
-    @property
-    def order(self) -> torch.Tensor:
-        """``(N,)``: the original row of every part row, ``[kept | dropped]``."""
-        if self._order is None:
-            self._order = torch.cat((self.keep_rows, self.drop_rows))
-        return self._order
 
     def neighbours(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(next, prev)``, each ``(N,)``: for every part row, the part row of the same
@@ -96,7 +89,7 @@ class PartRows:
             if self.n_rows % num_frames:
                 raise ValueError(f"temporal shift: {self.n_rows} frames are not whole clips of "
                                  f"{num_frames} frames")
-            order = self.order  # (N,): part row -> original row
+            order = torch.cat((self.keep_rows, self.drop_rows))  # (N,): part row -> original row
             pos = torch.empty(self.n_rows + 1, dtype=order.dtype, device=order.device)  # (N + 1,)
             pos[order] = torch.arange(self.n_rows, device=order.device)  # original row -> part row
             pos[-1] = self.n_rows  # the zero row
@@ -169,14 +162,6 @@ def _view_safe(node: fx.Node, root: nn.Module) -> bool:
             continue
         return False
     return True
-
-
-def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a + b``, written into ``a`` when the sum has ``a``'s shape and dtype (a dropped
-    part's residual add, under ``no_grad``: no new block of rows)."""
-    if a.shape == torch.broadcast_shapes(a.shape, b.shape) and a.dtype == torch.result_type(a, b):
-        return a.add_(b)
-    return a + b
 
 
 _RELU_FUNCS = {F.relu, torch.relu}
@@ -312,9 +297,9 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
             emit()
         pending.clear()
 
-    def call(fn: Any, args: tuple, outputs: int = 2) -> list[fx.Node]:
+    def call(fn: Any, args: tuple) -> tuple[fx.Node, fx.Node]:
         both = g.call_function(fn, args)
-        return [g.call_function(operator.getitem, (both, i)) for i in range(outputs)]
+        return g.call_function(operator.getitem, (both, 0)), g.call_function(operator.getitem, (both, 1))
 
     def module(node: fx.Node) -> nn.Module | None:
         return gm.get_submodule(str(node.target)) if node.op == "call_module" else None
@@ -391,8 +376,7 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
             elif mod is not None and callable(getattr(mod, "lockstep_parts", None)):
                 flush()
                 x = env[arg]
-                env[node] = tuple(call(module_parts, (g.get_attr(str(node.target)), x[0],
-                                                      dropped_of(arg), rows)))
+                env[node] = call(module_parts, (g.get_attr(str(node.target)), x[0], dropped_of(arg), rows))
                 after_bn = False
             else:
                 pending.append(node)
