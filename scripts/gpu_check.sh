@@ -15,14 +15,9 @@
 #
 # Packages: the device image has torch 2.11, torchvision, timm, pytest(-timeout, -xdist),
 # matplotlib, but not hydra-core, omegaconf, antlr4-python3-runtime, av, pytorchvideo and its
-# needs (iopath, fvcore, parameterized, yacs, termcolor) or pulp (the sac_milp peer). Earlier leases
-# (docs/results/gpu/*/README.md) copied them in as wheels: in the repo root here,
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#       --platform manylinux2014_x86_64 -d .whl hydra-core==1.3.2 omegaconf==2.3.0 ...
-# (the pure-Python ones as py3-none-any; av as its abi3 wheel), then name `.whl` in the
-# run's `carry`. This script installs whatever .whl/ holds into /tmp/site first.
+# needs (iopath, fvcore, parameterized, yacs, termcolor). `bash scripts/gpu_wheels.sh` puts them
+# in .whl/ (git-ignored; about 37 MB, at this environment's versions); name `.whl` in the run's
+# `carry`. This script installs whatever .whl/ holds into /tmp/site first.
 #
 # Time: TEST_S seconds for the tests (default 120; 122 tests took 74 s on an H100), JOB_S for
 # the default job (default 90, at most JOB_STEPS=100 steps; JOB_S=0 skips it), BENCH_S for the
