@@ -16,7 +16,14 @@ from typing import Any
 from videotrain.bench import report
 from videotrain.bench.child import step_stats
 from videotrain.bench.spawn import child_reply, device_name, machine_info, run_child
-from videotrain.bench.suites import CHILD_KEYS, SUITE_ALIASES, SUITES, resolve, setting_for
+from videotrain.bench.suites import (
+    CHILD_KEYS,
+    SUITE_ALIASES,
+    SUITES,
+    own_shape,
+    resolve,
+    setting_for,
+)
 
 DEFAULT_HEAD = "transformer"
 MIN_ROW_S = 20.0  # a row needs this much of a suite's time budget left to start
@@ -89,11 +96,6 @@ def timed_steps(device: str, steps: int | None, warmup: int | None) -> tuple[int
     cuda = device.startswith("cuda")
     return (steps or (CUDA_STEPS if cuda else CPU_STEPS),
             (CUDA_WARMUP if cuda else CPU_WARMUP) if warmup is None else warmup)
-
-
-def row_shape(spec: dict[str, Any]) -> dict[str, Any]:
-    """A row's own input shape (``batch_size``, ``frames``), overriding the suite's."""
-    return {k: spec[k] for k in ("batch_size", "frames") if spec.get(k) is not None}
 
 
 def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
@@ -236,7 +238,7 @@ def run_bench(
                 res = {"error": spec.get("error") or f"not run: the suite's {time_budget:.0f} s "
                                                     "time budget was spent"}
             else:
-                res = run_child({**common, **row_shape(spec), "overrides": spec["overrides"],
+                res = run_child({**common, **own_shape(spec), "overrides": spec["overrides"],
                                  **{k: spec.get(k) for k in CHILD_KEYS}}, min(timeout, left))
             per_row[i].append(res)
             tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
@@ -247,8 +249,9 @@ def run_bench(
                 log(f"{tag} {spec['name']}: peak {res['peak_mem_mb']:.1f} MB, step "
                     f"{res['step_time_s']:.3f} s, saved {res['saved_act_mb']:.1f} MB "
                     f"({res['wall_s']:.0f} s)", file=sys.stderr)
-    results = [combine(spec, runs, device, spec.get("batch_size") or batch_size)
-               for spec, runs in zip(specs, per_row, strict=True)]
+    results = [combine({"batch_size": batch_size, "frames": frames, **spec}, runs, device,
+                       spec.get("batch_size") or batch_size)
+               for spec, runs in zip(specs, per_row, strict=True)]  # each row names its shape
     for row, mb in zip(results, estimates(), strict=True):
         row["step_estimated_mb"] = mb
     report.add_ratios(results)

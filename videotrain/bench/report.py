@@ -67,6 +67,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         columns.insert(at, ("kernels/step" if cuda else "aten ops/step", "launches_per_step", "{:.0f}"))
         if cuda:
             columns.insert(at + 1, ("GPU busy", "gpu_busy", "{:.0%}"))
+    if len({(r.get("batch_size"), r.get("frames")) for r in rows}) > 1:  # rows of their own shape
+        columns.insert(1, ("B×T", "shape", "{}"))
+        rows = [{**r, "shape": f"{r.get('batch_size')}×{r.get('frames')}"} for r in rows]
     if any(r.get("max_allocated_mb") is not None for r in rows):  # CUDA, absolute
         columns.insert(columns.index(("mem ×e2e", "mem_ratio", "{:.2f}")) + 1,
                        ("max alloc MB", "max_allocated_mb", "{:.0f}"))

@@ -141,23 +141,29 @@ RECOMPUTE_ROWS = [
 # T=16 at 224 px, bf16 (GPU_SETTING). ``auto_budget_of_e2e``: the runner gives memory=auto a
 # budget of that fraction of the e2e row's measured peak in the same run (so e2e runs first).
 # e2e without channels_last (``trainer.channels_last: auto`` puts a conv backbone in NHWC on
-# CUDA): the comparison in one run. ViT-B/16 at 64 frames (B=2, the same 128 images a step as
-# ResNet-50's 8 x 16): a long clip on a transformer, e2e against frame-level SBP and the
-# recomputation plan.
+# CUDA): the comparison in one run. ViT-B/16 + transformer head at B=8 x 64 frames (the shape
+# issue 45's targets are set at: SBP 0.5 <= 0.72x e2e's step within 20 GiB): a long clip on a
+# transformer, e2e against frame-level SBP and the recomputation plan. The rows issues 45 and 46
+# judge come first, so that a run cut short by its time budget still has them; the comparison
+# rows (frame dropout, SBP + recomputation, memory=auto, torch.compile) follow.
 NCHW_E2E = {**row(R50, "e2e", trainer_channels_last=False), "policy": "nchw"}
-VIT_B16_ROWS = [{**r, "batch_size": 2, "frames": 64} for r in (
-    row(VIT_B16, "e2e"), row(VIT_B16, "sbp", 0.5, "frame"),
+FROZEN_SBP = {**row(R50, "sbp", 0.5, "frame", bn_policy="frozen"), "policy": "frozen"}
+VIT_B16_SHAPE = {"batch_size": 8, "frames": 64}
+VIT_B16_ROWS = [{**r, **VIT_B16_SHAPE} for r in (
+    row(VIT_B16, "e2e"), row(VIT_B16, "sbp", 0.5, "frame"), row(VIT_B16, "sbp", 0.25, "frame"),
     row(VIT_B16, "recompute", policy="optimal", budget_frac=0.5))]
 GPU_ROWS = [
     row(R50, "e2e"),
     NCHW_E2E,
     row(R50, "sbp", 0.5, "frame"),
     row(R50, "sbp", 0.25, "frame"),
-    row(R50, "frame_dropout", 0.5),
+    FROZEN_SBP,
     row(R50, "recompute", policy="sqrt"),
     row(R50, "recompute", policy="optimal", budget_frac=0.5),
+    *VIT_B16_ROWS[:3],
+    row(R50, "frame_dropout", 0.5),
     {**row(R50, "sbp", 0.5, "frame", recompute="optimal"), "policy": "checkpoint:optimal"},
-    *VIT_B16_ROWS,
+    VIT_B16_ROWS[3],
     {**row(R50, "auto"), "budget_frac": 0.5, "auto_budget_of_e2e": 0.5},
     {**row(R50, "e2e"), "policy": "torch.compile", "compile": True},
     {**row(R50, "sbp", 0.5, "frame"), "policy": "torch.compile", "compile": True},
@@ -218,7 +224,8 @@ def backbone_of(overrides: list[str]) -> str | None:
 
 
 def row_name(spec: dict[str, Any]) -> str:
-    """``resnet18/sbp-frame-0.5``, ``vit_tiny/e2e``, ``resnet18/checkpoint-optimal-b0.5``."""
+    """``resnet18/sbp-frame-0.5``, ``vit_tiny/e2e``, ``resnet18/checkpoint-optimal-b0.5``. A row
+    with its own input shape keeps its name (the shape is a column of the table)."""
     parts = [NAME_OF.get(spec["strategy"], spec["strategy"])]
     if spec.get("granularity"):
         parts.append(spec["granularity"])
@@ -230,9 +237,16 @@ def row_name(spec: dict[str, Any]) -> str:
         parts.append("bmin")
     elif spec.get("budget_frac") is not None:
         parts.append(f"b{spec['budget_frac']:g}")
-    if spec.get("frames"):  # a row with its own clip length
-        parts.append(f"T{spec['frames']}")
     return f"{spec['backbone']}/{'-'.join(parts)}"
+
+
+# A row's own input shape (spec key -> the config key it sets), where it differs from the suite's
+SHAPE_KEYS = {"batch_size": "data.batch_size", "frames": "data.num_frames"}
+
+
+def own_shape(spec: dict[str, Any]) -> dict[str, Any]:
+    """A row's own input shape (``batch_size``, ``frames``), overriding the suite's."""
+    return {k: spec[k] for k in SHAPE_KEYS if spec.get(k) is not None}
 
 
 def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
@@ -241,11 +255,14 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
     user's), later winning per key. Reported fields follow the final overrides (so
     ``model/backbone=resnet10`` moves every row to resnet10); rows that became identical are
     merged, ``only`` (globs on the name or the part after the backbone) filters, and an e2e
-    reference row is added for every backbone that lacks one."""
+    reference row is added for every backbone that lacks one, at that backbone's input shape.
+    A row's own shape (:func:`own_shape`) sets ``data.*`` after its overrides, so that the
+    config (and ``plan --fit``'s estimate) describes the batch the row runs on."""
     out: list[dict[str, Any]] = []
     seen: set[tuple[str, ...]] = set()
     for spec in rows:
-        ovs = merge_overrides(base, spec["overrides"], extra)
+        shape = [f"{SHAPE_KEYS[k]}={v}" for k, v in own_shape(spec).items()]
+        ovs = merge_overrides(base, spec["overrides"], shape, extra)
         if _value(ovs, "model/backbone") != "timm":  # a timm row moved to another backbone
             ovs = [o for o in ovs if override_key(o) != "model.backbone.name" or o in extra]
         if (_value(ovs, "model/backbone") or "resnet10") == "resnet10" and \
@@ -275,7 +292,7 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
         if not any(s["backbone"] == backbone and s["strategy"] == "e2e" and not s.get("policy")
                    for s in out):
             keep = [e for e in extra if not override_key(e).startswith("memory")]
-            ref = resolve([row(backbone, "e2e")], base, keep)[0]
             first = next(i for i, s in enumerate(out) if s["backbone"] == backbone)
+            ref = resolve([{**row(backbone, "e2e"), **own_shape(out[first])}], base, keep)[0]
             out.insert(first, ref)
     return out
