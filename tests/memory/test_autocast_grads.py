@@ -67,16 +67,29 @@ def test_autocast_gives_every_parameter_its_gradient(kit, backbone: str, strateg
     assert not missing, f"{len(missing)} of {len(fp32)} parameters got no gradient: {missing[:6]}"
 
 
-def test_sbp_forward_runs_without_the_autocast_cache(kit, device: torch.device) -> None:
-    """The mechanism, on any torch: SBP's kept and dropped forwards both see the cache off, and
-    the surrounding autocast region keeps its own setting."""
+def test_sbp_runs_with_the_autocast_cache_and_folds_linears(kit, device: torch.device) -> None:
+    """SBP's kept and dropped forwards run in the caller's autocast, cache on as in e2e (since
+    PyTorch's fix, a cast cached under ``no_grad`` keeps its history: the test above). With the
+    cache off, a weight cast under ``no_grad`` did not require grad, so ``matmul`` ran
+    ``nn.MultiheadAttention``'s transposed in-projection input as ``bmm`` over a stride-0
+    expanded weight (copied out on a CPU) instead of one ``mm``: a ViT's SBP step dispatches no
+    ``bmm`` that e2e's does not."""
+    from videotrain.metrics.dispatch import aten_ops
+
     seen: list[tuple[bool, bool]] = []
     _, model = kit.model_pair("vit", StochasticBackprop(keep_ratio=0.5), head="mean")
     first_layer = next(m for m in model.to(device).backbone.modules() if isinstance(m, torch.nn.Conv2d))
     first_layer.register_forward_hook(  # a layer: lockstep SBP runs the backbone's code, not its module
         lambda *_: seen.append((torch.is_grad_enabled(), torch.is_autocast_cache_enabled())))
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        model(kit.video()[:1, :4].to(device))
-        assert torch.is_autocast_cache_enabled()
+    counts = {}
+    for name, strategy in (("sbp", None), ("e2e", EndToEnd())):
+        if strategy is not None:
+            _, model = kit.model_pair("vit", strategy, head="mean")
+            model.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16), aten_ops() as ops:
+            model(kit.video()[:1, :4].to(device))
+        counts[name] = ops
     assert {grad for grad, _ in seen} == {True, False}  # kept and dropped frames both ran
-    assert not any(cache for _, cache in seen), seen
+    assert all(cache for _, cache in seen), seen
+    assert counts["sbp"].get("aten.bmm", 0) == counts["e2e"].get("aten.bmm", 0) == 0
+    assert counts["sbp"].get("aten.mm", 0) + counts["sbp"].get("aten.addmm", 0) > 0

@@ -12,7 +12,6 @@ trainer's loop never branches on the strategy.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -112,22 +111,6 @@ def encode_all_frames(backbone: nn.Module, video: torch.Tensor,
         for start in range(chunk, n, chunk):
             feats[start:start + chunk] = backbone(frames[start:start + chunk])
     return FrameFeatures(feats.view(b, t, -1), all_positions(video))
-
-
-def autocast_without_cache(device_type: str) -> contextlib.AbstractContextManager:
-    """Inside an autocast region, the same autocast with its weight-cast cache off; outside one,
-    nothing.
-
-    A strategy that runs part of the backbone under ``no_grad`` and part with autograd inside
-    one autocast region (SBP's dropped and kept frames) needs it. In torch releases before
-    PyTorch's fix (pytorch issue #112583, PR #165068; torch 2.4 and 2.5 among them) a weight
-    cast made under ``no_grad`` is cached without autograd history and reused by the autograd
-    forward, so that weight silently gets no gradient. Without the cache every use casts
-    afresh: a few parameter-sized casts per step, no activation memory."""
-    if not torch.is_autocast_enabled(device_type):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
-                          cache_enabled=False)
 
 
 class StatelessStrategy:

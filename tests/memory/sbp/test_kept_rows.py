@@ -52,18 +52,24 @@ def test_conv_parts_under_bf16_autocast_matches_autocast(device: torch.device) -
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 5, 3, padding=1).to(device)
     full = torch.randn(N, 3, 8, 8, device=device)
+    # the all-rows call casts its weight uncached (backward casts it again): no copy held to the
+    # end of the forward
+    cache_seen: list[bool] = []
+    conv.register_forward_hook(lambda *_: cache_seen.append(torch.is_autocast_cache_enabled()))
     grads = []
     for ours in (True, False):
         conv.zero_grad()
         x = _kept_input(full)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             kept = conv_parts(conv, x, full)[0] if ours else conv(x)
+            assert torch.is_autocast_cache_enabled()
         assert kept.dtype == torch.bfloat16
         kept.float().square().sum().backward()
         grads.append([x.grad, conv.weight.grad, conv.bias.grad])
     for a, b in zip(*grads, strict=True):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    assert cache_seen == [False, True]
 
 
 def test_plain_conv_is_the_stock_zero_padded_conv() -> None:

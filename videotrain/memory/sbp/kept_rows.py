@@ -12,6 +12,7 @@ the dropped rows held constant (their gradient paths cut).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -171,12 +172,23 @@ def add_relu_parts(a: torch.Tensor, b: torch.Tensor, full_a: torch.Tensor, full_
     return KeptRowsAddReLU.apply(a, b, s, None), s
 
 
+def _uncached_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """The enclosing autocast with its weight-cast cache off; nothing outside autocast."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                          cache_enabled=False)
+
+
 def conv_parts(conv: nn.Conv2d, kept: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kept, full)`` of ``conv`` over ``full (N, C, H, W)`` in ``[kept | dropped]`` order,
     run once (its module hooks fire once, on all rows), without a graph; the kept rows get
     :class:`KeptRowsConv`'s graph from ``kept (n, C, H, W)`` and storage of their own, which
-    the BN after the convolution saves."""
-    with torch.no_grad():
+    the BN after the convolution saves.
+
+    Under autocast the weight is cast for this call alone (the cache off here): the kept rows'
+    backward casts it again, so a cached copy would only be held to the end of the forward."""
+    with torch.no_grad(), _uncached_autocast(full.device.type):
         out = conv(full)  # (N, C', H', W')
     y = out[: kept.shape[0]].clone(memory_format=torch.preserve_format)  # (n, C', H', W')
     return KeptRowsConv.apply(kept, conv.weight, conv.bias, y, conv), out

@@ -81,10 +81,14 @@ backbone pass is recomputed in backward with ``memory=recompute``'s policy (for 
 ``recompute_budget_frac`` of that path's estimated e2e peak; null: the smallest feasible). Gradients, logits and BN statistics equal plain SBP's: the recompute in backward
 re-enters the BN policy's forward state (``recompute.replay_on_recompute``).
 
-Everything is a no-op in eval mode and under ``no_grad``; bf16 and fp16 autocast work: the
-training forward runs with autocast's weight-cast cache off (``autocast_without_cache``), since a
-cast cached under ``no_grad`` would cut the kept frames' weights out of the graph on torch
-releases without PyTorch's fix, and recompute replays the autocast state.
+Everything is a no-op in eval mode and under ``no_grad``; bf16 and fp16 autocast work, with
+autocast's weight-cast cache on as in e2e: since PyTorch's fix (pytorch #112583, PR #165068; every
+torch this project supports) a cast cached under ``no_grad`` keeps its autograd history, so the
+dropped frames' casts serve the kept frames too. With the cache off, each use cast afresh, and a
+cast made under ``no_grad`` does not require grad, so ``matmul`` did not fold a transposed 3-D
+input (``nn.MultiheadAttention``'s in-projection) into one ``mm``: it ran ``bmm`` over a
+stride-0 expanded weight, which the CPU copies out (a ViT-B/16 step 6x e2e's in bf16).
+Recompute replays the autocast state.
 
 Gradient scale (``grad_scale``)
 -------------------------------
@@ -114,7 +118,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from videotrain.memory.base import (
     FrameFeatures,
     all_positions,
-    autocast_without_cache,
     encode_all_frames,
     mixes_frames,
     set_clip_length,
@@ -260,7 +263,7 @@ class StochasticBackprop(SamplerStateMixin):
         if self.bn_policy == "frozen":
             freeze = frozen_batchnorm(backbone)
             replay = replay_on_recompute(lambda: lambda: frozen_batchnorm(backbone))
-        with freeze, replay, autocast_without_cache(video.device.type):
+        with freeze, replay:
             b, t = video.shape[:2]
             keep = n_keep(self.keep_ratio, t)
             if keep == t:  # r=1: exactly e2e (recomputed, when composed)
