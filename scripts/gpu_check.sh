@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One prepared device call for a session with a GPU lease (issue 46): machine facts, the
-# gpu-marked tests, then the GPU bench suite (ResNet-50 + transformer, B=8 x T=16 at 224 px,
-# bf16; 5 warm-up and 20 timed steps per row, GPU busy and kernels per step from torch.profiler;
-# e2e with and without channels_last; ViT-B/16 at 64 frames), with the default job in between
-# (issue 46: its data wait against its step, and the trainer's bottleneck warning). Everything
-# lands in $OUT, at most 8 files and one folder down, which is what the device tool brings back:
+# The prepared device calls of a session with a GPU lease (issues 45 and 46): machine facts, the
+# gpu-marked tests, the GPU bench suite (ResNet-50 + transformer, B=8 x T=16 at 224 px, bf16;
+# 5 warm-up and 20 timed steps per row, GPU busy and kernels per step from torch.profiler; e2e
+# with and without channels_last; ViT-B/16 at B=8 x 64 frames) and the default job (its data wait
+# and the trainer's bottleneck warning), in two parts (below). Everything lands in $OUT, at
+# most 8 files and one folder down, which is what the device tool brings back:
 #   $OUT/machine.txt  $OUT/gpu_tests.log  $OUT/default_job.log  $OUT/default_job_results.json
 #   $OUT/bench.log  $OUT/bench/bench.{json,md,png}
 #
@@ -13,6 +13,7 @@
 # as the device tool's `run` command (put the sha in the command string; timeout_s 600; the
 # script ends by itself in about 575 s), then at once the same with PART=2 (below). Then copy
 # $OUT/bench/* to docs/results/gpu/<gpu>/ (part 2's into a folder of its own there).
+# Before the lease, here: `bash scripts/gpu_wheels.sh` (the packages the device lacks).
 #
 # Packages: the device image has torch 2.11, torchvision, timm, pytest(-timeout, -xdist),
 # matplotlib, but not hydra-core, omegaconf, antlr4-python3-runtime, av, pytorchvideo and its
@@ -22,14 +23,17 @@
 #
 # Two calls, one lease (15 minutes of device time: a machine's start, then at most 600 s a call;
 # the second call must follow within the machine's 30 s warm time, or it starts a fresh one):
-#   PART=1 (default): machine facts, the gpu-marked tests, the default job, then the rows issues
-#          45 and 46 judge (ACCEPT below), all in one bench run: their ratios share one e2e.
-#   PART=2: the comparison rows (frame dropout, SBP + recomputation, ViT recomputation,
-#          memory=auto, torch.compile) with their own e2e reference; no tests, no job.
-# Time: TEST_S seconds for the tests (default 120; 122 tests took 74 s on an H100), JOB_S for
-# the default job (default 90, at most JOB_STEPS=100 steps; JOB_S=0 skips it), BENCH_S for the
-# bench (default 360 in part 1, 500 in part 2: the rows that would start after it are reported
-# as not run); ONLY: comma-separated row globs (default: the part's rows); ROUNDS (default 1).
+#   PART=1 (default): machine facts, the gpu-marked tests, then the rows issues 45 and 46 judge
+#          (ACCEPT below) in one bench run, so that their ratios share one e2e (about 575 s).
+#   PART=2: the default job (issue 46: its data wait against its step, the bottleneck warning),
+#          then the comparison rows (frame dropout, SBP + recomputation, the ViT's recomputation,
+#          memory=auto, torch.compile) with their own e2e; give it BENCH_S = the device time
+#          left (status's budget_left_s) - JOB_S - 60, and timeout_s to match.
+# Time: TEST_S seconds for the tests (default 120 in part 1; 122 tests took 74 s on an H100),
+# JOB_S for the default job (default 90 in part 2, at most JOB_STEPS=100 steps; 0 skips it),
+# BENCH_S for the bench (default 450 in part 1, 300 in part 2: the rows that would start after
+# it are reported as not run); ONLY: comma-separated row globs (default: the part's rows);
+# ROUNDS (default 1).
 set -uo pipefail
 PART=${PART:-1}
 ACCEPT="resnet50/e2e,resnet50/e2e-nchw,resnet50/sbp-frame-0.5,resnet50/sbp-frame-0.25"
@@ -38,9 +42,9 @@ ACCEPT+=",vit_b_16/e2e,vit_b_16/sbp-frame-0.5,vit_b_16/sbp-frame-0.25"
 REST="resnet50/frame_dropout-0.5,resnet50/sbp-frame-checkpoint:optimal-0.5"
 REST+=",vit_b_16/checkpoint-optimal-b0.5,resnet50/auto-b0.5,*torch.compile*"
 if [ "$PART" = 1 ]; then
-    TEST_S=${TEST_S:-120}; JOB_S=${JOB_S:-90}; BENCH_S=${BENCH_S:-360}; ONLY=${ONLY:-$ACCEPT}
+    TEST_S=${TEST_S:-120}; JOB_S=${JOB_S:-0}; BENCH_S=${BENCH_S:-450}; ONLY=${ONLY:-$ACCEPT}
 else
-    TEST_S=${TEST_S:-0}; JOB_S=${JOB_S:-0}; BENCH_S=${BENCH_S:-500}; ONLY=${ONLY:-$REST}
+    TEST_S=${TEST_S:-0}; JOB_S=${JOB_S:-90}; BENCH_S=${BENCH_S:-300}; ONLY=${ONLY:-$REST}
 fi
 OUT=${OUT:-/tmp/gpu_check}
 JOB_STEPS=${JOB_STEPS:-100}
