@@ -471,6 +471,43 @@ def test_time_budget_caps_and_skips_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     assert 0 < cli.setting_for("gpu").time_budget < 600  # children end by then; the report after
 
 
+def test_a_run_writes_after_every_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """bench.json and bench.md after every row (``complete`` false), so a run cut short (a
+    device call's time limit) keeps the rows that ran; the last write is complete, with the plot."""
+    import videotrain.bench.cli as cli
+
+    seen: list[dict] = []
+
+    def fake_child(spec: dict, timeout: float) -> dict:
+        if (tmp_path / "bench.json").exists():
+            seen.append(json.loads((tmp_path / "bench.json").read_text()))
+        return {"error": "fake"}
+
+    monkeypatch.setattr(cli, "run_child", fake_child)
+    monkeypatch.setattr(cli, "estimated_steps", lambda specs, *a: [1.0] * len(specs))
+    rows, meta, _ = run_bench(only=["sbp-frame-0.5"], out=tmp_path, **TINY, log=lambda *a, **k: None)
+    assert [len(s["rows"]) for s in seen] == list(range(1, len(rows)))
+    assert not any(s["meta"]["complete"] for s in seen) and not seen[0]["rows"][0].get("step_estimated_mb")
+    final = json.loads((tmp_path / "bench.json").read_text())
+    assert final["meta"]["complete"] and len(final["rows"]) == len(rows)
+    assert all(r["step_estimated_mb"] == 1.0 for r in final["rows"]) and (tmp_path / "bench.png").exists()
+
+
+def test_cuda_report_waits_for_estimates_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the estimates run beside the rows; the report takes them if they are done within
+    ``ESTIMATE_WAIT_S`` of the rows' end, else reports none rather than spend the call's time."""
+    import videotrain.bench.cli as cli
+
+    specs = [{"name": "a"}, {"name": "b"}]
+    monkeypatch.setattr(cli, "ESTIMATE_WAIT_S", 0.2)
+    monkeypatch.setattr(cli, "estimated_steps", lambda s, *a: [2.0] * len(s))
+    assert cli.start_estimates(specs, "cuda", False)() == [2.0, 2.0]
+    monkeypatch.setattr(cli, "estimated_steps", lambda s, *a: time.sleep(30) or [2.0] * len(s))
+    t0 = time.perf_counter()
+    assert cli.start_estimates(specs, "cuda", False)() == [None, None]
+    assert time.perf_counter() - t0 < 5
+
+
 # ---------------------------------------------------------------------- host- or device-bound
 def test_device_activity_busy_fraction_and_kernels() -> None:
     """Two profiled steps over 1000 us: kernels on two streams overlap (counted once), a copy

@@ -7,9 +7,9 @@ import argparse
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -158,18 +158,27 @@ def estimated_steps(specs: list[dict[str, Any]], device: str, free_grads: bool =
     return out
 
 
+ESTIMATE_WAIT_S = 60.0  # how long a CUDA run waits, after its rows, for the CPU's estimates
+
+
 def start_estimates(specs: list[dict[str, Any]], device: str,
-                      free_grads: bool) -> Callable[[], list[float | None]]:
+                    free_grads: bool) -> Callable[[], list[float | None]]:
     """:func:`estimated_steps`, and a function that returns them. With CUDA they run on the CPU
-    while the rows run on the GPU (half the cores); on the CPU they wait until the rows are
-    done, so that they never share the cores with a timed step."""
+    while the rows run on the GPU (half the cores), and the rows' results do not wait for them
+    more than ``ESTIMATE_WAIT_S`` (a daemon thread: a device call's time limit is not spent on
+    them); on the CPU they wait until the rows are done, so that they never share the cores
+    with a timed step."""
     if not device.startswith("cuda"):
         return lambda: estimated_steps(specs, device, free_grads)
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(estimated_steps, specs, device, free_grads,
-                         max(min((os.cpu_count() or 2) // 2, 8), 1))
-    pool.shutdown(wait=False)
-    return future.result
+    done: list[list[float | None]] = []
+    worker = threading.Thread(target=lambda: done.append(estimated_steps(
+        specs, device, free_grads, max(min((os.cpu_count() or 2) // 2, 8), 1))), daemon=True)
+    worker.start()
+
+    def result() -> list[float | None]:
+        worker.join(ESTIMATE_WAIT_S)
+        return done[0] if done else [None] * len(specs)
+    return result
 
 
 def suite_specs(suite: str, device: str, batch_size: int | None = None, frames: int | None = None,
@@ -226,6 +235,26 @@ def run_bench(
               "size": size, "num_classes": num_classes, "device": device, "seed": 0,
               "threads": threads, "free_grads": free_grads, "eval_peak": True}
     per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
+    out = default_out(suite, device) if out is None else out
+    machine = machine_info(device)
+
+    def report_rows(estimated: list[float | None] | None) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+        """The rows run so far (all of them once ``estimated`` is given), written to ``out``."""
+        results = [combine({"batch_size": batch_size, "frames": frames, **spec}, runs, device,
+                           spec.get("batch_size") or batch_size)
+                   for spec, runs in zip(specs, per_row, strict=True) if runs]  # each names its shape
+        for row, mb in zip(results, estimated or [], strict=False):
+            row["step_estimated_mb"] = mb
+        report.add_ratios(results)
+        meta = {"device": device, "torch": machine["torch"], "setting": setting,
+                "machine": machine, "memory_metric": (
+                    "CUDA max_memory_allocated - allocated before the step" if device.startswith("cuda")
+                    else "CPU VmHWM - VmRSS before the step (MALLOC_MMAP_THRESHOLD_=65536)"),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "complete": estimated is not None}
+        table = (report.write(Path(out), results, meta, plot=estimated is not None) if out
+                 else report.markdown(results))
+        return results, meta, table
+
     estimates = start_estimates(specs, device, free_grads)
     for rnd in range(rounds):  # round-robin, so slow drifts of machine load hit every row
         for i, spec in enumerate(specs):
@@ -249,21 +278,9 @@ def run_bench(
                 log(f"{tag} {spec['name']}: peak {res['peak_mem_mb']:.1f} MB, step "
                     f"{res['step_time_s']:.3f} s, saved {res['saved_act_mb']:.1f} MB "
                     f"({res['wall_s']:.0f} s)", file=sys.stderr)
-    results = [combine({"batch_size": batch_size, "frames": frames, **spec}, runs, device,
-                       spec.get("batch_size") or batch_size)
-               for spec, runs in zip(specs, per_row, strict=True)]  # each row names its shape
-    for row, mb in zip(results, estimates(), strict=True):
-        row["step_estimated_mb"] = mb
-    report.add_ratios(results)
-    machine = machine_info(device)
-    meta = {"device": device, "torch": machine["torch"], "setting": setting,
-            "machine": machine, "memory_metric": (
-                "CUDA max_memory_allocated - allocated before the step" if device.startswith("cuda")
-                else "CPU VmHWM - VmRSS before the step (MALLOC_MMAP_THRESHOLD_=65536)"),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out = default_out(suite, device) if out is None else out
-    table = report.write(Path(out), results, meta) if out else report.markdown(results)
-    return results, meta, table
+            if out:  # what has run survives a run cut short (a device call's time limit)
+                report_rows(None)
+    return report_rows(estimates())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -97,7 +97,7 @@ def _series(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return groups
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+def draw(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     """Three panels: memory ratio and time ratio against keep ratio (one line per
     backbone/strategy/granularity/policy), and time ratio against memory ratio."""
     import matplotlib
@@ -148,8 +148,9 @@ def public_row(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """``bench.json``, ``bench.md`` and ``bench.png`` in ``out_dir``; returns the table."""
+def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any], plot: bool = True) -> str:
+    """``bench.json``, ``bench.md`` and (``plot``) ``bench.png`` in ``out_dir``; returns the
+    table. A run writes after every row (``meta["complete"]`` false) and once more at its end."""
     out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
     (out_dir / "bench.json").write_text(
@@ -165,5 +166,6 @@ def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> st
         " ".join([*s.get("suite_overrides", []), *s["extra_overrides"]])) if x)
     header = f"# videotrain bench\n\n{title}\n\n"
     (out_dir / "bench.md").write_text(header + table)
-    plot(rows, out_dir / "bench.png", title)
+    if plot:
+        draw(rows, out_dir / "bench.png", title)
     return table
