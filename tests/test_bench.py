@@ -220,9 +220,20 @@ def test_gpu_suite_without_cuda_exits_at_once(tmp_path: Path) -> None:
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
-    assert "--suite gpu needs a CUDA GPU" in proc.stderr and "no GPU figure" in proc.stderr
+    assert proc.stderr.startswith("error: ") and "--suite gpu needs a CUDA GPU" in proc.stderr
+    assert "no GPU figure" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # no outputs/bench/gpu/ folder
     assert elapsed < 15
+
+
+def test_only_naming_no_row_is_one_error_line(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import videotrain.bench.cli as cli
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("spawned a row"))
+    assert cli.main(["--only", "no-such-row"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "error: no rows left after --only ['no-such-row']\n" and captured.out == ""
 
 
 def test_gpu_suite_refuses_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:

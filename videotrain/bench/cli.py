@@ -33,6 +33,10 @@ class CudaRequired(RuntimeError):
     """A CUDA-only suite was asked to run where there is no CUDA device (or on another one)."""
 
 
+class NoRows(ValueError):
+    """``--only`` left no row of the suite to run."""
+
+
 def setting_overrides(batch_size: int, frames: int, size: int, device: str,
                       extra: tuple[str, ...] = ()) -> list[str]:
     """The bench setting as Hydra overrides (applied under every row's own overrides);
@@ -192,7 +196,7 @@ def suite_specs(suite: str, device: str, batch_size: int | None = None, frames: 
                                 size or base.size, device, base.overrides)
     specs = resolve(rows if rows is not None else SUITES[suite], setting, list(extra or []), only)
     if not specs:
-        raise ValueError(f"no rows left after --only {only}")
+        raise NoRows(f"no rows left after --only {only}")
     return specs
 
 
@@ -344,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout, threads=args.threads, rounds=args.rounds,
             free_grads=args.free_grads, time_budget=args.time_budget, only=only,
         )
-    except CudaRequired as err:
-        print(err, file=sys.stderr)
+    except (CudaRequired, NoRows) as err:  # before any row starts
+        print(f"error: {err}", file=sys.stderr)
         return 2
     print(table, end="")
     failed = [r["name"] for r in rows if r.get("error")]
