@@ -573,6 +573,31 @@ def test_commit_from_the_environment_without_a_repository(monkeypatch: pytest.Mo
     assert "git" not in spawn.machine_info("cpu")
 
 
+def test_partial_reports_read_no_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The reports written while rows run do not read the GPU (that starts CUDA in the bench's
+    own process, which would hold a context beside every row); the last one does."""
+    import videotrain.bench.cli as cli
+    import videotrain.bench.spawn as spawn
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(spawn, "gpu_info", lambda device: {"gpu": "read"})
+    assert "gpu" not in spawn.machine_info("cuda", gpu=False)
+    assert spawn.machine_info("cuda")["gpu"] == "read"
+    seen: list[dict] = []
+
+    def fake_child(spec: dict, timeout: float) -> dict:
+        if (tmp_path / "bench.json").exists():
+            seen.append(json.loads((tmp_path / "bench.json").read_text())["meta"]["machine"])
+        return {"error": "fake"}
+
+    monkeypatch.setattr(cli, "run_child", fake_child)
+    monkeypatch.setattr(cli, "estimated_steps", lambda specs, *a: [None] * len(specs))
+    run_bench(only=["sbp-frame-0.5"], out=tmp_path, **{**TINY, "device": "cuda"},
+              log=lambda *a, **k: None)
+    assert seen and not any("gpu" in m for m in seen)
+    assert json.loads((tmp_path / "bench.json").read_text())["meta"]["machine"]["gpu"] == "read"
+
+
 @pytest.mark.gpu
 def test_launch_figures_on_cuda(cuda: torch.device) -> None:
     """torch.profiler over CUDA steps: kernels per step, kernel time and a busy fraction in

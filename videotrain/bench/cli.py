@@ -240,10 +240,12 @@ def run_bench(
               "threads": threads, "free_grads": free_grads, "eval_peak": True}
     per_row: list[list[dict[str, Any]]] = [[] for _ in specs]
     out = default_out(suite, device) if out is None else out
-    machine = machine_info(device)
 
     def report_rows(estimated: list[float | None] | None) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
-        """The rows run so far (all of them once ``estimated`` is given), written to ``out``."""
+        """The rows run so far (all of them once ``estimated`` is given), written to ``out``.
+        The GPU is read for the last report only, after the rows, so that this process holds
+        no CUDA context while they run."""
+        machine = machine_info(device, gpu=estimated is not None)
         results = [combine({"batch_size": batch_size, "frames": frames, **spec}, runs, device,
                            spec.get("batch_size") or batch_size)
                    for spec, runs in zip(specs, per_row, strict=True) if runs]  # each names its shape

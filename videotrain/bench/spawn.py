@@ -86,10 +86,10 @@ def run_child(spec: dict[str, Any], timeout: float, module: str = "videotrain.be
     return result
 
 
-def machine_info(device: str) -> dict[str, Any]:
+def machine_info(device: str, gpu: bool = True) -> dict[str, Any]:
     """Host, CPU, Python and torch versions, torch's threads, the load average, the GPU
-    (``gpu_info``, for a CUDA device) and the commit (``git describe``; without a repository,
-    ``$VIDEOTRAIN_COMMIT``)."""
+    (``gpu_info``, for a CUDA device, unless ``gpu`` is false: reading it starts CUDA in this
+    process) and the commit (``git describe``; without a repository, ``$VIDEOTRAIN_COMMIT``)."""
     import torch
 
     info: dict[str, Any] = {
@@ -102,7 +102,7 @@ def machine_info(device: str) -> dict[str, Any]:
         info["load_avg"] = os.getloadavg()
     except OSError:
         pass
-    if device.startswith("cuda") and torch.cuda.is_available():
+    if gpu and device.startswith("cuda") and torch.cuda.is_available():
         info.update(gpu_info(torch.device(device)))
     try:
         info["git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
