@@ -24,10 +24,9 @@ def _train_ds(root: Path, seed: int = 0) -> VideoClipDataset:
 def test_train_item_is_one_clip(tiny_root: Path) -> None:
     item = _train_ds(tiny_root)[SampleKey(3, 0)]
     assert item["video"].shape == (T, 3, CROP, CROP)
-    assert item["video"].dtype == torch.float32
+    assert item["video"].dtype == torch.uint8  # normalized on the device (clips_to_device)
     assert item["label"] == kinetics_index(tiny_root, "train").labels[3]
     assert item["index"] == 3 and item["skipped"] == []
-    assert torch.isfinite(item["video"]).all()
 
 
 @pytest.mark.parametrize("clips,crops", [(1, 1), (2, 3)])

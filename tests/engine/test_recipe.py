@@ -12,7 +12,7 @@ from torch import nn
 
 import videotrain.build as builder
 import videotrain.run as run
-from videotrain.data.transforms import train_transform
+from videotrain.data.transforms import MEAN_PIXEL, clips_to_device, train_transform
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.recipe import BatchMix, RecipeSettings, WeightEMA, soft_target_loss
 from videotrain.engine.trainer import Trainer
@@ -61,7 +61,10 @@ def test_randaugment_and_erasing_are_the_same_on_every_frame() -> None:
     for out in outs:
         assert out.shape == (6, 3, 32, 32)
         assert torch.equal(out, out[:1].expand_as(out))  # one draw per clip
-        assert (out == 0).all(0).all(0).any()  # an erased box (value 0) in every frame
+        assert out.dtype == torch.uint8
+        erased = (out == torch.tensor(MEAN_PIXEL, dtype=torch.uint8).view(1, 3, 1, 1)).all(0).all(0)
+        assert erased.any()  # an erased box (the mean pixel) in every frame
+        assert clips_to_device(out, torch.device("cpu"))[:, :, erased].abs().max() < 0.01  # ~0 once normalized
     assert not torch.equal(outs[0], outs[1])  # but a new draw per clip
 
 

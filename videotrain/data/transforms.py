@@ -1,12 +1,18 @@
-"""Clip transforms built from torchvision.transforms.v2 (which handles video tensors).
+"""Clip transforms built from torchvision.transforms.v2 (which handles video tensors), and the
+normalization that turns their output into the model's input on the device.
 
-Input to every transform: a uint8 clip ``(T, C, H, W)``. The same random parameters apply to
-every frame of a clip, because v2 treats a ``tv_tensors.Video`` as one sample.
+Input to every transform: a uint8 clip ``(T, C, H, W)``; the output is uint8 too. The same
+random parameters apply to every frame of a clip, because v2 treats a ``tv_tensors.Video`` as
+one sample. Scaling to [0, 1] and normalizing with mean/std happen on the training device
+(:func:`clips_to_device`), not in the loader's workers: a uint8 batch is a quarter of the float
+one through the workers' shared memory, the pinned copy and the host-to-device copy, and on a
+GPU the normalization is one elementwise kernel instead of two float passes per clip on a CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 from torchvision import tv_tensors
@@ -14,6 +20,7 @@ from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+MEAN_PIXEL = tuple(round(255 * m) for m in IMAGENET_MEAN)  # what random erasing paints: ~0 once normalized
 
 
 def train_transform(
@@ -21,18 +28,17 @@ def train_transform(
     crop_size: int,
     scale: Sequence[float] = (0.25, 1.0),
     hflip: bool = True,
-    mean: Sequence[float] = IMAGENET_MEAN,
-    std: Sequence[float] = IMAGENET_STD,
     randaugment: tuple[int, int] = (0, 9),
     random_erasing: float = 0.0,
 ) -> v2.Compose:
-    """Short-side scale, random resized crop, optional flip, RandAugment, normalize, random
-    erasing -> (T, C, crop, crop).
+    """Short-side scale, random resized crop, optional flip, RandAugment, random erasing ->
+    uint8 (T, C, crop, crop).
 
     ``hflip`` must be off when left/right is part of the label (the synthetic task).
     ``randaugment``: (ops per clip, magnitude of 31 bins); 0 ops = off. ``random_erasing``: the
     probability of erasing one box. Both draw one set of parameters per clip, applied to every
-    frame (the clip is one ``tv_tensors.Video``), so augmentation never flickers in time.
+    frame (the clip is one ``tv_tensors.Video``), so augmentation never flickers in time. An
+    erased box holds the mean pixel (:data:`MEAN_PIXEL`), which normalizes to about 0.
     """
     steps: list[v2.Transform] = [
         v2.Resize(short_side, antialias=True),
@@ -43,9 +49,8 @@ def train_transform(
     ops, magnitude = randaugment
     if ops > 0:
         steps.append(v2.RandAugment(num_ops=ops, magnitude=magnitude))  # on uint8 frames
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]
     if random_erasing > 0:
-        steps.append(v2.RandomErasing(p=random_erasing, value=0))  # 0: the mean, once normalized
+        steps.append(v2.RandomErasing(p=random_erasing, value=list(MEAN_PIXEL)))
     return v2.Compose([v2.Lambda(_as_video), *steps, v2.Lambda(_as_plain)])
 
 
@@ -79,21 +84,33 @@ class SpatialCrops(torch.nn.Module):
         return torch.stack([clip[..., y : y + s, x : x + s] for y, x in offsets])
 
 
-def eval_transform(
-    short_side: int,
-    crop_size: int,
-    num_crops: int = 1,
-    mean: Sequence[float] = IMAGENET_MEAN,
-    std: Sequence[float] = IMAGENET_STD,
-) -> v2.Compose:
-    """Short-side scale, ``num_crops`` spatial crops, normalize -> (crops, T, C, s, s)."""
+def eval_transform(short_side: int, crop_size: int, num_crops: int = 1) -> v2.Compose:
+    """Short-side scale, ``num_crops`` spatial crops -> uint8 (crops, T, C, s, s)."""
     if crop_size > short_side:
         raise ValueError(f"data.crop_size={crop_size} exceeds data.short_side={short_side}")
-    return v2.Compose(
-        [
-            v2.Resize(short_side, antialias=True),
-            SpatialCrops(crop_size, num_crops),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(list(mean), list(std)),
-        ]
-    )
+    return v2.Compose([v2.Resize(short_side, antialias=True), SpatialCrops(crop_size, num_crops)])
+
+
+@lru_cache(maxsize=8)
+def _affine(device: torch.device, mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(shift, scale)``, each (C, 1, 1) float32 on ``device``: ``(x / 255 - m) / s`` as
+    ``shift + x * scale``, made once per device."""
+    shift = torch.tensor([-m / s for m, s in zip(mean, std, strict=True)]).view(-1, 1, 1)
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(-1, 1, 1)
+    return shift.to(device), scale.to(device)
+
+
+def clips_to_device(video: torch.Tensor, device: torch.device, mean: Sequence[float] = IMAGENET_MEAN,
+                    std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
+    """A loader's uint8 clips ``(..., C, H, W)`` (any leading dims: (B, T), (B, V, T), (V, T))
+    as the model's input on ``device``: float32, scaled to [0, 1] and normalized with
+    ``mean``/``std``. The uint8 batch is copied (``non_blocking``: asynchronous from pinned
+    memory) and normalized there in one ``addcmul``, which reads the uint8 input directly.
+    A floating-point ``video`` is taken as normalized already and only moved."""
+    x = video.to(device, non_blocking=True)
+    if x.is_floating_point():
+        return x
+    if x.dtype != torch.uint8:
+        raise TypeError(f"clips must be uint8 frames or normalized floats, got {x.dtype}")
+    shift, scale = _affine(x.device, tuple(mean), tuple(std))
+    return torch.addcmul(shift, x, scale)  # (..., C, H, W) float32

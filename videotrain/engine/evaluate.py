@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from videotrain import NEUTRAL
 from videotrain.data.loaders import DataBundle, check_bad_fraction
+from videotrain.data.transforms import clips_to_device
 from videotrain.engine.precision import Precision
 from videotrain.metrics.accuracy import AGGREGATES, MultiViewAccuracy
 from videotrain.metrics.eval_report import write_eval_report
@@ -76,7 +77,7 @@ def evaluate(
             on_skipped(batch["skipped"])
         if batch["video"] is None:  # every video of the batch was unreadable: none is scored
             continue
-        video = batch["video"].to(device, non_blocking=True)  # (B, V, T, C, H, W)
+        video = clips_to_device(batch["video"], device)  # (B, V, T, C, H, W) float32
         labels = batch["label"].to(device, non_blocking=True)
         b, v = video.shape[:2]
         with precision.autocast():

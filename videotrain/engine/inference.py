@@ -26,7 +26,7 @@ from torch import nn
 
 from videotrain.data.annotations import VideoIndex
 from videotrain.data.dataset import VideoClipDataset
-from videotrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
+from videotrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, clips_to_device, eval_transform
 from videotrain.engine.precision import Precision
 from videotrain.metrics.accuracy import aggregate_views
 from videotrain.untrusted import shown
@@ -108,7 +108,7 @@ def predict_video(model: nn.Module, views: torch.Tensor, precision: Precision,
     softmax aggregated like the evaluation's (``eval.aggregate``)."""
     model.eval()
     with precision.autocast():
-        logits = model(views.to(device))  # (V, K)
+        logits = model(clips_to_device(views, device))  # (V, K)
     probs = logits.float().softmax(dim=-1)[None]  # (1, V, K)
     return aggregate_views(probs, aggregate)[0].cpu()
 

@@ -49,6 +49,7 @@ import torch
 from tqdm import tqdm
 
 from videotrain.data.loaders import DataBundle, check_bad_fraction
+from videotrain.data.transforms import clips_to_device
 from videotrain.engine.distributed import Comm
 from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
@@ -188,7 +189,7 @@ class Trainer:
                 t_step, waited_in_step = time.perf_counter(), 0.0
             else:
                 waited_in_step += waited
-            video = batch["video"].to(self.device, non_blocking=True)  # (B, T, C, H, W)
+            video = clips_to_device(batch["video"], self.device)  # (B, T, C, H, W) float32
             labels = batch["label"].to(self.device, non_blocking=True)
             with self._sync_context(last_micro=micro + 1 == s.grad_accum):
                 loss = self._loss(video, labels)
