@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import videotrain.build as builder
 from videotrain.data.loaders import READER_OPTIONS, build_data
+from videotrain.data.transforms import clips_to_device
 from videotrain.engine.inference import ExportSettings, PredictSettings
 from videotrain.engine.optim import build_optimizer, warmup_cosine
 from videotrain.engine.precision import Precision
@@ -113,7 +114,7 @@ def _instantiate_all(cfg: DictConfig) -> VideoClassifier:
     batch = next(iter(data.train))
     model.eval()
     with torch.no_grad(), precision.autocast():
-        logits = model(batch["video"][:2])
+        logits = model(clips_to_device(batch["video"][:2], CPU))
     assert logits.shape == (2, 4) and logits.float().isfinite().all()
     return model
 

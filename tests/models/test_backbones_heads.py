@@ -181,6 +181,8 @@ def test_classifier_default_strategy_and_input_check() -> None:
     assert model.strategy.state_dict() == {}
     with pytest.raises(ValueError, match=r"expected video \(B, T, C, H, W\)"):
         model(torch.randn(2, 3, 32, 32))
+    with pytest.raises(TypeError, match=r"got torch.uint8: .*\.clips_to_device first"):
+        model(torch.zeros(2, 4, 3, 32, 32, dtype=torch.uint8))  # a loader's batch, not normalized
 
 
 # ------------------------------------------------------------------- precision

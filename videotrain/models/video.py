@@ -61,6 +61,9 @@ class VideoClassifier(nn.Module):
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         if video.dim() != 5:
             raise ValueError(f"expected video (B, T, C, H, W), got shape {tuple(video.shape)}")
+        if not video.is_floating_point():  # e.g. a loader's uint8 batch fed as it comes
+            raise TypeError(f"expected normalized float clips, got {video.dtype}: a loader's uint8 "
+                            "clips go through videotrain.data.transforms.clips_to_device first")
         max_frames = getattr(self.head, "max_frames", None)  # heads with position embeddings
         if max_frames is not None and video.shape[1] > max_frames:
             raise ValueError(f"a clip of {video.shape[1]} frames has frame positions up to "
