@@ -212,6 +212,47 @@ def test_step_peaks_reach_strategies_that_observe_them(run_overrides, compose_cf
     assert len(grads) == 8 and all(g is grads[0] for g in grads)  # one buffer, both epochs
 
 
+def test_a_step_reads_the_device_only_after_its_optimizer_step(run_overrides, compose_cfg, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop reads no value from the device (``float(tensor)``: a host sync on a GPU)
+    between a micro-batch's backward and the optimizer step: the loss and the gradient norm are
+    read after the step, where the trainer waits for the device anyway (its step time). A read
+    in between would keep the host from queueing the optimizer's kernels while the GPU is
+    still running the backward."""
+    from videotrain.engine.precision import Precision
+
+    events: list[str] = []
+    real_backward, real_float = Precision.backward, torch.Tensor.__float__
+
+    def backward(self, loss, scaler=None):
+        real_backward(self, loss, scaler)
+        events.append("backward")
+
+    def traced_float(self):
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("engine", "trainer.py")):
+            events.append("read")
+        return real_float(self)
+
+    real_build = builder.build_optimizer
+
+    def build(model, **kw):
+        opt = real_build(model, **kw)
+        opt.register_step_post_hook(lambda o, a, k: events.append("step"))
+        return opt
+
+    monkeypatch.setattr(Precision, "backward", backward)
+    monkeypatch.setattr(torch.Tensor, "__float__", traced_float)
+    monkeypatch.setattr(builder, "build_optimizer", build)
+    cfg = compose_cfg(run_overrides(trainer__grad_accum=2, trainer__max_steps=3, data__batch_size=2,
+                                    trainer__grad_clip=1.0, trainer__log_every_n_steps=1))
+    run.train(cfg, tmp_path)
+    steps = "".join({"backward": "b", "step": "s", "read": "r"}[e] for e in events)
+    assert steps.startswith("bbs") and steps.count("s") == 3, steps
+    for between in steps.split("s")[:-1]:  # what each step did before its optimizer step
+        assert between.lstrip("r") == "bb", steps  # reads (the last step's) only before its backwards
+    assert "r" in steps.split("s")[1], steps  # the loss and grad norm are read, after the step
+
+
 # ------------------------------------------------------------------- the real thing: SIGKILL
 
 

@@ -171,8 +171,10 @@ class Trainer:
         # step would count them in that step's peak, which measures only what a step adds
         self.optimizer.zero_grad(set_to_none=False)
         # data_wait: time between asking the loader for a batch and getting it, summed over the
-        # step's micro-batches; step time excludes it, so the two add up to the wall time
-        micro, loss_sum, data_wait = 0, 0.0, 0.0
+        # step's micro-batches; step time excludes it, so the two add up to the wall time.
+        # loss_sum stays on the device until the step's end: reading it after each backward
+        # would make the host wait for the GPU before it could queue the optimizer's kernels
+        micro, loss_sum, data_wait = 0, torch.zeros((), device=self.device), 0.0
         bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
                    desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
         t_data = time.perf_counter()
@@ -194,7 +196,7 @@ class Trainer:
             with self._sync_context(last_micro=micro + 1 == s.grad_accum):
                 loss = self._loss(video, labels)
                 self.precision.backward(loss / s.grad_accum)
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach()  # (), on the device
             micro += 1
             st.consumed += batch_size
             if micro < s.grad_accum:
@@ -203,7 +205,7 @@ class Trainer:
             grad_norm = self._optimizer_step()
             if self.ema is not None:
                 self.ema.update(self.module)
-            if self.device.type == "cuda":
+            if self.device.type == "cuda":  # the step's one wait for the device: its time
                 torch.cuda.synchronize(self.device)
             st.step_times.append(time.perf_counter() - t_step - waited_in_step)
             st.data_waits.append(data_wait)
@@ -214,7 +216,7 @@ class Trainer:
             if peak is not None and isinstance(self.strategy, StepObserver):
                 self.strategy.observe_step(st.step, peak)  # e.g. memory=auto re-checks its plan
             bar.update(1)
-            train_loss = loss_sum / s.grad_accum
+            train_loss = float(loss_sum) / s.grad_accum  # after the sync: no wait
             bar.set_postfix(loss=f"{train_loss:.3f}")
             if st.step % s.log_every_n_steps == 0 or st.step == 1:  # same steps on all ranks
                 mean = self.comm.reduce({"train_loss": train_loss}, "mean")
@@ -223,9 +225,9 @@ class Trainer:
                 row = {**mean, "lr": max(self.scheduler.get_last_lr()), "epoch": st.epoch,
                        **slowest, "skipped_videos": len(st.skipped)}
                 if grad_norm is not None:
-                    row["grad_norm"] = grad_norm
+                    row["grad_norm"] = float(grad_norm)
                 self.logger.log(row, st.step)
-            micro, loss_sum, data_wait = 0, 0.0, 0.0
+            micro, loss_sum, data_wait = 0, torch.zeros((), device=self.device), 0.0
             if s.checkpoint_every_n_steps and st.step % s.checkpoint_every_n_steps == 0:
                 self.checkpoints.save(self.parts)
             self._stop_if_requested(bar)  # a step boundary: stop here if a rank got a signal
@@ -277,13 +279,15 @@ class Trainer:
             logits = self.model(video)  # (B, K)
         return soft_target_loss(logits, targets, self.s.label_smoothing)
 
-    def _optimizer_step(self) -> float | None:
+    def _optimizer_step(self) -> torch.Tensor | None:
+        """Unscale, clip, step, zero the gradients; returns the gradient norm before clipping
+        (a device tensor, read by the caller after the step's sync) when clipping is on."""
         scaler = self.precision.scaler
         grad_norm = None
         if self.s.grad_clip:
             scaler.unscale_(self.optimizer)
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.grad_clip))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.s.grad_clip)  # (), on the device
         scaler.step(self.optimizer)
         scaler.update()
         # gradients stay allocated between steps (like weights and optimizer state), so the
