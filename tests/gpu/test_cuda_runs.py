@@ -77,3 +77,15 @@ def test_fit_estimate_against_the_cuda_peak(cuda: torch.device, compose_cfg, tmp
           f"{peak_pred * (1 + UNSEEN_FRAC):.1f} MB")
     assert run_peak <= peak_pred * (1 + UNSEEN_FRAC)
     assert step == pytest.approx(step_pred, rel=0.15)
+
+
+def test_clips_to_device_normalizes_uint8_on_cuda(cuda: torch.device) -> None:
+    """The trainer's input path on a GPU: a pinned uint8 batch copied without blocking and
+    normalized there by one ``addcmul`` that reads uint8 (dynamic casting in CUDA's kernel),
+    equal to the CPU's result."""
+    from videotrain.data.transforms import clips_to_device
+
+    clips = torch.randint(0, 256, (2, 4, 3, 16, 16), dtype=torch.uint8).pin_memory()
+    got = clips_to_device(clips, cuda)
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), clips_to_device(clips, torch.device("cpu")), rtol=0, atol=1e-6)
