@@ -52,7 +52,9 @@ class BadVideo(RuntimeError):
 
 
 class VideoClipDataset(torch.utils.data.Dataset):
-    """Returns ``{"video": (V, T, C, H, W) or (T, C, H, W), "label", "index", "skipped"}``.
+    """Returns ``{"video": (V, T, C, H, W) or (T, C, H, W), "label", "index", "skipped"}``;
+    with this project's transforms the video is uint8, normalized later on the training device
+    (``videotrain.data.transforms.clips_to_device``).
 
     Training items are one random clip; evaluation items stack ``clips x crops`` views
     (``V``), uniformly spaced in time, for video-level aggregation. ``sampler`` and ``decoder``
