@@ -102,16 +102,16 @@ def timed_steps(device: str, steps: int | None, warmup: int | None) -> tuple[int
             (CUDA_WARMUP if cuda else CPU_WARMUP) if warmup is None else warmup)
 
 
-def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str,
-            batch_size: int) -> dict[str, Any]:
-    """One table row from a row's runs (one per round): steps pooled, the first error kept."""
+def combine(spec: dict[str, Any], runs: list[dict[str, Any]], device: str) -> dict[str, Any]:
+    """One table row from a row's runs (one per round): steps pooled, the first error kept.
+    ``spec`` names the row's input shape (``batch_size``, ``frames``)."""
     failed = [r for r in runs if r.get("error")]
     res = dict(failed[0] if failed else runs[0])
     if not failed and len(runs) > 1:
         pooled = {k: [x for r in runs for x in r.get(k, [])]
                   for k in ("step_times_s", "peak_mems_mb", "fwd_bwd_mems_mb", "metered_step_times_s")}
         res.update(step_stats(pooled["step_times_s"], pooled["peak_mems_mb"],
-                              pooled["fwd_bwd_mems_mb"], batch_size, pooled["metered_step_times_s"]))
+                              pooled["fwd_bwd_mems_mb"], spec["batch_size"], pooled["metered_step_times_s"]))
     res["wall_s"] = sum(r.get("wall_s", 0.0) for r in runs)
     res["rounds"] = len(runs)
     row = {**spec, **res, "device": res.get("device", device)}
@@ -246,8 +246,8 @@ def run_bench(
         The GPU is read for the last report only, after the rows, so that this process holds
         no CUDA context while they run."""
         machine = machine_info(device, gpu=estimated is not None)
-        results = [combine({"batch_size": batch_size, "frames": frames, **spec}, runs, device,
-                           spec.get("batch_size") or batch_size)
+        results = [combine({**spec, "batch_size": batch_size, "frames": frames, **own_shape(spec)},
+                           runs, device)
                    for spec, runs in zip(specs, per_row, strict=True) if runs]  # each names its shape
         for row, mb in zip(results, estimated or [], strict=False):
             row["step_estimated_mb"] = mb
