@@ -2,9 +2,10 @@
 
 A user spends time, not steps, so each row other than e2e trains for ``e2e's steps x (e2e's step
 time / the row's step time)`` steps, its learning-rate schedule stretched or shrunk to match. Both
-step times are measured here, on the machine that trains, one row after the other in one process:
-forward, loss, backward and optimizer step of each row's model on a random batch of the sweep's
-shape, the median of ``--steps`` after ``--warmup``.
+step times are measured here, on the machine that trains, in one process: forward, loss, backward
+and optimizer step of each row's model on a random batch of the sweep's shape, the median of
+``--steps`` (20) after ``--warmup`` (5), the rows' steps taken in turn so that a change in the
+machine's load reaches them alike.
 
 What it writes into ``--out`` (default ``outputs/bench_accuracy_time``), and nothing else:
 ``step_times.json`` (the step times, threads and steps) and ``conf/row/ROW-at-time.yaml``, each
@@ -29,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parent / "conf"
@@ -41,19 +43,33 @@ def sweep_overrides(row: str, extra: list[str]) -> list[str]:
     return [f"hydra.searchpath=[file://{CONF}]", SWEEP, f"row={row}", *extra]
 
 
-def measure_step_times(rows: list[str], extra: list[str], threads: int, steps: int = 5,
-                       warmup: int = 2) -> dict[str, float]:
-    """Seconds per training step of each row's model (median of ``steps`` after ``warmup``), one
-    row after the other in this process with ``threads`` torch threads, on the device the sweep
-    trains on."""
+def interleaved_medians(steps_of: dict[str, Callable[[], None]], steps: int,
+                        warmup: int) -> dict[str, float]:
+    """The median seconds of each callable over ``steps`` calls after ``warmup``, run in rounds of
+    one call each, so that a change in the machine's load reaches every row alike."""
+    samples: dict[str, list[float]] = {name: [] for name in steps_of}
+    for i in range(warmup + steps):
+        for name, step in steps_of.items():
+            start = time.perf_counter()
+            step()
+            if i >= warmup:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def measure_step_times(rows: list[str], extra: list[str], threads: int, steps: int = 20,
+                       warmup: int = 5) -> dict[str, float]:
+    """Seconds per training step of each row's model (median of ``steps`` after ``warmup``), the
+    rows' steps interleaved in this process with ``threads`` torch threads, on the device the
+    sweep trains on."""
     import torch
 
     from videotrain.build import build_model, compose_cfg
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    times: dict[str, float] = {}
     try:
+        steps_of: dict[str, Callable[[], None]] = {}
         for row in rows:
             cfg = compose_cfg(sweep_overrides(row, extra))
             cuda = torch.cuda.is_available() and str(cfg.device) != "cpu"
@@ -65,20 +81,19 @@ def measure_step_times(rows: list[str], extra: list[str], threads: int, steps: i
             video = torch.randn(d.batch_size, d.num_frames, 3, d.crop_size, d.crop_size,
                                 device=device)  # (B, T, C, H, W)
             labels = torch.arange(d.batch_size, device=device) % CLASSES
-            samples = []
-            for i in range(warmup + steps):
-                start = time.perf_counter()
+
+            def step(model=model, opt=opt, video=video, labels=labels, cuda=cuda,
+                     device=device) -> None:
                 opt.zero_grad(set_to_none=True)
                 torch.nn.functional.cross_entropy(model(video), labels).backward()
                 opt.step()
                 if cuda:
                     torch.cuda.synchronize(device)
-                if i >= warmup:
-                    samples.append(time.perf_counter() - start)
-            times[row] = statistics.median(samples)
+
+            steps_of[row] = step
+        return interleaved_medians(steps_of, steps, warmup)
     finally:
         torch.set_num_threads(previous)
-    return times
 
 
 def e2e_steps(extra: list[str]) -> tuple[int, int]:
@@ -111,7 +126,8 @@ def write_row(out: Path, row: str, steps: int, per_epoch: int) -> str:
     return name
 
 
-def step_times(out: Path, rows: list[str], extra: list[str], threads: int) -> dict[str, float]:
+def step_times(out: Path, rows: list[str], extra: list[str], threads: int, steps: int = 20,
+               warmup: int = 5) -> dict[str, float]:
     """The step times of ``rows`` and e2e: those kept in ``out/step_times.json``, the missing ones
     measured beside e2e now (scaled to the kept e2e's time) and kept."""
     record = out / "step_times.json"
@@ -119,12 +135,12 @@ def step_times(out: Path, rows: list[str], extra: list[str], threads: int) -> di
     known: dict[str, float] = kept.get("step_s", {})
     missing = [r for r in rows if r not in known]
     if missing or "e2e" not in known:
-        new = measure_step_times(["e2e", *missing], extra, threads)
+        new = measure_step_times(["e2e", *missing], extra, threads, steps, warmup)
         scale = known["e2e"] / new["e2e"] if "e2e" in known else 1.0
         known.update({r: t * scale for r, t in new.items() if r not in known})
         out.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"step_s": known, "threads": threads,
-                                      "overrides": extra}, indent=2) + "\n")
+        record.write_text(json.dumps({"step_s": known, "threads": threads, "steps": steps,
+                                      "warmup": warmup, "overrides": extra}, indent=2) + "\n")
     return known
 
 
@@ -138,22 +154,29 @@ def main(argv: list[str] | None = None) -> int:
                    help="the sweep folder: step times, row configs, jobs (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads while measuring: those each job trains with (default: all cores)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed steps per row, interleaved across rows (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps per row before them (default: %(default)s)")
     p.add_argument("--measure-only", action="store_true",
                    help="write the step times and row configs, print the multirun, train nothing")
     args, extra = p.parse_known_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip() and r.strip() != "e2e"]
     unknown = [r for r in rows if not (CONF / "row" / f"{r}.yaml").is_file()]
     bad = [o for o in extra if o.startswith("-") or "=" not in o]
-    if unknown or bad or not rows:
+    if unknown or bad or not rows or args.steps < 1 or args.warmup < 0:
         print("error: " + (f"--rows {','.join(unknown)}: no such row in {CONF / 'row'}" if unknown else
-                           f"not a Hydra override: {bad[0]}" if bad else "--rows names no row but e2e"),
+                           f"not a Hydra override: {bad[0]}" if bad else
+                           "--rows names no row but e2e" if not rows else
+                           f"--steps {args.steps} / --warmup {args.warmup}: at least 1 timed step "
+                           "and no negative warm-up"),
               file=sys.stderr)
         return 2
     # the step time does not depend on the task or seed: measured on the first values given
     single = [o.split(",")[0] if o.split("=")[0] in ("seed", "data.synthetic.task") else o
               for o in extra]
     out = Path(args.out)
-    times = step_times(out, rows, single, args.threads)
+    times = step_times(out, rows, single, args.threads, args.steps, args.warmup)
     per_epoch, steps = e2e_steps(single)
     sized = at_time_steps({r: times[r] for r in ("e2e", *rows)}, steps)
     names = [write_row(out, r, n, per_epoch) for r, n in sized.items()]

@@ -74,8 +74,10 @@ def test_step_times_are_kept_and_a_later_row_is_scaled_to_its_e2e(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[list[str]] = []
 
-    def fake(rows: list[str], extra: list[str], threads: int) -> dict[str, float]:
+    def fake(rows: list[str], extra: list[str], threads: int, steps: int,
+             warmup: int) -> dict[str, float]:
         measured.append(rows)
+        assert (steps, warmup) == (20, 5)
         table = {"e2e": 2.0, "sbp-frame-0.5": 1.0, "sbp-frame-0.25": 0.5}
         return {r: table[r] for r in rows}
 
@@ -90,10 +92,41 @@ def test_step_times_are_kept_and_a_later_row_is_scaled_to_its_e2e(
     assert got == {"e2e": 4.0, "sbp-frame-0.5": 2.0, "sbp-frame-0.25": 1.0}
 
 
+def test_step_times_are_medians_of_interleaved_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round steps every row once (a load change reaches all rows alike); the warm-up
+    steps run but are not timed; each row's time is its median."""
+    clock = iter(range(1000))
+    monkeypatch.setattr(equal_time.time, "perf_counter", lambda: float(next(clock)))
+    calls: list[str] = []
+    lengths = {"e2e": [5, 5, 1, 9, 2], "sbp": [7, 7, 3, 3, 4]}  # clock ticks per call
+
+    def stepper(name: str):
+        def step() -> None:
+            calls.append(name)
+            for _ in range(lengths[name][calls.count(name) - 1] - 1):
+                next(clock)
+        return step
+
+    got = equal_time.interleaved_medians({"e2e": stepper("e2e"), "sbp": stepper("sbp")},
+                                         steps=3, warmup=2)
+    assert calls == ["e2e", "sbp"] * 5
+    assert got == {"e2e": 2.0, "sbp": 3.0}  # medians of (1, 9, 2) and (3, 3, 4)
+
+
+def test_measured_step_times_of_tiny_rows(tiny_synthetic_overrides) -> None:
+    times = equal_time.measure_step_times(["e2e", "sbp-frame-0.5"], list(tiny_synthetic_overrides),
+                                          threads=1, steps=2, warmup=1)
+    assert sorted(times) == ["e2e", "sbp-frame-0.5"] and all(t > 0 for t in times.values())
+
+
 def test_bad_arguments_are_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert equal_time.main(["--rows", "no-such-row"]) == 2
     assert capsys.readouterr().err.startswith("error: --rows no-such-row: no such row")
     assert equal_time.main(["--rows", "e2e"]) == 2
+    capsys.readouterr()
+    assert equal_time.main(["--steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --steps 0 / --warmup 5:") and err.count("\n") == 1
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
