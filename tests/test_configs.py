@@ -310,6 +310,8 @@ def test_keep_ratio_sweep_config() -> None:
     first = (CONFIG_DIR / "sweep" / "keep_ratio.yaml").read_text().splitlines()[0]
     assert first == "# @package _global_"
     assert cfg.memory._target_.endswith("EndToEnd")  # the job config itself is unchanged
+    # but every job meters every step on a CPU (its peaks are exact in a shared process)
+    assert cfg.trainer.cpu_metered_steps is None
 
 
 def test_run_dirs_use_one_launch_time() -> None:

@@ -99,6 +99,22 @@ def test_keep_ratio_sweep_then_summary(tiny_exp: Path, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
 
 
+def test_a_later_job_of_a_multirun_warns_that_its_cpu_peak_reads_high(tiny_exp: Path,
+                                                                      tmp_path: Path) -> None:
+    """The basic launcher runs every job in one process: after job 0's unmetered steps (past
+    ``trainer.cpu_metered_steps``), job 1's CPU meter reads high, and its log says so."""
+    sweep = tmp_path / "sweep"
+    done = videotrain_cli(["--config-dir", str(tiny_exp), "-m", "+exp=tiny", "seed=0,1",
+                           "trainer.max_steps=3", "trainer.cpu_metered_steps=2",
+                           "logger.wandb.mode=disabled", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    jobs = sorted(j for j in sweep.iterdir() if j.is_dir() and not j.name.startswith("."))
+    assert [j.name.split(",")[:2] for j in jobs] == [["0_+exp=tiny", "seed=0"], ["1_+exp=tiny", "seed=1"]]
+    logs = ["".join(p.read_text() for p in job.glob("*.log")) for job in jobs]
+    assert all("training" in text for text in logs)  # each job's own log
+    assert ["CPU peak memory reads high" in text for text in logs] == [False, True]
+
+
 def test_submitit_local_launcher_runs_the_sweep(tiny_exp: Path, tmp_path: Path) -> None:
     # needs hydra-submitit-launcher (the dev and slurm extras); no skip: CI installs it
     sweep = tmp_path / "sweep"

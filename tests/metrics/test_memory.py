@@ -76,8 +76,10 @@ del t, objs
 out["garbage_pending_16"] = meter.stop()  # 0 if the 64 MiB cycle were freed in the step
 out["gc_enabled_after"] = gc.isenabled()
 
-from videotrain.metrics.memory import keep_freed_memory
+from videotrain.metrics.memory import cpu_meter_reads_high, keep_freed_memory
+out["reads_high_before"] = cpu_meter_reads_high()
 keep_freed_memory()
+out["reads_high_after"] = cpu_meter_reads_high()
 meter.start()
 a = torch.ones(24 * MiB // 4)
 pin = torch.ones(1024)  # a small block after it: the 24 MiB hole cannot go back to the OS
@@ -103,6 +105,12 @@ def test_cpu_peak_is_the_bytes_the_step_allocated(peaks: dict[str, float], key: 
     got = peaks[key]
     assert got is not None, "clear_refs not writable: the meter cannot measure here"
     assert abs(got - mib) <= TOLERANCE_MIB, f"{key}: reported {got:.2f} MiB, allocated {mib} MiB"
+
+
+def test_the_process_is_marked_reading_high_once_it_kept_freed_memory(peaks: dict) -> None:
+    """A fresh process's meter is exact; once ``keep_freed_memory`` ran, the heap it grows stays
+    fragmented for every later meter of the process (the trainer warns on it)."""
+    assert (peaks["reads_high_before"], peaks["reads_high_after"]) == (False, True)
 
 
 def test_the_collector_is_paused_for_the_step_only(peaks: dict[str, float]) -> None:

@@ -59,7 +59,7 @@ from videotrain.engine.run_checkpoints import Checkpointed, RunCheckpoints, Trai
 from videotrain.engine.settings import TrainerSettings
 from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger
-from videotrain.metrics.memory import StepPeakMemory, keep_freed_memory
+from videotrain.metrics.memory import StepPeakMemory, cpu_meter_reads_high, keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,11 @@ class Trainer:
         self.state = TrainState(skipped=set(preflight_bad or []))
         self.meter = StepPeakMemory(device)
         self.metered_here = 0  # steps this process metered (see _meters)
+        if device.type == "cpu" and cpu_meter_reads_high():
+            log.warning("this process trained unmetered steps before this run (an earlier job of a "
+                        "multirun?): its CPU peak memory reads high, by more with every earlier job; "
+                        "trainer.cpu_metered_steps=null in every job meters exactly, at 2-2.5x "
+                        "the CPU step time (docs/benchmarks.md#how-peak-memory-is-measured)")
         self._split_paths: dict[str, set[str]] = {}  # per split, for its own bad fraction
         self.steps_per_epoch, self.total_steps = plan_steps(len(data.train), settings)
         # samples per epoch (per rank) that feed full optimizer steps; a tail smaller than
