@@ -179,7 +179,7 @@ class Trainer:
         # step's micro-batches; step time excludes it, so the two add up to the wall time.
         # loss_sum stays on the device until the step's end: reading it after each backward
         # would make the host wait for the GPU before it could queue the optimizer's kernels
-        micro, loss_sum, data_wait = 0, torch.zeros((), device=self.device), 0.0
+        micro, loss_sum, data_wait = 0, None, 0.0
         bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
                    desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
         t_data = time.perf_counter()
@@ -201,7 +201,8 @@ class Trainer:
             with self._sync_context(last_micro=micro + 1 == s.grad_accum):
                 loss = self._loss(video, labels)
                 self.precision.backward(loss / s.grad_accum)
-            loss_sum += loss.detach()  # (), on the device
+            # (), on the device; the first loss starts the sum (no zero tensor to fill and add to)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             micro += 1
             st.consumed += batch_size
             if micro < s.grad_accum:
@@ -232,7 +233,7 @@ class Trainer:
                 if grad_norm is not None:
                     row["grad_norm"] = float(grad_norm)
                 self.logger.log(row, st.step)
-            micro, loss_sum, data_wait = 0, torch.zeros((), device=self.device), 0.0
+            micro, loss_sum, data_wait = 0, None, 0.0
             if s.checkpoint_every_n_steps and st.step % s.checkpoint_every_n_steps == 0:
                 self.checkpoints.save(self.parts)
             self._stop_if_requested(bar)  # a step boundary: stop here if a rank got a signal
