@@ -164,13 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r.strip() for r in args.rows.split(",") if r.strip() and r.strip() != "e2e"]
     unknown = [r for r in rows if not (CONF / "row" / f"{r}.yaml").is_file()]
     bad = [o for o in extra if o.startswith("-") or "=" not in o]
-    if unknown or bad or not rows or args.steps < 1 or args.warmup < 0:
-        print("error: " + (f"--rows {','.join(unknown)}: no such row in {CONF / 'row'}" if unknown else
-                           f"not a Hydra override: {bad[0]}" if bad else
-                           "--rows names no row but e2e" if not rows else
-                           f"--steps {args.steps} / --warmup {args.warmup}: at least 1 timed step "
-                           "and no negative warm-up"),
-              file=sys.stderr)
+    problem = (f"--rows {','.join(unknown)}: no such row in {CONF / 'row'}" if unknown else
+               f"not a Hydra override: {bad[0]}" if bad else
+               "--rows names no row but e2e" if not rows else
+               f"--steps {args.steps} / --warmup {args.warmup}: at least 1 timed step and no "
+               "negative warm-up" if args.steps < 1 or args.warmup < 0 else None)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     # the step time does not depend on the task or seed: measured on the first values given
     single = [o.split(",")[0] if o.split("=")[0] in ("seed", "data.synthetic.task") else o
