@@ -157,3 +157,28 @@ def test_block_sbp_gradients_are_e2e_with_dropped_branches_detached(kit, grad_sc
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=1e-4, atol=1e-6 if scale == 1.0 else 1e-5)
 
+
+
+@pytest.mark.parametrize("bn_policy", ["full_batch", "frozen"])
+def test_the_default_model_stores_about_keep_ratio_of_e2e(bn_policy: str) -> None:
+    """Issue 45's memory target on the model a user gets (the shipped config: ResNet-10 with TSM's
+    shift, granularity auto): SBP stores at most 0.55 of e2e's activations at keep 0.5 and 0.30
+    at 0.25 (block granularity, the default before the lockstep code ran the shift, stored 0.86
+    and 0.75)."""
+    from videotrain.build import build_model, compose_cfg
+    from videotrain.memory.base import mixes_frames
+    from videotrain.metrics.saved import saved_activation_bytes
+
+    video = torch.randn(2, 8, 3, 64, 64, generator=torch.Generator().manual_seed(0))  # (B, T, C, H, W)
+
+    def stored(*overrides: str) -> int:
+        torch.manual_seed(0)
+        model = build_model(compose_cfg(list(overrides)), num_classes=5).train()
+        assert mixes_frames(model.backbone)  # the default model shifts
+        assert model.strategy.describe().get("granularity", "frame") == "frame"
+        return saved_activation_bytes(model, video)
+
+    e2e = stored("memory=e2e")
+    for keep, at_most in ((0.5, 0.55), (0.25, 0.30)):
+        ratio = stored("memory=sbp", f"memory.keep_ratio={keep}", f"memory.bn_policy={bn_policy}") / e2e
+        assert ratio <= at_most, f"keep {keep}: SBP stores {ratio:.2f} of e2e's activations"
