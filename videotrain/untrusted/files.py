@@ -3,20 +3,32 @@
 * :func:`open_regular` / :func:`read_bytes` / :func:`read_text`: a file is read only if it is a
   regular file (``O_NOFOLLOW``: no symbolic link; ``O_NONBLOCK`` + ``fstat``: a FIFO or a
   device is refused instead of hanging), with a size bound checked before anything is read;
-* :func:`write_bytes` / :func:`write_text` / :func:`open_append`: every file the project writes
-  goes through these: a new file renamed over the name (the name is replaced, never what it
-  points to), or an append to a regular file with one link only (``O_NOFOLLOW``).
+* the one writer: every file any command or script of the project writes goes through
+  :func:`atomic_writer` (and its shorthands :func:`write_bytes` / :func:`write_text`, or
+  :func:`staged_path` for a library that wants a path) or :func:`open_append`. The target folder
+  is opened as a directory file descriptor: below ``root`` (a run folder, itself no link) every
+  component is opened with ``O_NOFOLLOW`` and created with ``mkdir`` where missing, so no
+  folder link is followed; the file is a new one (``O_EXCL | O_NOFOLLOW``, a random name in that
+  folder) renamed over the name, so a link, hard link or FIFO there is replaced, never written
+  through; an append goes only to a regular file with one link.
+
+Without ``root`` the folder is the user's own path (a command-line ``--out``): followed as given,
+created where missing; the file itself is still never written through a link.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import shutil
 import stat
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
 from videotrain.untrusted.text import shown
 
@@ -96,42 +108,150 @@ def is_regular(path: str | Path) -> bool:
         return False
 
 
-def write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` without following a link there: a new file (``O_EXCL``, a
-    random name in the same folder) renamed over ``path``. A symbolic link, hard link or FIFO
-    at ``path`` is replaced, never written through."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                 | getattr(os, "O_CLOEXEC", 0), 0o666)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
+
+
+def _below(path: Path, root: Path) -> tuple[str, ...]:
+    """The components of ``path`` below ``root`` (both made absolute, not resolved: a link is
+    a component like any other); refuses a path outside ``root`` or one with ``..``."""
+    path, root = Path(os.path.abspath(path)), Path(os.path.abspath(root))
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        rel = path.relative_to(root)
+    except ValueError:
+        raise UnsafeFileError(f"{shown(path)} is not inside the run folder {shown(root)}") from None
+    if ".." in rel.parts:
+        raise UnsafeFileError(f"{shown(path)}: '..' in a path inside a run folder")
+    return rel.parts
+
+
+def _open_root(root: Path, create: bool) -> int:
+    """A directory fd of ``root``, which must be a real directory itself (not a link)."""
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
         raise
-    return path
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFileError(f"run folder {shown(root)} is {_kind(st.st_mode)}, not a folder; "
+                              "nothing was written")
+    return os.open(root, _DIR_FLAGS | os.O_NOFOLLOW)
 
 
-def write_text(path: str | Path, text: str) -> Path:
+def _step_into(dir_fd: int, name: str, create: bool, where: Path) -> int:
+    """The fd of folder ``name`` inside ``dir_fd``, never following a link (created if missing
+    and ``create``); closes ``dir_fd``."""
+    try:
+        if create:
+            try:
+                os.mkdir(name, 0o777, dir_fd=dir_fd)
+            except FileExistsError:
+                pass
+        try:
+            return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                kind = _kind(os.lstat(name, dir_fd=dir_fd).st_mode)
+                raise UnsafeFileError(f"{shown(where / name)} is {kind}; videotrain writes only "
+                                      "into real folders of a run (nothing was written)") from None
+            raise
+    finally:
+        os.close(dir_fd)
+
+
+def folder_fd(folder: str | Path, root: str | Path | None = None, create: bool = True) -> int:
+    """An ``O_DIRECTORY`` fd of ``folder`` (the caller closes it). Below ``root`` no link is
+    followed at any component (:class:`UnsafeFileError`), and ``root`` itself is no link;
+    missing folders are created when ``create``. Without ``root``, ``folder`` is the user's own
+    path, opened as given."""
+    folder = Path(folder)
+    if root is None:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        return os.open(folder, _DIR_FLAGS)
+    root = Path(root)
+    fd = _open_root(root, create)
+    here = root
+    for name in _below(folder, root):
+        fd = _step_into(fd, name, create, here)
+        here = here / name
+    return fd
+
+
+def make_dirs(folder: str | Path, root: str | Path | None = None) -> Path:
+    """Create ``folder`` (and the folders above it, below ``root``) without following a link."""
+    os.close(folder_fd(folder, root, create=True))
+    return Path(folder)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | Path, root: str | Path | None = None,
+                  mode: int = 0o666) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new contents into: a new file (``O_EXCL |
+    O_NOFOLLOW``, a random name) in ``path``'s folder (opened by :func:`folder_fd`), renamed over
+    the name when the block ends without an error, removed when it raises. Whatever stood at
+    ``path`` (a link, a hard link, a FIFO) is replaced, never written through; a reader sees the
+    old file or the whole new one."""
+    path = Path(path)
+    dir_fd = folder_fd(path.parent, root)
+    tmp = f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, mode,
+                     dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)
+
+
+def write_bytes(path: str | Path, data: bytes, root: str | Path | None = None) -> Path:
+    """Write ``data`` to ``path`` through :func:`atomic_writer` (never through a link)."""
+    with atomic_writer(path, root) as f:
+        f.write(data)
+    return Path(path)
+
+
+def write_text(path: str | Path, text: str, root: str | Path | None = None) -> Path:
     """:func:`write_bytes` of ``text`` in UTF-8."""
-    return write_bytes(path, text.encode("utf-8"))
+    return write_bytes(path, text.encode("utf-8"), root)
 
 
-def open_append(path: str | Path) -> IO[str]:
+@contextlib.contextmanager
+def staged_path(path: str | Path, root: str | Path | None = None) -> Iterator[Path]:
+    """A path in a private temporary folder (mode 0700) for a library that writes only to a
+    path (an ONNX exporter, an encoder); when the block ends without an error its file is
+    copied into ``path`` through :func:`atomic_writer`."""
+    path = Path(path)
+    with tempfile.TemporaryDirectory(prefix="videotrain-") as tmp:
+        staged = Path(tmp) / path.name
+        yield staged
+        with open_regular(staged, what="staged output") as src, atomic_writer(path, root) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def open_append(path: str | Path, root: str | Path | None = None) -> IO[str]:
     """``path`` opened for appending text, created if missing, only if it is a regular file
     with no other hard link (so that nothing elsewhere is appended to): ``O_NOFOLLOW`` and
-    ``O_NONBLOCK`` (a FIFO is refused, not waited on)."""
-    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-             | getattr(os, "O_CLOEXEC", 0))
+    ``O_NONBLOCK`` (a FIFO is refused, not waited on), in a folder opened by :func:`folder_fd`."""
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+    dir_fd = folder_fd(path.parent, root)
     try:
-        fd = os.open(path, flags, 0o666)
+        fd = os.open(path.name, flags, 0o666, dir_fd=dir_fd)
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO without a reader
             raise UnsafeFileError(f"{shown(path)} is a symbolic link or a FIFO; refusing to "
                                   "write to it") from None
         raise
+    finally:
+        os.close(dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
@@ -142,3 +262,35 @@ def open_append(path: str | Path) -> IO[str]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def rename(src: str | Path, dst: str | Path, root: str | Path) -> Path:
+    """Rename ``src`` to ``dst``, both inside ``root``, their folders opened without following
+    a link (a name is moved, never what a link points to)."""
+    src, dst = Path(src), Path(dst)
+    sfd = folder_fd(src.parent, root, create=False)
+    try:
+        dfd = folder_fd(dst.parent, root)
+        try:
+            os.replace(src.name, dst.name, src_dir_fd=sfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+    return dst
+
+
+def remove(path: str | Path, root: str | Path) -> None:
+    """Remove the file (or link: the name, never its target) ``path`` inside ``root``; a
+    missing one is no error."""
+    path = Path(path)
+    try:
+        fd = folder_fd(path.parent, root, create=False)
+    except FileNotFoundError:
+        return
+    try:
+        os.unlink(path.name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
