@@ -152,7 +152,8 @@ def _step_into(dir_fd: int, name: str, create: bool, where: Path) -> int:
             return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
         except OSError as err:
             if err.errno in (errno.ELOOP, errno.ENOTDIR):
-                kind = _kind(os.lstat(name, dir_fd=dir_fd).st_mode)
+                mode = os.lstat(name, dir_fd=dir_fd).st_mode
+                kind = "a file" if stat.S_ISREG(mode) else _kind(mode)
                 raise UnsafeFileError(f"{shown(where / name)} is {kind}; videotrain writes only "
                                       "into real folders of a run (nothing was written)") from None
             raise
