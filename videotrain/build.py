@@ -48,6 +48,7 @@ from videotrain.memory.simulate import StepMemory
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier, wants_channels_last
 from videotrain.models.weights import load_backbone_weights
+from videotrain.untrusted.files import make_new_dir
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +84,14 @@ def unique_dir(path: str) -> str:
     """``${unique_dir:PATH}`` in ``hydra.run.dir``: ``PATH``, or ``PATH-1``, ``PATH-2``, ... the
     first that this run creates itself (``os.mkdir`` is atomic: of two runs that start in the
     same second, one gets ``PATH`` and the other ``PATH-1``). Claimed once per process; under
-    DDP rank 0 claims and the other ranks take its answer."""
+    DDP rank 0 claims and the other ranks take its answer. A name where a link (or anything
+    else) already stands is passed over, never followed: the run folder is a real folder."""
     if path not in _claimed:
         def claim() -> str:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
             for i in itertools.count():
                 candidate = path if i == 0 else f"{path}-{i}"
-                try:
-                    os.mkdir(candidate)
+                if make_new_dir(candidate):  # the one writer; its parent is the user's own path
                     return candidate
-                except FileExistsError:
-                    continue
             raise AssertionError("unreachable")
 
         _claimed[path] = distributed.from_main_process(claim)

@@ -186,6 +186,22 @@ def make_dirs(folder: str | Path, root: str | Path | None = None) -> Path:
     return Path(folder)
 
 
+def make_new_dir(folder: str | Path, root: str | Path | None = None) -> bool:
+    """Create ``folder`` itself, new: False where anything (a folder, a file, a link) already
+    stands at its name, which is never followed. The folders above it are opened as by
+    :func:`folder_fd` (created where missing). ``mkdir`` is atomic: of two processes claiming
+    one name, one gets True."""
+    folder = Path(folder)
+    fd = folder_fd(folder.parent, root, create=True)
+    try:
+        os.mkdir(folder.name, 0o777, dir_fd=fd)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | Path, root: str | Path | None = None,
                   mode: int = 0o666) -> Iterator[BinaryIO]:
