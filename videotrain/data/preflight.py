@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from videotrain.data import annotations
+from videotrain.untrusted.files import write_text
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,13 @@ def preflight(index: annotations.VideoIndex, max_bad_fraction: float,
                f"{len(before)} file(s) bad last time and the videos of the {len(changed)} of "
                f"{len(folders)} folder(s) changed since; delete that file to check every video")
     if cache is not None and (saved is None or changed or bad != saved["bad"]):
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"source": index.source, "videos": len(index), "bad": bad,
-                                   "folders": times}))
-        os.replace(tmp, cache)  # atomic: a concurrent reader sees all of it or nothing
+        assert cache_dir is not None  # a cache file is only named under a cache folder
+        # the user's own cache folder is followed as given; below it (preflight/) no link is,
+        # and the file is renamed into place: a concurrent reader sees all of it or nothing
+        own = Path(cache_dir).resolve()
+        write_text(own / cache.relative_to(cache_dir),
+                   json.dumps({"source": index.source, "videos": len(index), "bad": bad,
+                               "folders": times}), root=own)
     log.info("preflight of %s: %d files, %d missing or empty; %s", index.source, len(index),
              len(bad), how)
     listing = report_bad(bad, len(index), index.source, split, report_dir)
@@ -113,10 +116,8 @@ def report_bad(bad: list[str], listed: int, source: str, split: str,
     listing = None
     if report_dir is not None:
         listing = Path(report_dir) / f"missing_videos_{split}.txt"
-        listing.parent.mkdir(parents=True, exist_ok=True)
-        tmp = listing.with_name(f".{listing.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(f"{p}\n" for p in bad))
-        os.replace(tmp, listing)
+        # the run folder: no link at it or in it is followed (the one writer refuses it)
+        write_text(listing, "".join(f"{p}\n" for p in bad), root=report_dir)
     shown = ", ".join(bad[:SHOWN_BAD]) + (", ..." if len(bad) > SHOWN_BAD else "")
     log.warning("%s: %d of %d listed videos are missing or empty (%s); %s", source, len(bad),
                 listed, shown, f"all {len(bad)} are listed in {listing}" if listing

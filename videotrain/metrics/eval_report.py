@@ -50,7 +50,7 @@ def _csv_text(value: str) -> str:
     return f"'{value}" if value.startswith(_FORMULA_STARTS) else value
 
 
-def write_per_class_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_per_class_csv(path: Path, rows: list[dict[str, Any]], root: Path | None = None) -> None:
     f = io.StringIO(newline="")  # built in memory, then written without following a link
     writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["class_index"])
     writer.writeheader()
@@ -58,11 +58,13 @@ def write_per_class_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerow({k: ("" if v is None else f"{v:.4f}" if isinstance(v, float)
                              else _csv_text(v) if isinstance(v, str) else v)
                          for k, v in r.items()})
-    write_text(path, f.getvalue())
+    write_text(path, f.getvalue(), root)
 
 
-def plot_confusion(path: Path, confusion: torch.Tensor, class_names: list[str], title: str) -> None:
-    """Rows are true classes, columns predictions, each row normalised to sum to 1."""
+def plot_confusion(path: Path, confusion: torch.Tensor, class_names: list[str], title: str,
+                   root: Path | None = None) -> None:
+    """Rows are true classes, columns predictions, each row normalised to sum to 1. Drawn into
+    memory and written by the one writer (``root``: the run folder it goes into)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,21 +93,22 @@ def plot_confusion(path: Path, confusion: torch.Tensor, class_names: list[str], 
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
-    write_bytes(path, png.getvalue())  # never through a link at path
+    write_bytes(path, png.getvalue(), root)  # never through a link at path or below root
     plt.close(fig)
 
 
 def write_eval_report(out_dir: str | Path, summary: dict[str, Any], confusion: torch.Tensor,
                       class_names: list[str]) -> dict[str, str]:
-    """Write the three files into ``out_dir``; returns their paths by kind."""
+    """Write the three files into ``out_dir``, a run folder (created if missing; one that is a
+    link, or has a link below it, is refused: nothing is written); returns their paths by kind."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     files = {"eval": str(out_dir / EVAL_JSON), "per_class": str(out_dir / PER_CLASS_CSV),
              "confusion": str(out_dir / CONFUSION_PNG)}
-    write_per_class_csv(out_dir / PER_CLASS_CSV, per_class_rows(confusion, class_names))
+    write_per_class_csv(out_dir / PER_CLASS_CSV, per_class_rows(confusion, class_names), out_dir)
     title = (f"video top-1 {summary['video_top1']:.3f}, mean class acc "
              f"{summary['mean_class_acc']:.3f} ({summary['videos']} videos, {summary['clips']} clips "
              f"x {summary['crops']} crops, {summary['aggregate']} of softmax)")
-    plot_confusion(out_dir / CONFUSION_PNG, confusion, class_names, title)
-    write_text(out_dir / EVAL_JSON, json.dumps({**summary, "files": files}, indent=2) + "\n")
+    plot_confusion(out_dir / CONFUSION_PNG, confusion, class_names, title, out_dir)
+    write_text(out_dir / EVAL_JSON, json.dumps({**summary, "files": files}, indent=2) + "\n",
+               out_dir)
     return files
