@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from videotrain.data.synthetic import Clip, SyntheticSpec, render_all, write_video
+from videotrain.untrusted.files import make_dirs, rename, write_bytes, write_text
 
 FOLDS = (1, 2, 3)
 
@@ -59,12 +60,12 @@ def write_kinetics(root: Path, spec: SyntheticSpec, clips: Iterable[Clip],
     for clip in clips:
         name = spec.classes[clip.label]
         rel = f"{clip.split}/{name}/{name}_{clip.i:04d}.mp4"
-        write_video(root / rel, clip.frames, spec.fps)
+        write_video(root / rel, clip.frames, spec.fps, root)
         lines[clip.split].append(f"{rel} {clip.label}")
     if annotations:
         for split, split_lines in lines.items():
-            (root / f"{split}.csv").write_text("\n".join(split_lines) + "\n")
-        (root / "classes.txt").write_text("\n".join(spec.classes) + "\n")
+            write_text(root / f"{split}.csv", "\n".join(split_lines) + "\n", root)
+        write_text(root / "classes.txt", "\n".join(spec.classes) + "\n", root)
 
 
 def write_folder(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
@@ -76,14 +77,13 @@ def write_ucf101(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None
     for clip in clips:
         cls, j = camel(spec.classes[clip.label]), clip_number(spec, clip)
         rel = f"{cls}/v_{cls}_g{j + 1:02d}_c01.avi"
-        write_video(root / "UCF-101" / rel, clip.frames, spec.fps)
+        write_video(root / "UCF-101" / rel, clip.frames, spec.fps, root)
         entries.append((clip.label, j, rel))
     entries.sort()
     lists = root / "ucfTrainTestlist"
-    lists.mkdir(parents=True)
 
     def write(name: str, lines: list[str]) -> None:  # the official files use CRLF
-        (lists / name).write_bytes("".join(f"{ln}\r\n" for ln in lines).encode())
+        write_bytes(lists / name, "".join(f"{ln}\r\n" for ln in lines).encode(), root)
 
     write("classInd.txt", [f"{k + 1} {camel(n)}" for k, n in enumerate(spec.classes)])
     for fold in FOLDS:
@@ -98,34 +98,33 @@ def write_hmdb51(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None
     for clip in clips:
         name, j = spec.classes[clip.label], clip_number(spec, clip)
         video = f"Synth_{j:03d}_{name}_u_nm_np1_fr_med_0.avi"
-        write_video(root / "hmdb51_org" / name / video, clip.frames, spec.fps)
+        write_video(root / "hmdb51_org" / name / video, clip.frames, spec.fps, root)
         videos.setdefault(clip.label, []).append((j, video))
     lists = root / "testTrainMulti_7030_splits"
-    lists.mkdir(parents=True)
     for label, items in videos.items():
         for fold in FOLDS:
             lines = [f"{video} {2 if in_test_fold(spec, j, fold) else 1} \n"  # sic: trailing space
                      for j, video in sorted(items, key=lambda x: x[1])]
-            (lists / f"{spec.classes[label]}_test_split{fold}.txt").write_text("".join(lines))
+            write_text(lists / f"{spec.classes[label]}_test_split{fold}.txt", "".join(lines), root)
 
 
 def write_ssv2(root: Path, spec: SyntheticSpec, clips: Iterable[Clip]) -> None:
     entries: dict[str, list[dict]] = {"train": [], "val": []}
     for number, clip in enumerate(clips, start=1):
         vid, name = str(number), spec.classes[clip.label]
-        write_video(root / "20bn-something-something-v2" / f"{vid}.webm", clip.frames, spec.fps)
+        write_video(root / "20bn-something-something-v2" / f"{vid}.webm", clip.frames, spec.fps,
+                    root)
         entries[clip.split].append({
             "id": vid, "label": f"moving box {name.replace('_', ' ')}",
             "template": ssv2_template(name), "placeholders": ["box"],
         })
     labels = root / "labels"
-    labels.mkdir(parents=True)
     mapping = {ssv2_template(n).replace("[", "").replace("]", ""): str(k)
                for k, n in enumerate(spec.classes)}
-    (labels / "labels.json").write_text(json.dumps(mapping, indent=1) + "\n")
+    write_text(labels / "labels.json", json.dumps(mapping, indent=1) + "\n", root)
     for split, fname in (("train", "train.json"), ("val", "validation.json")):
         body = ",\n".join(json.dumps(e, separators=(",", ":")) for e in entries[split])
-        (labels / fname).write_text(f"[\n{body}\n]\n")
+        write_text(labels / fname, f"[\n{body}\n]\n", root)
 
 
 WRITERS: dict[str, Callable[[Path, SyntheticSpec, Iterable[Clip]], None]] = {
@@ -151,13 +150,17 @@ def generate(root: str | Path, spec: SyntheticSpec | None = None, layout: str = 
     root = Path(root)
     if (root / "spec.json").exists():
         return root
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # the folder it goes in is the user's own (followed as given); the dataset's folder and all
+    # below it are the project's: every file goes through the one writer with that folder as
+    # its root, so no link there is followed, and the finished tree is renamed into place
+    parent = root.parent.resolve()
+    tmp = parent / f"{root.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftovers (a link is not followed)
+    make_dirs(tmp, root=tmp)
     WRITERS[layout](tmp, spec, render_all(spec))
-    (tmp / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
-    root.parent.mkdir(parents=True, exist_ok=True)
+    write_text(tmp / "spec.json", json.dumps(asdict(spec), indent=2), tmp)
     try:
-        tmp.rename(root)
+        rename(tmp, parent / root.name, root=parent)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return root

@@ -33,6 +33,7 @@ import numpy as np
 
 from videotrain.data.temporal_tasks import BLUE, RED, TASKS, texture
 from videotrain.untrusted import shown
+from videotrain.untrusted.files import atomic_writer
 
 # each setting's range (what the synthetic tasks use is far inside), and the raw pixels of the
 # whole set: the default is 0.08 GiB, the accuracy suite's 0.3 GiB
@@ -127,19 +128,26 @@ def render_clip(spec: SyntheticSpec, label: int, rng: np.random.Generator) -> np
     return frames
 
 
-def write_video(path: Path, frames: np.ndarray, fps: int) -> None:
+# the container of each suffix: PyAV writes into a file object, which names no format itself
+CONTAINERS = {".mp4": "mp4", ".avi": "avi", ".webm": "webm", ".mkv": "matroska", ".mov": "mov"}
+
+
+def write_video(path: Path, frames: np.ndarray, fps: int, root: Path | None = None) -> None:
     """Encode uint8 (T, H, W, 3) frames to ``path`` with PyAV; the codec follows the suffix as in
     the real datasets: ``.mp4`` H.264 (MPEG-4 part 2 without libx264), ``.avi`` MPEG-4 part 2
-    (UCF101 and HMDB51 are XviD AVIs), ``.webm`` VP8 (Something-Something v2)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (UCF101 and HMDB51 are XviD AVIs), ``.webm`` VP8 (Something-Something v2). Written through
+    the one writer (``root``: the folder being generated, below which no link is followed), so
+    ``path`` is either the whole video or what stood there before."""
     suffix = path.suffix.lower()
+    if suffix not in CONTAINERS:
+        raise ValueError(f"a synthetic video is one of {', '.join(CONTAINERS)}, not {shown(suffix)}")
     if suffix == ".webm":
         codec = "libvpx"
     elif suffix == ".mp4" and "libx264" in av.codecs_available:
         codec = "libx264"
     else:
         codec = "mpeg4"
-    with av.open(str(path), mode="w") as container:
+    with atomic_writer(path, root) as f, av.open(f, mode="w", format=CONTAINERS[suffix]) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
