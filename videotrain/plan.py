@@ -71,6 +71,7 @@ from videotrain.memory.simulate import (
     usable_bytes,
 )
 from videotrain.simulate.config_run import ConfigEstimator, num_classes_of, run_isolated
+from videotrain.untrusted.files import write_text
 
 # (strategy, keep_ratio, policy, overrides): the rows of the fit table, by memory= name
 FIT_ROWS: list[tuple[str, float | None, str | None, list[str]]] = [
@@ -257,7 +258,7 @@ def fit_main(device_gb: float, overrides: list[str], out: Path, jobs: int) -> in
         return 2
     report = fit_report(overrides, device_gb, target="cuda", processes=jobs)
     print(render_fit(report))
-    out.write_text(json.dumps(report, indent=2))
+    write_text(out, json.dumps(report, indent=2))  # the user's --out, never through a link
     print(f"wrote {out}")
     return 1 if any("error" in r for r in report["rows"]) else 0
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{report['table']}\nchosen: {report['reason']}")
     else:
         print(render(report))
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_text(args.out, json.dumps(report, indent=2))  # the user's --out, never through a link
     print(f"wrote {args.out}")
     return 0
 

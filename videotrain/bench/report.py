@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 from videotrain.bench.suites import ROW_FIELDS
+from videotrain.untrusted.files import write_bytes, write_text
 
 # (column title, row key, format) of the markdown table
 COLUMNS = [
@@ -135,8 +137,10 @@ def draw(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()  # drawn in memory, written by the one writer (never through a link)
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_bytes(path, png.getvalue())
 
 
 def public_row(r: dict[str, Any]) -> dict[str, Any]:
@@ -150,11 +154,12 @@ def public_row(r: dict[str, Any]) -> dict[str, Any]:
 
 def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any], plot: bool = True) -> str:
     """``bench.json``, ``bench.md`` and (``plot``) ``bench.png`` in ``out_dir``; returns the
-    table. A run writes after every row (``meta["complete"]`` false) and once more at its end."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    table. A run writes after every row (``meta["complete"]`` false) and once more at its end.
+    ``out_dir`` is the user's own (``--out`` or the default): followed as given, created where
+    missing; each file is renamed into place, never written through a link."""
     table = markdown(rows)
-    (out_dir / "bench.json").write_text(
-        json.dumps({"rows": [public_row(r) for r in rows], "meta": meta}, indent=2) + "\n")
+    write_text(out_dir / "bench.json",
+               json.dumps({"rows": [public_row(r) for r in rows], "meta": meta}, indent=2) + "\n")
     s = meta["setting"]
     gpu = meta.get("machine", {}).get("gpu")
     commit = meta.get("machine", {}).get("git")
@@ -165,7 +170,7 @@ def write(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any], plot:
         f"{s['size']}px, {s['steps']} steps x {s.get('rounds', 1)} round(s)",
         " ".join([*s.get("suite_overrides", []), *s["extra_overrides"]])) if x)
     header = f"# videotrain bench\n\n{title}\n\n"
-    (out_dir / "bench.md").write_text(header + table)
+    write_text(out_dir / "bench.md", header + table)
     if plot:
         draw(rows, out_dir / "bench.png", title)
     return table
