@@ -59,17 +59,20 @@ def export(cfg: DictConfig, overrides: list[str] | None = None,
     example = torch.randn(settings.batch_size, t, 3, size, size,
                           generator=torch.Generator().manual_seed(0))  # (B, T, C, H, W)
     suffix = SUFFIXES[settings.format]
+    # export.out is the user's own path (followed as given); else the run folder, where no link
+    # is followed at any component (the one writer refuses it)
     out = Path(settings.out).expanduser() if settings.out else Path(out_dir or ".") / f"model{suffix}"
+    root = None if settings.out else Path(out_dir or ".")
     log.info("exporting %s (%s) to %s: input (B, %d, 3, %d, %d), %d classes", trained.path,
              settings.format, out, t, size, size, len(trained.class_names))
-    export_model(model, example, out, settings.format, settings.dynamic_batch, settings.opset)
+    export_model(model, example, out, settings.format, settings.dynamic_batch, settings.opset, root)
     diff = None
     if settings.check:
         diff = check_export(model, out, settings.format, example, settings.dynamic_batch)
         log.info("exported model vs eager: max abs difference of the logits %.3g", diff)
     meta = export_metadata(settings.format, t, size, trained.class_names, str(trained.path),
                            settings.dynamic_batch, settings.batch_size, diff)
-    write_text(Path(f"{out}.json"), json.dumps(meta, indent=2))  # replaces a link, never follows
+    write_text(Path(f"{out}.json"), json.dumps(meta, indent=2), root)  # replaces a link, never follows
     print(f"wrote {out} ({settings.format}; input video (B, {t}, 3, {size}, {size}) -> logits "
           f"(B, {len(trained.class_names)}))", flush=True)
     return {**meta, "path": str(out)}

@@ -86,8 +86,7 @@ def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, An
                "crops": ev.crops, "aggregate": ev.aggregate, "settings": asdict(settings),
                "predictions": predictions, "errors": errors}
     if settings.out:
-        out = Path(settings.out).expanduser()
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = Path(settings.out).expanduser()  # the user's own path: its folder created if missing
         write_text(out, json.dumps(summary, indent=2))  # replaces a link there, never follows it
         log.info("predictions written to %s", out)
     if not predictions:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from videotrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, clips_to_dev
 from videotrain.engine.precision import Precision
 from videotrain.metrics.accuracy import aggregate_views
 from videotrain.untrusted import shown
+from videotrain.untrusted.files import atomic_writer, open_regular, staged_path
 
 log = logging.getLogger(__name__)
 
@@ -145,25 +147,37 @@ def _onnx_modules() -> tuple[Any, Any]:
 
 
 def export_model(model: nn.Module, example: torch.Tensor, out: Path, fmt: str,
-                 dynamic_batch: bool = True, opset: int | None = None) -> Path:
+                 dynamic_batch: bool = True, opset: int | None = None,
+                 root: Path | None = None) -> Path:
     """Write ``model``'s evaluation forward for inputs shaped like ``example (B, T, C, H, W)``
     to ``out`` as ``fmt`` (``torch_export``: ``torch.export.save``; ``onnx``: input ``video``,
-    output ``logits``). The batch dimension is dynamic unless ``dynamic_batch`` is false."""
+    output ``logits``, its weights in ``out.data`` beside it). The batch dimension is dynamic
+    unless ``dynamic_batch`` is false. Every file goes through the one writer: renamed into
+    place, never written through a link (``root``: the run folder ``out`` is in, where no link
+    is followed either; None: ``out`` is the user's own path)."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export.format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
     model.eval()
     dynamic = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
-    out.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         if fmt == "torch_export":
             program = torch.export.export(model, (example,), dynamic_shapes=dynamic)
-            torch.export.save(program, out)
+            with atomic_writer(out, root) as f:
+                torch.export.save(program, f)
         else:
             _onnx_modules()
             kwargs: dict[str, Any] = {} if opset is None else {"opset_version": int(opset)}
-            torch.onnx.export(model, (example,), str(out), dynamo=True, input_names=["video"],
-                              output_names=["logits"], dynamic_shapes=dynamic, verbose=False,
-                              **kwargs)
+            # the exporter writes only to a path (and its weights beside it): a private folder,
+            # whose files are then copied into place, the weights before the model that names them
+            with staged_path(out, root) as staged:
+                torch.onnx.export(model, (example,), str(staged), dynamo=True,
+                                  input_names=["video"], output_names=["logits"],
+                                  dynamic_shapes=dynamic, verbose=False, **kwargs)
+                for extra in sorted(staged.parent.iterdir()):
+                    if extra.name != staged.name:
+                        with (open_regular(extra, what="exported weights") as src,
+                              atomic_writer(out.with_name(extra.name), root) as dst):
+                            shutil.copyfileobj(src, dst, 1 << 20)
     return out
 
 
