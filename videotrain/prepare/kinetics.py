@@ -32,6 +32,7 @@ from pathlib import Path
 
 from videotrain.data.annotations import VIDEO_EXTENSIONS, AnnotationError, read_text
 from videotrain.prepare.reencode import EncodeResult, EncodeSettings, encode_all
+from videotrain.untrusted.files import make_dirs, remove, write_text
 
 SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",
                "validate": "val", "validation": "val", "test": "test", "testing": "test"}
@@ -267,7 +268,10 @@ def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | P
     ``warn`` (default: a ``warning:`` line on stderr) gets each split with fewer than
     ``FOUND_WARNING`` of its videos found."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    # --out is the user's own folder (followed as given, created where missing); below it every
+    # file goes through the one writer, and no link is followed (videos_<N>/ included)
+    own = out.resolve()
+    make_dirs(own, root=own)
     if not Path(video_dir).is_dir():
         raise FileNotFoundError(f"--videos: folder not found: {video_dir}")
     rows = [r for c in csvs for r in read_release_csv(c)]
@@ -299,8 +303,10 @@ def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | P
             if done % 500 == 0 or done == total:
                 log(f"  re-encoded {done}/{total}")
 
-        results = encode_all([(str(found[r]), str(dsts[r])) for r in todo], settings, workers,
-                             progress)
+        for split in dict.fromkeys(r.split for r in todo):  # a link there: refused before any encode
+            make_dirs(own / f"videos_{resize}" / split, root=own)
+        results = encode_all([(str(found[r]), str(own / dsts[r].relative_to(out))) for r in todo],
+                             settings, workers, progress, root=own)
         skipped = sum(res.status == "skipped" for res in results)
         log(f"re-encoding to a {resize} px short side: {len(results) - skipped} done now, "
             f"{skipped} already there (resumed), "
@@ -314,19 +320,22 @@ def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | P
     summaries = []
     for split in dict.fromkeys(r.split for r in rows):
         summaries.append(write_split(split, [r for r in rows if r.split == split], found, index,
-                                     set(failed), out))
+                                     set(failed), out, own))
         log(summaries[-1].line())
     for summary in summaries:
         if summary.low:
             warn(summary.warning(video_dir, out))
     if names and not (out / "classes.txt").is_file():
-        (out / "classes.txt").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
+        write_text(own / "classes.txt", "".join(f"{n}\n" for n in names), root=own)
     return summaries
 
 
 def write_split(split: str, rows: list[Row], found: dict[Row, Path | None], index: dict[str, int],
-                failed: set[Row], out: Path) -> SplitSummary:
-    """``<split>.csv`` (or ``<split>_videos.txt`` without labels) and ``missing_<split>.csv``."""
+                failed: set[Row], out: Path, own: Path | None = None) -> SplitSummary:
+    """``<split>.csv`` (or ``<split>_videos.txt`` without labels) and ``missing_<split>.csv``,
+    written by the one writer into ``own`` (``out`` resolved; the lists' paths are relative to
+    ``out`` as given)."""
+    own = own or out.resolve()
     labeled = all(r.label is not None for r in rows)
     lines, gone = [], []
     for r in rows:
@@ -340,39 +349,18 @@ def write_split(split: str, rows: list[Row], found: dict[Row, Path | None], inde
     summary = SplitSummary(split, len(rows), len(lines), len(gone) - len(failed & set(gone)),
                            len(failed & set(gone)))
     target = out / (f"{split}.csv" if labeled else f"{split}_videos.txt")
-    _write_atomic(target, "".join(lines))
+    write_text(own / target.name, "".join(lines), root=own)
     summary.written.append(target.name)
-    missing = out / f"missing_{split}.csv"
+    missing = own / f"missing_{split}.csv"
     if gone:
         header = list(gone[0].raw)
-        with _Atomic(missing) as f:
-            w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(r.raw for r in gone)
+        f = io.StringIO(newline="")  # built in memory, then written by the one writer
+        w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(r.raw for r in gone)
+        write_text(missing, f.getvalue(), root=own)
         summary.written.append(missing.name)
     else:
-        missing.unlink(missing_ok=True)  # from an earlier run that had missing videos
+        remove(missing, own)  # from an earlier run that had missing videos
     return summary
 
-
-class _Atomic:
-    """A text file written under a temporary name and renamed when closed without error."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.tmp = path, path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-    def __enter__(self):
-        self.f = self.tmp.open("w", newline="", encoding="utf-8")
-        return self.f
-
-    def __exit__(self, exc_type, *rest) -> None:
-        self.f.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    with _Atomic(path) as f:
-        f.write(text)
