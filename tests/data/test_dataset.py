@@ -233,7 +233,8 @@ def test_val_class_absent_from_train(tiny_copy: Path) -> None:
         _build(tiny_copy, batch_size=2)
     msg = str(err.value)
     assert msg.startswith(f"{tiny_copy / 'val.csv'}: 1 class(es) have val videos but no training videos")
-    assert "3 ('left_then_up')" in msg and str(tiny_copy / "train.csv") in msg
+    assert "label 3" in msg and str(tiny_copy / "train.csv") in msg
+    assert "left_then_up" not in msg and "data.drop_classes=[3]" in msg  # by label, never by name
 
 
 def test_reader_options_must_belong_to_the_layout(tiny_root: Path) -> None:

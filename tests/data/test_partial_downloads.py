@@ -21,6 +21,7 @@ from videotrain.data.loaders import BadDataError, preflight, read_index
 
 # the class of the tiny dataset that loses its videos, as each layout names it
 VICTIM = {"ucf101": "LeftThenUp", "hmdb51": "left_then_up"}
+VICTIM_LABEL = {"ucf101": 3, "hmdb51": 1}  # classInd.txt's order; HMDB51's sorted names
 LIST_FILE = {"ucf101": "trainlist01.txt", "hmdb51": "_test_split1.txt"}
 
 
@@ -53,14 +54,17 @@ def test_a_class_without_readable_videos_is_an_error_unless_dropped(
         run.train(cfg, tmp_path / "run")
     msg = str(err.value)
     assert LIST_FILE[layout] in msg.split(":")[0], msg  # the list file comes first
-    assert re.search(rf"1 class\(es\) have no readable training videos: '{VICTIM[layout]}' "
-                     r"\(label \d, 4 listed, all missing or empty\)", msg), msg
-    assert f"data.drop_classes=[{VICTIM[layout]}]" in msg and "results.json" in msg
+    # by label: the class's name (read from the dataset's files) is never echoed in an error
+    assert re.search(rf"1 class\(es\) have no readable training videos: label {VICTIM_LABEL[layout]} "
+                     r"\(4 listed, all missing or empty\)", msg), msg
+    assert f"data.drop_classes=[{VICTIM_LABEL[layout]}]" in msg and "results.json" in msg
+    assert VICTIM[layout] not in msg.replace(str(tmp_path), "")
     assert (tmp_path / "run" / "missing_videos_train.txt").read_text().count("\n") == 4
 
-    # the explicit option: trained and scored without the class, and results.json says so
+    # the explicit option, as the error gives it (by label): trained and scored without the
+    # class, and results.json says so
     cfg = compose_cfg(_overrides(run_overrides, layout, root, data__max_bad_fraction=0.3,
-                                 data__drop_classes=f"[{VICTIM[layout]}]"))
+                                 data__drop_classes=f"[{VICTIM_LABEL[layout]}]"))
     results = run.train(cfg, tmp_path / "dropped")
     saved = json.loads((tmp_path / "dropped" / "results.json").read_text())
     assert saved["dropped_classes"] == results["dropped_classes"] == [VICTIM[layout]]
@@ -71,8 +75,9 @@ def test_a_class_without_readable_videos_is_an_error_unless_dropped(
 def test_unknown_class_to_drop_names_the_key(tiny_copy: Path, run_overrides, compose_cfg,
                                               tmp_path: Path) -> None:
     cfg = compose_cfg(run_overrides(root=tiny_copy, data__drop_classes="[LeftThenUp]"))
-    with pytest.raises(ValueError, match=r"data.drop_classes: 'LeftThenUp' is not a class of .*"
-                                         r"train\.csv \(4 classes: right_then_down"):
+    with pytest.raises(ValueError, match=r"data.drop_classes: 'LeftThenUp' is neither a class of "
+                                         r".*train\.csv nor a label number of its 4 classes "
+                                         r"\(0 to 3\)$"):
         run.train(cfg, tmp_path)
 
 
@@ -85,8 +90,8 @@ def test_a_class_with_no_readable_val_video_is_an_error(tiny_copy: Path, run_ove
         run.train(cfg, tmp_path)
     msg = str(err.value)
     assert msg.startswith(f"{tiny_copy / 'val.csv'}: 1 class(es) have no readable videos in this "
-                          "evaluated split: 'left_then_up' (label 3, 2 listed, all missing or empty)")
-    assert "data.drop_classes=[left_then_up]" in msg
+                          "evaluated split: label 3 (2 listed, all missing or empty)")
+    assert "data.drop_classes=[3]" in msg and "left_then_up" not in msg
 
 
 def test_validation_and_test_score_only_the_videos_that_are_there(

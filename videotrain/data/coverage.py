@@ -20,25 +20,35 @@ from pathlib import Path
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 from videotrain.data.annotations import AnnotationError, VideoIndex
+from videotrain.untrusted import quoted, shown
 
 
 def dropped_labels(drop_classes: Sequence[str] | None, names: list[str], source: str) -> set[int]:
-    """The labels of ``data.drop_classes``; a name that is not a class is an error."""
+    """The labels of ``data.drop_classes``: each a class name, or a label number (``[3, 7]``,
+    what the errors suggest, since they never echo a name read from a file); anything else is
+    an error naming the entry (the user's own) and the number of classes, never their names."""
     by_name = {n: i for i, n in enumerate(names)}
-    unknown = [n for n in drop_classes or () if n not in by_name]
-    if unknown:
-        raise ValueError(f"data.drop_classes: {unknown[0]!r} is not a class of {source} "
-                         f"({len(names)} classes: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
-    return {by_name[n] for n in drop_classes or ()}
+    labels = set()
+    for entry in drop_classes or ():
+        if entry in by_name:
+            labels.add(by_name[entry])
+        elif re.fullmatch(r"[0-9]{1,9}", str(entry)) and int(entry) < len(names):
+            labels.add(int(entry))
+        else:
+            raise ValueError(f"data.drop_classes: {quoted(entry)} is neither a class of "
+                             f"{shown(source)} nor a label number of its {len(names)} classes "
+                             f"(0 to {len(names) - 1})")
+    return labels
 
 
-def drop_override(names: list[str]) -> str:
-    """The command-line override that drops ``names``: ``data.drop_classes=[A,B]``, quoted for
-    the shell and for Hydra when a name has spaces or other characters."""
-    if all(re.fullmatch(r"[A-Za-z0-9_]+", n) for n in names):
-        return f"data.drop_classes=[{','.join(names)}]"
-    inner = ",".join('"' + n.replace("\\", "\\\\").replace('"', '\\"') + '"' for n in names)
-    return f"'data.drop_classes=[{inner}]'"
+def drop_override(labels: list[int], names: list[str]) -> str:
+    """The command-line override that drops ``labels``: ``data.drop_classes=[3,7]``, by label
+    number (a class name is read from a file: never echoed). Where a number is also the name of
+    another class (it would drop that one), the override says which labels to name instead."""
+    if any(str(k) in names and names.index(str(k)) != k for k in labels):
+        return (f"data.drop_classes=[...] naming the classes of label{'s' * (len(labels) > 1)} "
+                f"{', '.join(map(str, labels))}")
+    return f"data.drop_classes=[{','.join(map(str, labels))}]"
 
 
 def counts(index: VideoIndex, bad: Collection[str] = ()) -> tuple[list[int], list[int]]:
@@ -53,9 +63,10 @@ def counts(index: VideoIndex, bad: Collection[str] = ()) -> tuple[list[int], lis
     return listed, readable
 
 
-def _names(labels: list[int], names: list[str], detail: dict[int, str]) -> str:
-    shown = [f"{names[k]!r} (label {k}, {detail[k]})" for k in labels[:5]]
-    return ", ".join(shown) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")
+def _names(labels: list[int], detail: dict[int, str]) -> str:
+    """The classes as an error names them: by label, never by a name read from a file."""
+    listed = [f"label {k} ({detail[k]})" for k in labels[:5]]
+    return ", ".join(listed) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")
 
 
 def _listing(report_dir: str | Path | None, split: str) -> str:
@@ -80,20 +91,20 @@ def check_classes(train: VideoIndex, val: VideoIndex, bad: Collection[str], drop
         detail = {k: f"{train_listed[k]} listed, all missing or empty" if train_listed[k]
                   else f"none listed, {val_listed[k]} in val" for k in no_train}
         raise AnnotationError(
-            f"{train.source}: {len(no_train)} class(es) have no readable training videos: "
-            f"{_names(no_train, names, detail)}; the model would never learn them and their val "
+            f"{shown(Path(train.source))}: {len(no_train)} class(es) have no readable training videos: "
+            f"{_names(no_train, detail)}; the model would never learn them and their val "
             f"videos would count as errors. Restore the videos (missing ones: "
             f"{_listing(report_dir, 'train')}), or leave them out of training and the metrics "
-            f"with {drop_override([names[k] for k in no_train])} (recorded in results.json)")
+            f"with {drop_override(no_train, names)} (recorded in results.json)")
     no_val = [k for k in range(len(names)) if k not in drop and val_listed[k] and val_ok[k] == 0]
     if no_val:
         detail = {k: f"{val_listed[k]} listed, all missing or empty" for k in no_val}
         raise AnnotationError(
-            f"{val.source}: {len(no_val)} class(es) have no readable videos in this evaluated "
-            f"split: {_names(no_val, names, detail)}; their accuracy cannot be measured, and mean "
+            f"{shown(Path(val.source))}: {len(no_val)} class(es) have no readable videos in this evaluated "
+            f"split: {_names(no_val, detail)}; their accuracy cannot be measured, and mean "
             f"class accuracy would average the other classes only. Restore the videos (missing "
             f"ones: {_listing(report_dir, 'val')}), or leave them out of training and the metrics "
-            f"with {drop_override([names[k] for k in no_val])} (recorded in results.json)")
+            f"with {drop_override(no_val, names)} (recorded in results.json)")
 
 
 def without(index: VideoIndex, bad: Collection[str] = (), drop: Collection[int] = ()) -> VideoIndex:

@@ -28,6 +28,7 @@ from videotrain.data.preflight import (  # noqa: F401 (callers import these from
 from videotrain.data.split_files import hmdb51_index, ucf101_index
 from videotrain.data.ssv2 import ssv2_index
 from videotrain.data.transforms import eval_transform, train_transform
+from videotrain.untrusted import quoted, shown, shown_name
 
 log = logging.getLogger(__name__)
 
@@ -188,15 +189,15 @@ def flip_label_indices(pairs: Mapping[str, str], class_names: Sequence[str]) -> 
     A name that is not a class, or a class given two mirrors, is a ``ValueError`` naming it."""
     index = {name: k for k, name in enumerate(class_names)}
     out: dict[int, int] = {}
-    for a, b in dict(pairs).items():
+    for a, b in dict(pairs).items():  # the map's names are the config's; the dataset's never shown
         for name in (a, b):
             if name not in index:
-                raise ValueError(f"data.hflip_label_map: {name!r} is not a class of this dataset "
-                                 f"(classes: {', '.join(class_names[:8])}{' ...' if len(class_names) > 8 else ''})")
-        for x, y in ((index[a], index[b]), (index[b], index[a])):
+                raise ValueError(f"data.hflip_label_map: {quoted(name)} is not a class of this "
+                                 f"dataset (it has {len(class_names)})")
+        for x, y, name in ((index[a], index[b], a), (index[b], index[a], b)):
             if out.setdefault(x, y) != y:
-                raise ValueError(f"data.hflip_label_map: {class_names[x]!r} is mapped to two mirrors "
-                                 f"({class_names[out[x]]!r} and {class_names[y]!r})")
+                raise ValueError(f"data.hflip_label_map: {quoted(name)} is mapped to two mirrors "
+                                 f"(labels {out[x]} and {y})")
     return out
 
 
@@ -206,7 +207,7 @@ def check_data_values(values: dict[str, Any]) -> None:
     for key, (ok, must) in DATA_VALUE_CHECKS.items():
         value = values.get(key)
         if value is not None and not ok(value):
-            raise ValueError(f"data.{key} must be {must}, got {value!r}")
+            raise ValueError(f"data.{key} must be {must}, got {shown(value)}")
 
 
 def read_index(layout: str, root: Path, split: str, num_classes: int | None,
@@ -232,14 +233,13 @@ def check_val_classes(train: annotations.VideoIndex, val: annotations.VideoIndex
     have = set(train.labels) | set(drop or ())
     missing = sorted(set(val.labels) - have)
     if missing:
-        names = ", ".join(f"{k} ({train.class_names[k]!r})" if k < len(train.class_names) else str(k)
-                          for k in missing[:5])
-        known = [train.class_names[k] for k in missing if k < len(train.class_names)]
-        hint = (f"; or leave them out of training and the metrics with {drop_override(known)}"
-                if len(known) == len(missing) else "")
+        labels = ", ".join(f"label {k}" for k in missing[:5])  # a class's name is never echoed
+        known = [k for k in missing if k < len(train.class_names)]
+        hint = (f"; or leave them out of training and the metrics with "
+                f"{drop_override(known, train.class_names)}" if len(known) == len(missing) else "")
         raise annotations.AnnotationError(
-            f"{val.source}: {len(missing)} class(es) have val videos but no training videos in "
-            f"{train.source}: {names}{' ...' if len(missing) > 5 else ''}{hint}"
+            f"{shown(Path(val.source))}: {len(missing)} class(es) have val videos but no training "
+            f"videos in {shown(Path(train.source))}: {labels}{' ...' if len(missing) > 5 else ''}{hint}"
         )
 
 
@@ -321,9 +321,10 @@ def build_data(
     train_index = read_index(layout, path, "train", num_classes, options)
     val_index = read_index(layout, path, "val", num_classes or len(train_index.class_names), options)
     if layout == "folder" and val_index.class_names != train_index.class_names:
-        extra = sorted(set(val_index.class_names) - set(train_index.class_names))
+        extra = len(set(val_index.class_names) - set(train_index.class_names))  # counted, not named
         raise annotations.AnnotationError(
-            f"{val_index.source}: class folders differ from train ({extra or 'missing classes'})"
+            f"{shown(Path(val_index.source))}: class folders differ from train's "
+            f"({f'{extra} not in train' if extra else 'some of train missing'})"
         )
     drop = dropped_labels(drop_classes, train_index.class_names, train_index.source)
     check_val_classes(train_index, val_index, drop)
@@ -345,7 +346,7 @@ def build_data(
     val_index = without(val_index, known_bad, drop)
     if drop:
         log.warning("data.drop_classes: %s left out of training and the metrics (%d classes "
-                    "remain)", ", ".join(train_index.class_names[k] for k in sorted(drop)),
+                    "remain)", ", ".join(shown_name(train_index.class_names[k]) for k in sorted(drop)),
                     len(train_index.class_names) - len(drop))
     if val_listed != len(val_index):
         log.warning("%s: evaluating the %d of %d listed videos that are there", val_index.source,
@@ -354,9 +355,9 @@ def build_data(
     for a, b in (flip_labels or {}).items():
         if (a in drop) != (b in drop):  # a flipped clip would train on a class the run leaves out
             kept, dropped = (a, b) if b in drop else (b, a)
-            raise ValueError(f"data.hflip_label_map mirrors {train_index.class_names[kept]!r} into "
-                             f"{train_index.class_names[dropped]!r}, which data.drop_classes leaves out: "
-                             "drop both or neither")
+            raise ValueError(f"data.hflip_label_map mirrors the class of label {kept} into that of "
+                             f"label {dropped}, which data.drop_classes leaves out: drop both or "
+                             "neither")
     if flip_labels is not None and not hflip:
         raise ValueError("data.hflip_label_map is set but data.hflip=false: set data.hflip=true "
                          "to flip with relabelling, or data.hflip_label_map=null")

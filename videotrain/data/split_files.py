@@ -32,7 +32,7 @@ from videotrain.data.annotations import (
     require_file,
     under,
 )
-from videotrain.untrusted import quoted, shown
+from videotrain.untrusted import shown
 
 FOLDS = (1, 2, 3)
 HMDB_IDS = {"train": 1, "val": 2}  # 0 marks videos used in neither split of a fold
@@ -122,11 +122,11 @@ def ucf101_index(
                 raise AnnotationError(f"{shown(path)}:{lineno}: expected 'Class/video.avi "
                                       "label': the label is not an integer")
             value = int(parts[1])
-            if value - 1 != label:
-                which = names[value - 1] if 1 <= value <= len(names) else "not in classInd.txt"
-                raise AnnotationError(f"{shown(path)}:{lineno}: label {value} ({shown(which)}) "
-                                      f"disagrees with the video's class folder ({shown(folder)}, "
-                                      f"class {label + 1} of classInd.txt)")
+            if value - 1 != label:  # by number: the line's text and the class names never echoed
+                which = "" if 1 <= value <= len(names) else ", not in classInd.txt"
+                raise AnnotationError(f"{shown(path)}:{lineno}: label {value}{which} disagrees "
+                                      f"with the video's class folder, class {label + 1} of "
+                                      "classInd.txt (expected its label)")
         items.append((rel, label))
     if not items:
         raise AnnotationError(f"{shown(path)}: no videos")
@@ -179,13 +179,13 @@ def hmdb51_index(
             if int(parts[1]) == wanted:
                 items.append((f"{name}/{parts[0]}", label))
         if not lines:
-            raise AnnotationError(f"{shown(path)}: empty split file: class {quoted(name)} would have no "
+            raise AnnotationError(f"{shown(path)}: empty split file: its class would have no "
                                   "videos (an interrupted extraction? extract "
                                   "test_train_splits.rar again)")
     if not items:
         raise AnnotationError(f"{shown(lists)}: no videos marked {wanted} ({split}) in the "
                               f"*_test_split{fold}.txt files")
-    check_class_count(names, num_classes, f"{lists}: split files", verb="name")
+    check_class_count(names, num_classes, f"{shown(lists)}: split files", verb="name")
     source = str(lists / f"*_test_split{fold}.txt")
     prefix = _video_dir(root, video_dir)
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, source)

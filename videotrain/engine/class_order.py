@@ -22,7 +22,7 @@ from typing import Any
 
 from videotrain.data.split_files import hmdb51_legacy_order
 from videotrain.engine.checkpoint import CheckpointError
-from videotrain.untrusted import quoted, shown
+from videotrain.untrusted import shown
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +54,19 @@ def saved_class_names(blob: dict[str, Any], current: list[str],
 
 
 def _moves(saved: list[str], current: list[str]) -> str:
+    """Which labels moved, by number: the class names come from a checkpoint and a dataset's
+    files, and an error never echoes them."""
     where = {name: i for i, name in reversed(list(enumerate(saved)))}  # first index of each
-    moved = [f"{quoted(name)} is label {where[name]} in the checkpoint, {k} here"
+    moved = [f"label {k} here is label {where[name]} in the checkpoint"
              for k, name in enumerate(current) if name in where and where[name] != k]
     more = f"; {len(moved) - _SHOW} more" if len(moved) > _SHOW else ""
     return "; ".join(moved[:_SHOW]) + more
 
 
-def _listed(names: list[str]) -> str:
-    """The first few of ``names``, each escaped and cut: they may come from someone's file."""
-    more = f", ... ({len(names)} in all)" if len(names) > _SHOW else ""
-    return "[" + ", ".join(quoted(n) for n in names[:_SHOW]) + more + "]"
+def _listed(labels: list[int]) -> str:
+    """The first few of ``labels`` (by number, as :func:`_moves`)."""
+    more = f", ... ({len(labels)} in all)" if len(labels) > _SHOW else ""
+    return "labels " + ", ".join(map(str, labels[:_SHOW])) + more if labels else "none"
 
 
 def class_order_problem(blob: dict[str, Any], path: str | Path, current: list[str],
@@ -90,8 +92,9 @@ def class_order_problem(blob: dict[str, Any], path: str | Path, current: list[st
     if same_set:
         what = f"the same {len(current)} classes in another order ({_moves(saved, current)})"
     else:
-        extra = sorted(set(saved) - set(current))
-        lacking = sorted(set(current) - set(saved))
+        here, there = set(current), set(saved)
+        extra = [k for k, name in enumerate(saved) if name not in here]
+        lacking = [k for k, name in enumerate(current) if name not in there]
         what = (f"other classes ({len(saved)} in the checkpoint, {len(current)} here; "
                 f"only in the checkpoint: {_listed(extra)}, only here: {_listed(lacking)})")
     return (f"cannot {use} {path}: its classes and this dataset's differ: {what}, so its scores "
