@@ -41,7 +41,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from videotrain import schema
 from videotrain.build import CONFIG_DIR
-from videotrain.untrusted import plain_tree_problem, read_text, shown
+from videotrain.data.loaders import READER_OPTIONS
+from videotrain.untrusted import FILE_DATA_BOUNDS, plain_tree_problem, read_bytes, shown
 
 MAX_CONFIG_BYTES = 4 << 20  # a run's config.yaml is a few KB
 MAX_CONFIG_NODES = 20_000  # and a few hundred values
@@ -331,12 +332,116 @@ def load_yaml(text: str, source: str) -> Any:
 
 def read_config_file(path: str | Path, config_dir: str = CONFIG_DIR) -> DictConfig:
     """A YAML config file (a run folder's ``config.yaml``): a regular file of at most
-    ``MAX_CONFIG_BYTES`` (no link, FIFO or device: ``untrusted.read_text``), parsed as plain
-    data without anchors or aliases (:func:`load_yaml`), bounded
-    (``untrusted.plain_tree_problem``) and passed through :func:`checked_config`."""
+    ``MAX_CONFIG_BYTES`` (no link, FIFO or device: ``untrusted.read_bytes``) passed to
+    :func:`parse_config_bytes`."""
     p = Path(path)
-    text = read_text(p, MAX_CONFIG_BYTES, "config file")
-    data = load_yaml(text, shown(p))
-    if not isinstance(data, dict):
-        raise RefusedConfig(f"{shown(p)}: not a config (a YAML {type(data).__name__}, not a mapping)")
-    return checked_config(data, shown(p), config_dir)
+    return parse_config_bytes(read_bytes(p, MAX_CONFIG_BYTES, "config file"), shown(p), config_dir)
+
+
+def parse_config_bytes(data: bytes, source: str, config_dir: str = CONFIG_DIR) -> DictConfig:
+    """``data`` (a config file's bytes, read once: what its seal covers) as UTF-8 text, parsed
+    as plain data without anchors or aliases (:func:`load_yaml`), bounded
+    (``untrusted.plain_tree_problem``) and passed through :func:`checked_config`."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RefusedConfig(f"{source}: byte {err.start} is not UTF-8") from None
+    tree = load_yaml(text, source)
+    if not isinstance(tree, dict):
+        raise RefusedConfig(f"{source}: not a config (a YAML {type(tree).__name__}, not a mapping)")
+    return checked_config(tree, source, config_dir)
+
+
+# ---------------------------------------------------------------------- configs not sealed by this user
+# What a config read from a file that this user did not seal (videotrain.untrusted.own: someone
+# else's run, or one from before seals) may set: what defines the trained model. Everything
+# else (paths and file names, workers, batch sizes, generated data, devices, output places) is
+# this command line's (docs/cluster.md#configs-read-from-files).
+MODEL_DATA_KEYS = (*FILE_DATA_BOUNDS, "sampler")  # the clip: length, crop, its span in time
+MODEL_KEYS = ("model.backbone", "model.head", *(f"data.{k}" for k in MODEL_DATA_KEYS),
+              "trainer.precision")
+FILE_KWARGS = ("checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")  # timm's
+# the data keys that choose which videos and labels are scored (data.root too, but for
+# generated data, whose contents its settings fix): evaluating on the command line's instead
+# would change the figures silently, so a difference there is refused, not ignored
+DATASET_KEYS = ("name", "layout", "num_classes", "synthetic", "drop_classes",
+                *sorted({o for opts in READER_OPTIONS.values() for o in opts}))
+NEVER_FROM_FILES = ("eval", "predict", "export", "hydra", "checkpoint", "run_config", "video")
+
+
+def override_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys command-line ``overrides`` set (``model/head=mean`` -> ``model.head``)."""
+    return {o.split("=", 1)[0].lstrip("+~").replace("/", ".") for o in overrides}
+
+
+def _given(key: str, given: set[str]) -> bool:
+    """``key`` or a node above it is set on the command line."""
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in given for i in range(1, len(parts) + 1))
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf of a plain config tree (lists are values)."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: node}
+
+
+def _model_value(key: str, value: Any, source: str) -> Any:
+    """``value`` of a model key from an unsealed config, within its bound (refused naming the
+    key and the bound) and without timm arguments that name files."""
+    name = key.removeprefix("data.")
+    if name in FILE_DATA_BOUNDS and value is not None:
+        bound = FILE_DATA_BOUNDS[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= bound:
+            raise RefusedConfig(
+                f"{source}: {key} is {shown(value)}; a config this user did not seal may set it "
+                f"from above 0 up to {bound}. Pass {key}=... on the command line if you mean it "
+                "(docs/cluster.md#configs-read-from-files)")
+    if key == "model.backbone" and isinstance(value, dict) and isinstance(value.get("kwargs"), dict):
+        value["kwargs"] = {k: v for k, v in value["kwargs"].items() if k not in FILE_KWARGS}
+    return value
+
+
+def model_part(base: DictConfig, composed: DictConfig, overrides: list[str], source: str,
+               scores_data: bool = False) -> tuple[DictConfig, list[str]]:
+    """``composed`` (this command line's config) with what defines the model (:data:`MODEL_KEYS`)
+    taken from ``base``, a checked config read from ``source`` that this user did not seal;
+    keys the command line sets stay its own. Returns it and the keys of ``base`` not used (set
+    there to another value). ``scores_data`` (eval): a dataset key (:data:`DATASET_KEYS`)
+    whose value differs and that the command line does not set is refused, naming the keys."""
+    given = override_keys(overrides)
+    out = OmegaConf.create(OmegaConf.to_container(composed, resolve=True))
+    plain = OmegaConf.to_container(base, resolve=False)  # checked: nothing to resolve
+    for key in MODEL_KEYS:
+        node: Any = plain
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None or _given(key, given):
+            continue  # an older run without it, or the command line's own value
+        OmegaConf.update(out, key, _model_value(key, node, source), merge=False, force_add=True)
+    mine = _leaves(OmegaConf.to_container(out, resolve=True))
+    theirs = _leaves(plain)
+    unused = sorted(k for k, v in theirs.items() if k.split(".")[0] not in NEVER_FROM_FILES
+                    and not _given(k, given) and (k not in mine or mine[k] != v))
+    if scores_data:
+        generated = theirs.get("data.name") == "synthetic" == mine.get("data.name")
+        keys = {f"data.{k}" for k in DATASET_KEYS} | (set() if generated else {"data.root"})
+        differ = [k for k in unused if k in keys or k.rsplit(".", 1)[0] in keys]
+        if differ:
+            raise RefusedConfig(
+                f"{source}: this user did not seal it (someone else's run, or one from before "
+                "runs were sealed), so it chooses no dataset, and this command line's dataset "
+                f"differs from the run's in {_keys(differ)}: pass the dataset to "
+                "evaluate on the command line (data=... data.root=... and those keys; the run's "
+                ".hydra/overrides.yaml lists what it trained with), see "
+                "docs/cluster.md#configs-read-from-files")
+    return out, unused
+
+
+def _keys(keys: list[str], limit: int = 10) -> str:
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(shown(k) for k in keys[:limit]) + more

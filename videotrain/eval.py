@@ -76,7 +76,7 @@ def run_eval(cfg: DictConfig, overrides: list[str], out_dir: str | Path) -> floa
     """What the command runs: the checkpoint (``weights_only``), then its run's checked config
     (``run_config``) with the command line's ``overrides`` over it, then
     ``evaluate_checkpoint``; returns the video top-1."""
-    run = open_run(cfg, overrides)
+    run = open_run(cfg, overrides, scores_data=True)  # a dataset only the user chooses
     log.info("evaluation settings: %s", asdict(eval_settings(run.cfg)))
     summary = evaluate_checkpoint(run.cfg, out_dir, (run.path, run.state))
     return summary["video_top1"]

@@ -41,7 +41,7 @@ from videotrain.engine.inference import (
     export_model,
 )
 from videotrain.trained_run import load_trained
-from videotrain.untrusted import write_text
+from videotrain.untrusted import shown_name, write_text
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def export(cfg: DictConfig, overrides: list[str] | None = None,
     if settings.check:
         diff = check_export(model, out, settings.format, example, settings.dynamic_batch)
         log.info("exported model vs eager: max abs difference of the logits %.3g", diff)
-    meta = export_metadata(settings.format, t, size, trained.class_names, str(trained.path),
+    names = [shown_name(n) for n in trained.class_names]  # read from files: escaped and cut
+    meta = export_metadata(settings.format, t, size, names, str(trained.path),
                            settings.dynamic_batch, settings.batch_size, diff)
     write_text(Path(f"{out}.json"), json.dumps(meta, indent=2), root)  # replaces a link, never follows
     print(f"wrote {out} ({settings.format}; input video (B, {t}, 3, {size}, {size}) -> logits "

@@ -42,7 +42,7 @@ from videotrain.engine.trainer import Trainer, plan_steps
 from videotrain.memory.base import SelfPlanning
 from videotrain.metrics.logger import MetricsLogger, WandbSettings
 from videotrain.simulate.config_run import ConfigEstimator
-from videotrain.untrusted import check_run_folder, write_text
+from videotrain.untrusted import check_run_folder, write_seal, write_text
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,10 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
                           logger, device, comm=comm, preflight_bad=bad, recipe=recipe)
         if ctx.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
-            write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))  # no link followed
+            config_text = OmegaConf.to_yaml(cfg, resolve=True)
+            write_text(out_dir / "config.yaml", config_text)  # no link followed
+            # config.seal: this user's keyed digest of those bytes, what makes the run their own
+            write_seal(out_dir / "config.yaml", config_text.encode("utf-8"))
             log.info("training %s on %s x %d process(es): %d steps (%d per epoch), global batch %d "
                      "(%d per process x %d accumulated x %d), lr %g (optim.lr_scaling=%s), output in %s",
                      trainer.strategy.describe(), device, ctx.world_size, trainer.total_steps,

@@ -13,8 +13,11 @@ Order, and why:
    checkpoint (every videotrain checkpoint stores it), else the command line's composed config.
    Either file's config goes through ``videotrain.config_files.checked_config`` first (refused,
    naming the key, before anything of it is resolved or built); the command line's overrides
-   replace parts of it. ``run_config=false`` reads neither: the command line's config groups
-   describe the model and the checkpoint supplies only the weights;
+   replace parts of it. Only the user's own run (its config sealed with their key,
+   ``videotrain.untrusted.own``) keeps its data settings; of anyone else's config only what
+   defines the model is read (``config_files.model_part``), all the rest is the command line's.
+   ``run_config=false`` reads neither: the command line's config groups describe the model and
+   the checkpoint supplies only the weights;
 3. the model (:func:`trained_model`): built by ``videotrain.build.build_model`` without any
    source of initial weights (``init=False``) and as plain e2e, since the evaluation forward is
    the same under every memory strategy (no SBP / recomputation wrappers, no memory=auto
@@ -35,14 +38,22 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from videotrain.build import build_model, resolve_device
-from videotrain.config_files import checked_config, read_config_file
+from videotrain.config_files import MAX_CONFIG_BYTES, checked_config, model_part, parse_config_bytes
 from videotrain.data.loaders import READER_OPTIONS, read_index, resolve_root
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.class_order import saved_class_names
 from videotrain.models.finetune import trained_state
 from videotrain.models.video import VideoClassifier
 from videotrain.models.weights import key_mismatches
-from videotrain.untrusted import check_run_folder, is_regular, read_text, shown
+from videotrain.untrusted import (
+    check_run_folder,
+    is_regular,
+    is_sealed_config,
+    is_sealed_file,
+    read_bytes,
+    read_text,
+    shown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +119,19 @@ def _synthetic_root_from_file(base: DictConfig, composed: DictConfig,
 
 
 def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = (),
-               state: dict[str, Any] | None = None) -> tuple[DictConfig, Path | None]:
+               state: dict[str, Any] | None = None,
+               scores_data: bool = False) -> tuple[DictConfig, Path | None]:
     """The config of the run that wrote ``cfg.checkpoint``, the one reader of a trained run's
     config (eval, predict, export): its run folder's ``config.yaml``, else the config stored in
     the checkpoint ``state``, with the command line's ``overrides`` and the app's own nodes
     (``keep``) taken from ``cfg``. Either file's config is checked first
     (``videotrain.config_files``: refused, naming the key, before anything of it is built or
-    resolved). With ``run_config=false`` neither is read: ``cfg`` (the command line's config
-    groups) describes the model and the checkpoint supplies only the weights. Returns the config
-    and the run folder (None when the checkpoint is not in one), whose ``results.json`` names
-    the classes."""
+    resolved). Only a config this user sealed (``videotrain.untrusted.own``: their own run) is used whole;
+    of any other only what defines the model is (``config_files.model_part``; ``scores_data``,
+    eval: a dataset that differs from the run's is refused). With ``run_config=false`` neither
+    is read: ``cfg`` (the command line's config groups) describes the model and the checkpoint
+    supplies only the weights. Returns the config and the run folder (None when the checkpoint
+    is not in one), whose ``results.json`` names the classes."""
     path = Path(str(cfg.checkpoint)).expanduser()
     saved = find_run_config(path)
     run_dir = saved.parent if saved is not None else None
@@ -129,15 +143,32 @@ def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()
                      saved or f"the config stored in {path}")
         return cfg, run_dir
     if saved is not None:
-        source, base = shown(saved), read_config_file(saved)
+        source, data = shown(saved), read_bytes(saved, MAX_CONFIG_BYTES, "config file")
+        base = parse_config_bytes(data, source)  # checked before its seal is
+        own = is_sealed_file(saved, data)
     elif stored is not None:
         source = f"the config stored in {shown(path)}"
-        base = checked_config(stored, source)
+        base = checked_config(stored, source)  # bounded before it is serialized for the seal
+        own = is_sealed_config(stored, state.get("config_seal") if state is not None else None)
     else:
         return cfg, run_dir
-    _synthetic_root_from_file(base, cfg, overrides)
-    log.info("model and data settings from %s (overridden by the command line)", source)
-    return apply_overrides(base, cfg, overrides, keep), run_dir
+    if own:
+        _synthetic_root_from_file(base, cfg, overrides)
+        log.info("model and data settings from %s (your own run: its seal is yours; overridden "
+                 "by the command line)", source)
+        return apply_overrides(base, cfg, overrides, keep), run_dir
+    mine, unused = model_part(base, cfg, overrides, source, scores_data)
+    log.info("%s is not sealed by you (someone else's run, or one from before runs were "
+             "sealed): the model from it, all else from this command line%s "
+             "(docs/cluster.md#configs-read-from-files)", source,
+             f"; not used: {_listed(unused)}" if unused else "")
+    return apply_overrides(mine, cfg, overrides, keep), run_dir
+
+
+def _listed(keys: list[str], limit: int = 12) -> str:
+    """The first ``limit`` of ``keys`` (config keys, escaped), and how many more."""
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(shown(k) for k in keys[:limit]) + more
 
 
 def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str],
@@ -169,12 +200,14 @@ class OpenedRun:
     run_dir: Path | None
 
 
-def open_run(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()) -> OpenedRun:
+def open_run(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = (),
+             scores_data: bool = False) -> OpenedRun:
     """``cfg.checkpoint`` read (``weights_only``, first) and its run's checked config with the
     command line's ``overrides`` (and the app's own nodes ``keep``) over it: steps 1 and 2 of
-    the module docstring, what eval, predict and export all start with."""
+    the module docstring, what eval, predict and export all start with (``scores_data``: eval,
+    see :func:`run_config`)."""
     path, state = read_checkpoint(cfg)
-    cfg, run_dir = run_config(cfg, overrides, keep, state)
+    cfg, run_dir = run_config(cfg, overrides, keep, state, scores_data)
     return OpenedRun(cfg, path, state, run_dir)
 
 

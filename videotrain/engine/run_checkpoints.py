@@ -31,6 +31,7 @@ from videotrain.engine.distributed import Comm
 from videotrain.engine.recipe import WeightEMA
 from videotrain.engine.resume import refusal
 from videotrain.memory.base import MemoryStrategy
+from videotrain.untrusted import seal_config
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class RunCheckpoints:
         self.files = ckpt.CheckpointDir(self.out_dir / "checkpoints", keep_last_k)
         self.resume, self.comm, self.device = resume, comm, device
         self.config, self.class_names = config, class_names
+        # this user's seal of the stored config: eval, predict and export read it as their own
+        self.config_seal = seal_config(config) if config is not None else None
         self.saved_step = -1  # the step of the last save or of the resumed checkpoint (every rank)
         self.last_path: Path | None = None  # the file the last save wrote (rank 0)
         self._best_pending = False  # the last validation improved val_top1: the next save is best
@@ -221,7 +224,7 @@ class RunCheckpoints:
             return None
         blob = {ckpt.FORMAT_KEY: ckpt.FORMAT, **parts.state_dict(), "rng_per_rank": rngs,
                 "world_size": self.comm.world_size, "skipped": sorted(skipped),
-                "config": self.config,
+                "config": self.config, "config_seal": self.config_seal,
                 "class_names": self.class_names}  # head row k scores class_names[k]
         self.last_path = self.files.save(blob, parts.state.step, best=best)
         return self.last_path

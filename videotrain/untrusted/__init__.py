@@ -8,10 +8,16 @@ bottom layer (it imports no other videotrain module), so the same rules hold eve
 * ``files``: the one reader and the one writer: regular files only, sizes bounded before
   reading, writes that never follow a link;
 * ``bounds``: the declared types and bounds every value read from a file is checked against;
-* ``run_folder``: a run folder is checked before anything is written into it (fail closed).
+* ``run_folder``: a run folder is checked before anything is written into it (fail closed);
+* ``own``: the user's own runs, told apart by a keyed digest (a seal) a stranger cannot forge.
 """
 
-from videotrain.untrusted.bounds import MAX_CONFIG_DEPTH, MAX_CONFIG_NODES, plain_tree_problem
+from videotrain.untrusted.bounds import (
+    FILE_DATA_BOUNDS,
+    MAX_CONFIG_DEPTH,
+    MAX_CONFIG_NODES,
+    plain_tree_problem,
+)
 from videotrain.untrusted.files import (
     UnsafeFileError,
     is_regular,
@@ -22,6 +28,15 @@ from videotrain.untrusted.files import (
     write_bytes,
     write_text,
 )
+from videotrain.untrusted.own import (
+    canonical_json,
+    is_sealed,
+    is_sealed_config,
+    is_sealed_file,
+    seal,
+    seal_config,
+    write_seal,
+)
 from videotrain.untrusted.run_folder import (
     MAX_RUN_FOLDER_ENTRIES,
     RunFolderCheck,
@@ -29,9 +44,11 @@ from videotrain.untrusted.run_folder import (
     check_run_folder,
     run_folder_problems,
 )
-from videotrain.untrusted.text import PATH_CHARS, SHOWN_CHARS, quoted, shown
+from videotrain.untrusted.text import NAME_CHARS, PATH_CHARS, SHOWN_CHARS, quoted, shown, shown_name
 
 __all__ = [
+    "FILE_DATA_BOUNDS", "NAME_CHARS", "canonical_json", "is_sealed", "is_sealed_config",
+    "is_sealed_file", "seal", "seal_config", "shown_name", "write_seal",
     "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES", "MAX_RUN_FOLDER_ENTRIES", "PATH_CHARS", "SHOWN_CHARS",
     "RunFolderCheck", "UnsafeFileError", "UnsafeRunFolder", "check_run_folder", "is_regular",
     "open_append", "open_regular", "plain_tree_problem", "quoted", "read_bytes", "read_text",

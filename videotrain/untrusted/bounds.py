@@ -13,6 +13,12 @@ from videotrain.untrusted.text import shown
 MAX_CONFIG_NODES = 20_000  # a run's resolved config has a few hundred
 MAX_CONFIG_DEPTH = 32
 
+# what a config read from a file that this user did not seal may set of the clip the model sees
+# (videotrain.config_files.model_part); larger values are refused naming the key. A frame of
+# 512 px short side and 128 frames is past every shipped model; the command line may go further.
+FILE_DATA_BOUNDS = {"num_frames": 128, "crop_size": 448, "short_side": 512,
+                    "sampling_rate": 64, "fps": 240}
+
 
 def plain_tree_problem(obj: Any, max_nodes: int = MAX_CONFIG_NODES,
                        max_depth: int = MAX_CONFIG_DEPTH) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 SHOWN_CHARS = 100  # a value read from a file is cut to this many characters when shown
 PATH_CHARS = 1000  # a path (a Path object) is cut at this many
+NAME_CHARS = 120  # a class name read from a file, where one must be shown (SSv2's run to 80)
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
@@ -46,3 +47,9 @@ def quoted(value: Any, limit: int = SHOWN_CHARS) -> str:
         return shown(value, limit)
     text = repr(value[:limit])
     return text if len(value) <= limit else f"{text}...({len(value)} chars)"
+
+
+def shown_name(name: Any) -> str:
+    """A class name read from a file (a checkpoint, ``results.json``, a dataset's class list),
+    as predict prints it and export records it: :func:`shown`, cut to :data:`NAME_CHARS`."""
+    return shown(name if isinstance(name, str) else str(name)[:NAME_CHARS], NAME_CHARS)
