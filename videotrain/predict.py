@@ -42,7 +42,7 @@ from videotrain.engine.inference import (
     top_classes,
 )
 from videotrain.trained_run import load_trained
-from videotrain.untrusted import write_text
+from videotrain.untrusted import shown_name, write_text
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, An
                         int(d.crop_size), ev.clips, ev.crops, decoder=str(d.get("decoder", "pyav")),
                         sampler=str(d.get("sampler", "random")))  # runs from before these keys: defaults
     device = next(trained.model.parameters()).device
+    # read from a checkpoint, results.json or a dataset's files: escaped and cut on the terminal,
+    # in the log and in predict.out alike
+    names = [shown_name(n) for n in trained.class_names]
     precision = build_precision(cfg, device)
     source = Path(str(cfg.video)).expanduser()
     videos = list_videos(source)
@@ -76,7 +79,7 @@ def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, An
             errors.append({"video": str(path), "error": str(err)})
             continue
         scores = predict_video(trained.model, views, precision, device, ev.aggregate)
-        top = top_classes(scores, trained.class_names, settings.topk)
+        top = top_classes(scores, names, settings.topk)
         predictions.append({"video": str(path), "top": top})
         print(format_prediction(str(path), top), flush=True)
     if errors:
