@@ -126,17 +126,25 @@ def _below(path: Path, root: Path) -> tuple[str, ...]:
 
 
 def _open_root(root: Path, create: bool) -> int:
-    """A directory fd of ``root``, which must be a real directory itself (not a link)."""
-    if create:
-        root.mkdir(parents=True, exist_ok=True)
+    """A directory fd of ``root``, which must be a real directory itself (not a link; created
+    with its parents, the user's own path, when missing and ``create``)."""
     try:
         st = os.lstat(root)
     except FileNotFoundError:
-        raise
+        if not create:
+            raise
+        root.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeFileError(f"run folder {shown(root)} is {_kind(st.st_mode)}, not a folder; "
                               "nothing was written")
-    return os.open(root, _DIR_FLAGS | os.O_NOFOLLOW)
+    try:
+        return os.open(root, _DIR_FLAGS | os.O_NOFOLLOW)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):  # became a link since the lstat
+            raise UnsafeFileError(f"run folder {shown(root)} is not a folder; nothing was "
+                                  "written") from None
+        raise
 
 
 def _step_into(dir_fd: int, name: str, create: bool, where: Path) -> int:
@@ -202,14 +210,34 @@ def make_new_dir(folder: str | Path, root: str | Path | None = None) -> bool:
         os.close(fd)
 
 
+def list_folder(folder: str | Path, root: str | Path | None = None) -> list[str]:
+    """The names in ``folder`` (opened by :func:`folder_fd`, so below ``root`` no link is
+    followed: a linked folder is refused, not listed); [] when it does not exist. A folder that
+    cannot be listed raises (``PermissionError``): nothing is decided from a partial view."""
+    try:
+        fd = folder_fd(folder, root, create=False)
+    except FileNotFoundError:
+        return []
+    try:
+        return sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+
+
+def _fsync_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):  # a filesystem without fsync on folders
+        os.fsync(fd)
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | Path, root: str | Path | None = None,
-                  mode: int = 0o666) -> Iterator[BinaryIO]:
+                  mode: int = 0o666, durable: bool = False) -> Iterator[BinaryIO]:
     """A binary file to write ``path``'s new contents into: a new file (``O_EXCL |
-    O_NOFOLLOW``, a random name) in ``path``'s folder (opened by :func:`folder_fd`), renamed over
-    the name when the block ends without an error, removed when it raises. Whatever stood at
-    ``path`` (a link, a hard link, a FIFO) is replaced, never written through; a reader sees the
-    old file or the whole new one."""
+    O_NOFOLLOW``, a random name ``.NAME.*.tmp``) in ``path``'s folder (opened by
+    :func:`folder_fd`), renamed over the name when the block ends without an error, removed when
+    it raises. Whatever stood at ``path`` (a link, a hard link, a FIFO) is replaced, never
+    written through; a reader sees the old file or the whole new one. ``durable`` (checkpoints):
+    the file and then its folder are fsynced, so a crash keeps the old file or the new one."""
     path = Path(path)
     dir_fd = folder_fd(path.parent, root)
     tmp = f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
@@ -219,13 +247,61 @@ def atomic_writer(path: str | Path, root: str | Path | None = None,
         try:
             with os.fdopen(fd, "wb") as f:
                 yield f
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
             raise
+        if durable:
+            _fsync_fd(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def point(path: str | Path, target: str, root: str | Path | None = None,
+          symbolic: bool = True) -> Path:
+    """Make ``path`` name ``target``, a file beside it (a plain name, no ``/``): a relative
+    symbolic link when ``symbolic``, else a hard link (made without following a link), else a
+    copy; built under a new temporary name in the folder (opened by :func:`folder_fd`) and
+    renamed over ``path``, so whatever stood there is replaced, never written through."""
+    path = Path(path)
+    if "/" in target or target in ("", ".", ".."):
+        raise UnsafeFileError(f"{shown(target)}: a link in a run folder names a file beside it")
+    dir_fd = folder_fd(path.parent, root)
+    tmp = f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        try:
+            if not symbolic:
+                raise OSError("a hard link is wanted")
+            os.symlink(target, tmp, dir_fd=dir_fd)
+        except OSError:
+            try:
+                os.link(target, tmp, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            except OSError:  # no hard links here: a copy, read as a regular file only
+                src = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC,
+                              dir_fd=dir_fd)
+                with os.fdopen(src, "rb") as f_in:
+                    if not stat.S_ISREG(os.fstat(f_in.fileno()).st_mode):
+                        raise UnsafeFileError(f"{shown(path.parent / target)} is not a regular "
+                                              "file; nothing was linked") from None
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | _CLOEXEC, 0o666, dir_fd=dir_fd)
+                    with os.fdopen(fd, "wb") as f_out:
+                        shutil.copyfileobj(f_in, f_out, 1 << 20)
+                        f_out.flush()
+                        os.fsync(f_out.fileno())
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        _fsync_fd(dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(dir_fd)
+    return path
 
 
 def write_bytes(path: str | Path, data: bytes, root: str | Path | None = None) -> Path:
