@@ -99,7 +99,8 @@ def name_the_rank(err: Exception, ctx: DistContext, worker_timeout: float) -> Ex
 
 def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     check_values(cfg)  # every value, before any data is read
-    # a shared folder resumed from: links out of it, FIFOs, devices refused before any write
+    # a shared folder resumed from: a linked run folder, links out of it, FIFOs, devices, and
+    # what cannot be listed refused before any write (every rank: each writes or reads there)
     check_run_folder(out_dir, "write into")
     comm = Comm(ctx)
     device = resolve_device(cfg.device, ctx)
@@ -135,9 +136,9 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
         trainer = Trainer(model, optimizer, scheduler, data, precision, settings, checkpoints,
                           logger, device, comm=comm, preflight_bad=bad, recipe=recipe)
         if ctx.is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
             config_text = OmegaConf.to_yaml(cfg, resolve=True)
-            write_text(out_dir / "config.yaml", config_text)  # no link followed
+            # the one writer, root = the run folder: a real folder, no link in it followed
+            write_text(out_dir / "config.yaml", config_text, root=out_dir)
             # config.seal: this user's keyed digest of those bytes, what makes the run their own
             write_seal(out_dir / "config.yaml", config_text.encode("utf-8"))
             log.info("training %s on %s x %d process(es): %d steps (%d per epoch), global batch %d "
@@ -167,7 +168,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
             results.update({f"test_{k}": test[k] for k in
                             ("video_top1", "video_top5", "clip_top1", "mean_class_acc")})
         if ctx.is_main:
-            write_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
+            write_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n", root=out_dir)
         logger.finish(results)
         comm.barrier()  # nobody leaves (and tears the group down) before rank 0 has written
         return results

@@ -31,8 +31,6 @@ import logging
 import os
 import random
 import re
-import shutil
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -47,6 +45,7 @@ from videotrain.engine.safe_load import (  # noqa: F401 - re-exported: the one l
     check_tensors,
     load,
 )
+from videotrain.untrusted.files import atomic_writer, list_folder, point, remove, rename
 
 log = logging.getLogger(__name__)
 
@@ -123,21 +122,9 @@ def plain(obj: Any, where: str = "checkpoint") -> Any:
                     "None), which torch.load(weights_only=True) reads back")
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def save_atomic(obj: dict[str, Any], path: str | Path) -> Path:
-    """Write to a temporary file in the same folder, fsync, then rename over ``path``.
+def save_atomic(obj: dict[str, Any], path: str | Path, root: str | Path | None = None) -> Path:
+    """Write to a temporary file in the same folder, fsync, then rename over ``path``
+    (``untrusted.files.atomic_writer``: below ``root``, a run folder, no link is followed).
 
     A crash at any moment leaves either the previous file or the new one, never a truncated
     file (``os.replace`` is atomic on POSIX within one filesystem). ``obj`` must hold tensors
@@ -145,18 +132,8 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> Path:
     """
     path = Path(path)
     obj = plain(obj)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    with atomic_writer(path, root, durable=True) as f:
+        torch.save(obj, f)
     return path
 
 
@@ -183,36 +160,19 @@ def step_of(path: str | Path) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _point(folder: Path, name: str, target: Path, symbolic: bool) -> None:
-    """Make ``folder/name`` name ``target`` atomically: a symbolic link (relative), else a
-    hard link, else a copy; built under a temporary name and renamed over the old one."""
-    tmp = folder / f".{name}.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
-    try:
-        try:
-            if not symbolic:
-                raise OSError("hard link wanted")
-            os.symlink(target.name, tmp)
-        except OSError:
-            try:
-                os.link(target, tmp)
-            except OSError:
-                shutil.copyfile(target, tmp)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-        os.replace(tmp, folder / name)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(folder)
-
-
 class CheckpointDir:
-    """``step-N.ckpt`` files, ``last.ckpt`` and ``best.ckpt`` in one folder (module docstring)."""
+    """``step-N.ckpt`` files, ``last.ckpt`` and ``best.ckpt`` in one folder (module docstring).
 
-    def __init__(self, folder: str | Path, keep_last_k: int | None = 2) -> None:
+    Every write, rename, removal and listing goes through ``videotrain.untrusted.files`` with
+    ``root`` (the run folder; by default the folder above this one): the folder is opened
+    without following a link, so a ``checkpoints`` link to another run's folder is refused, and
+    nothing there is deleted or written."""
+
+    def __init__(self, folder: str | Path, keep_last_k: int | None = 2,
+                 root: str | Path | None = None) -> None:
         self.folder = Path(folder)
         self.keep_last_k = keep_last_k
+        self.root = Path(root) if root is not None else self.folder.parent
 
     @property
     def last(self) -> Path:
@@ -224,16 +184,15 @@ class CheckpointDir:
 
     def step_files(self) -> list[Path]:
         """Step files, newest first."""
-        if not self.folder.is_dir():
-            return []
-        found = [(step_of(p), p) for p in self.folder.iterdir() if step_of(p) is not None]
+        names = list_folder(self.folder, self.root)  # the folder itself, never a link's target
+        found = [(step_of(n), self.folder / n) for n in names if step_of(n) is not None]
         return [p for _, p in sorted(found, reverse=True)]
 
     def save(self, blob: dict[str, Any], step: int, best: bool = False) -> Path:
-        path = save_atomic(blob, self.folder / step_name(step))
-        _point(self.folder, LAST, path, symbolic=True)
+        path = save_atomic(blob, self.folder / step_name(step), self.root)
+        point(self.last, path.name, self.root, symbolic=True)
         if best:
-            _point(self.folder, BEST, path, symbolic=False)  # a hard link survives pruning
+            point(self.best, path.name, self.root, symbolic=False)  # a hard link survives pruning
         self.prune()
         return path
 
@@ -241,15 +200,14 @@ class CheckpointDir:
         if self.keep_last_k is None:
             return
         for old in self.step_files()[self.keep_last_k:]:
-            old.unlink(missing_ok=True)
+            remove(old, self.root)
 
     def clean_temporaries(self) -> None:
         """Remove temporary files a killed writer left (``.NAME.*.tmp``); never loaded."""
-        if not self.folder.is_dir():
-            return
-        for tmp in self.folder.glob(".*.tmp"):
-            log.info("removing %s, left by an interrupted checkpoint write", tmp)
-            tmp.unlink(missing_ok=True)
+        for name in list_folder(self.folder, self.root):
+            if name.startswith(".") and name.endswith(".tmp"):
+                log.info("removing %s, left by an interrupted checkpoint write", self.folder / name)
+                remove(self.folder / name, self.root)
 
     def candidates(self) -> list[Path]:
         """What resume tries, in order: the step files, newest first, then ``last.ckpt`` if it
@@ -286,9 +244,9 @@ class CheckpointDir:
                 log.warning("checkpoint %s is unreadable (%s); resuming from the previous "
                             "checkpoint %s instead (the unreadable file is kept as %s)",
                             old_described, err.reason, path, aside.name)
-                os.replace(old, aside)
+                rename(old, aside, self.root)
             if bad:
-                _point(self.folder, LAST, path, symbolic=True)
+                point(self.last, path.name, self.root, symbolic=True)
             return path, blob
         if bad:
             raise CorruptCheckpointError(
@@ -298,10 +256,10 @@ class CheckpointDir:
 
     def set_aside(self, suffix: str) -> Path | None:
         """Rename the folder to ``checkpoints.SUFFIX`` (nothing in it is loaded again)."""
-        if not self.folder.is_dir() or not any(self.folder.iterdir()):
+        if not list_folder(self.folder, self.root):  # a linked folder is refused, not moved
             return None
         dest = self.folder.with_name(f"{self.folder.name}.{suffix}")
-        os.replace(self.folder, dest)
+        rename(self.folder, dest, self.root)
         return dest
 
 

@@ -32,6 +32,7 @@ from videotrain.engine.recipe import WeightEMA
 from videotrain.engine.resume import refusal
 from videotrain.memory.base import MemoryStrategy
 from videotrain.untrusted import seal_config
+from videotrain.untrusted.files import rename
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,8 @@ class RunCheckpoints:
                  device: torch.device, config: dict[str, Any] | None = None,
                  class_names: list[str] | None = None) -> None:
         self.out_dir = Path(out_dir)
-        self.files = ckpt.CheckpointDir(self.out_dir / "checkpoints", keep_last_k)
+        # every folder operation below the run folder: no link followed (untrusted.files)
+        self.files = ckpt.CheckpointDir(self.out_dir / "checkpoints", keep_last_k, root=self.out_dir)
         self.resume, self.comm, self.device = resume, comm, device
         self.config, self.class_names = config, class_names
         # this user's seal of the stored config: eval, predict and export read it as their own
@@ -243,9 +245,10 @@ class RunCheckpoints:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         moved = self.files.set_aside(f"replaced-{stamp}")
         metrics = self.out_dir / "metrics.jsonl"
-        if moved is not None or metrics.exists():
+        has_metrics = os.path.lexists(metrics)  # the name itself: a link is moved, not followed
+        if moved is not None or has_metrics:
             log.warning("trainer.resume=false: starting over in %s; the previous run's "
                         "checkpoints (%s) and metrics.jsonl are kept with the suffix replaced-%s "
                         "and not loaded", self.out_dir, moved or "none", stamp)
-        if metrics.exists():
-            os.replace(metrics, self.out_dir / f"metrics.replaced-{stamp}.jsonl")
+        if has_metrics:
+            rename(metrics, self.out_dir / f"metrics.replaced-{stamp}.jsonl", self.out_dir)

@@ -16,6 +16,7 @@ from typing import Any
 
 from videotrain import NEUTRAL
 from videotrain.untrusted import open_append, read_text, write_text
+from videotrain.untrusted.files import make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,21 @@ class MetricsLogger:
         self._wandb = None
         if not enabled:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        # every file here through the one writer, root = the run folder (no link followed)
+        make_dirs(self.out_dir, root=self.out_dir)
         if wandb.mode != "disabled":
             import wandb as wandb_lib  # imported lazily: it is slow to import and optional at run time
 
             id_file = self.out_dir / "wandb_run_id"
-            run_id = (read_text(id_file, 1024, "wandb_run_id").strip() if id_file.exists()
-                      else uuid.uuid4().hex[:12])
-            if not run_id.isalnum():
-                raise ValueError(f"{id_file}: not a wandb run id (letters and digits)")
-            write_text(id_file, run_id)
+            try:
+                run_id = read_text(id_file, 1024, "wandb_run_id").strip()
+            except FileNotFoundError:
+                run_id = uuid.uuid4().hex[:12]
+            if not run_id.isalnum() or len(run_id) > 64:
+                raise ValueError(f"{id_file}: not a wandb run id (up to 64 letters and digits)")
+            write_text(id_file, run_id, root=self.out_dir)
+            # wandb writes into RUN/wandb/ itself: a new run folder of its own each start, and
+            # links it replaces (never writes through); run_folder.check_run_folder's rule
             self._wandb = wandb_lib.init(
                 project=wandb.project, mode=wandb.mode, dir=str(self.out_dir), name=run_name,
                 id=run_id, resume="allow", config=config, reinit="finish_previous",
@@ -103,13 +109,13 @@ class MetricsLogger:
                                  "'step' (a metrics.jsonl line)")
             if row_step <= step:
                 kept.append(line)
-        write_text(self.path, "".join(ln + "\n" for ln in kept))  # replaces a link, never follows
+        write_text(self.path, "".join(ln + "\n" for ln in kept), root=self.out_dir)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        with open_append(self.path) as f:  # O_NOFOLLOW: a link there is refused
+        with open_append(self.path, root=self.out_dir) as f:  # a link there is refused
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
