@@ -1,5 +1,7 @@
 """Broken inputs: bad videos are skipped (warned about, counted, replaced so batches stay full)
-until there are too many; broken annotation files and labels fail with file and line."""
+until there are too many; broken annotation files and labels fail with file and line. Videos
+over the media budget (frame size, frame count, what one read decodes and holds) are refused
+before any frame becomes RGB, and then skipped like any bad video."""
 
 from __future__ import annotations
 
@@ -8,18 +10,26 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import av
+import numpy as np
 import pytest
 
 import videotrain.run as run
+from videotrain.data import decode, media_budget
 from videotrain.data.annotations import AnnotationError
 from videotrain.data.dataset import VideoClipDataset
+from videotrain.data.decode import VideoFile
 from videotrain.data.layouts import generate
 from videotrain.data.loaders import BadDataError, build_data
-from videotrain.data.synthetic import SyntheticSpec
+from videotrain.data.media_budget import VideoTooLarge, limit_ffmpeg_allocations
+from videotrain.data.synthetic import SyntheticSpec, render_clip, write_video
 from videotrain.engine.trainer import Trainer
+from videotrain.untrusted.bounds import MAX_FRAME_PIXELS
 
 VICTIM = "train/left_then_up/left_then_up_0001.mp4"  # a real file of the tiny dataset
 
@@ -340,3 +350,158 @@ def test_stuck_decoder_times_out(tiny_root: Path, monkeypatch: pytest.MonkeyPatc
         for _ in _loader(tiny_root, worker_timeout=1):
             pass
     assert time.perf_counter() - t0 < 60
+
+
+# ------------------------------------------------------------------- videos over the media budget
+# Files a stranger can make that cost gigabytes or minutes when decoded naively
+# (tests/data/hostile_media.py); the budgets are videotrain.untrusted.bounds' MAX_* constants.
+OVER_BUDGET = ["frame_8192.mp4", "frame_6000.mp4", "declared_frames.mp4", "lying_header.mp4",
+               "dense_window.mp4"]
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The hostile videos, written by a process of their own (this one caps FFmpeg's
+    allocations once it has opened a video, which an 8192x8192 encoder would exceed)."""
+    folder = tmp_path_factory.mktemp("hostile")
+    script = Path(__file__).with_name("hostile_media.py")
+    subprocess.run([sys.executable, str(script), str(folder)], check=True, timeout=120)
+    return folder
+
+
+@pytest.fixture
+def conversions(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every frame converted to an array (``VideoFrame.to_ndarray``: RGB, in ``decode._rgb``)."""
+    calls: list = []
+    real = av.VideoFrame.to_ndarray
+
+    def counting(self, *args, **kwargs):
+        calls.append((self.width, self.height))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(av.VideoFrame, "to_ndarray", counting)
+    return calls
+
+
+@pytest.mark.parametrize("read", ["clips", "frames_at"])
+@pytest.mark.parametrize("name", OVER_BUDGET)
+def test_over_budget_video_is_refused_before_any_rgb(name: str, read: str, hostile: Path,
+                                                     conversions: list) -> None:
+    """Each read an evaluation makes (10 windows of 8 frames, or 10 segment clips) is refused
+    with a ``VideoTooLarge`` saying which budget, and not one frame became RGB. The header's
+    size and count are refused at open; a header that lies, at its first large frame; too many
+    decoded frames in one window while they arrive; too many RGB frames before decoding."""
+    start = time.perf_counter()
+    with pytest.raises(VideoTooLarge, match="over the budget") as err:
+        with VideoFile(str(hostile / name)) as video:
+            if read == "clips":
+                video.clips([(0.16 * k, 0.16 * k + 1.6) for k in range(10)], 8)
+            else:
+                video.frames_at([[k + 8 * c for k in range(8)] for c in range(10)])
+    # a header that lies shows its small frames first, and those are read; never a large one
+    assert all(w * h <= MAX_FRAME_PIXELS for w, h in conversions)
+    assert conversions == [] or name == "lying_header.mp4"
+    assert time.perf_counter() - start < 10
+    assert str(hostile) not in str(err.value)  # numbers only: nothing of the file
+
+
+def test_a_video_at_the_frame_budget_is_read(hostile: Path) -> None:
+    """Two 4096x4096 frames (the frame budget exactly) decode: the budget refuses what is over
+    it, not large frames as such."""
+    with VideoFile(str(hostile / "frame_4096.mp4")) as video:
+        (clip,) = video.clips([(0.0, 0.2)], 2)
+        assert (video.width, video.height, video.frame_count()) == (4096, 4096, 2)
+    assert clip.shape == (2, 4096, 4096, 3) and int(clip[0, 0, 0].sum()) > 0  # gray, decoded
+
+
+def test_a_declared_frame_index_is_not_built(hostile: Path) -> None:
+    """An MP4 header declaring fifty million frames: uncapped, FFmpeg builds their index in
+    ``av.open`` (3.5 GB, 11 s). Every FFmpeg allocation is capped, so the file opens at once
+    and its declared count is refused."""
+    assert limit_ffmpeg_allocations("pyav") >= 1  # PyAV's own libavutil was found and capped
+    start = time.perf_counter()
+    with pytest.raises(VideoTooLarge, match="declares 50,000,000 frames"):
+        VideoFile(str(hostile / "declared_frames.mp4"))
+    assert time.perf_counter() - start < 2
+
+
+def _raw_stream(path: Path, frames: int = 40) -> Path:
+    with av.open(str(path), "w", format="h264") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 6, np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def _budget(monkeypatch: pytest.MonkeyPatch, name: str, value: int) -> None:
+    """Lower one budget where the decoders read it (each module imported the constant)."""
+    for module in (media_budget, decode):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
+
+def test_frame_count_budget_without_a_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A raw stream declares no count and no duration: a pass that decodes more frames than
+    the budget, and a packet count past it, are refused as they go (40 frames, budget 30)."""
+    path = _raw_stream(tmp_path / "clip.h264")
+    _budget(monkeypatch, "MAX_VIDEO_FRAMES", 30)
+    with VideoFile(str(path)) as video:
+        assert video.duration is None and video.stream.frames == 0
+        with pytest.raises(VideoTooLarge, match="more than 30 frames decoded in one pass"):
+            video.measure_duration()
+        with pytest.raises(VideoTooLarge, match="packets hold more than 31 frames"):
+            video.frame_count()
+    _budget(monkeypatch, "MAX_VIDEO_FRAMES", 40)  # at the budget: read
+    with VideoFile(str(path)) as video:
+        assert video.frame_count() == 40 and video.measure_duration() == pytest.approx(40 / video.rate)
+
+
+@pytest.mark.parametrize("suffix", ["mp4", "webm"])
+def test_frame_count_budget_from_the_header(suffix: str, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MP4 states its frame count; a WebM only its duration and rate, whose product counts."""
+    path = tmp_path / f"clip.{suffix}"
+    write_video(path, render_clip(SyntheticSpec(num_frames=40, size=32), 1,
+                                  np.random.default_rng(0)), 10)
+    _budget(monkeypatch, "MAX_VIDEO_FRAMES", 30)
+    want = "header declares 40 frames" if suffix == "mp4" else "duration and frame rate make 40"
+    with pytest.raises(VideoTooLarge, match=want):
+        VideoFile(str(path))
+
+
+def test_decoded_pixel_budget_per_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One read may decode ``MAX_DECODED_PIXELS``: a 2 s window of 32x32 frames at the 25 fps
+    FFmpeg assumes for a raw stream decodes 40 frames; with room for 16, it is refused, and the
+    next read (13 frames) starts anew."""
+    path = _raw_stream(tmp_path / "clip.h264")
+    _budget(monkeypatch, "MAX_DECODED_PIXELS", 16 * 32 * 32)
+    with VideoFile(str(path)) as video:
+        with pytest.raises(VideoTooLarge, match="decodes more than"):
+            video.clips([(0.0, 2.0)], 4)
+        assert video.clips([(0.0, 0.5)], 4)[0].shape == (4, 32, 32, 3)  # 6 frames: within
+
+
+def test_over_budget_videos_are_skipped_in_training_and_not_evaluated(
+    hostile: Path, tiny_copy: Path, run_overrides, compose_cfg, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Training shares the decoder: an over-budget training video is replaced (batches stay
+    full) and counted; an over-budget validation video is not scored, nor another in its place
+    (7 of the 8 listed are evaluated)."""
+    bad = {"train/left_then_up/left_then_up_0001.mp4": "lying_header.mp4",
+           "val/right_then_up/right_then_up_0000.mp4": "frame_8192.mp4"}
+    for rel, name in bad.items():
+        shutil.copy(hostile / name, tiny_copy / rel)
+    with caplog.at_level(logging.WARNING):
+        results = run.train(compose_cfg(run_overrides(root=tiny_copy, data__max_bad_fraction=0.13)),
+                            tmp_path / "run")
+    assert results["skipped_paths"] == sorted(str(tiny_copy / rel) for rel in bad)
+    assert results["steps"] == 4 and (results["val_videos"], results["val_videos_listed"]) == (7, 8)
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert "VideoTooLarge" in warned and "over the budget" in warned

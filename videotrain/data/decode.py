@@ -13,6 +13,10 @@ overlapping evaluation clips (10 clips of a 10 s video) are decoded once.
 ``data.decoder=torchcodec`` swaps this class for ``decode_torchcodec.TorchCodecVideo``, which
 has the same methods and returns the same frames; ``open_video`` picks one by name.
 
+Every video is held to the media budgets (``videotrain.data.media_budget``): the header's frame
+size and frame count when it is opened, each decoded frame's size before it is kept or
+converted, and what one read decodes and holds; over one, a ``VideoTooLarge``.
+
 Errors are not handled here: the dataset turns any exception into a skipped ``BadVideo``.
 """
 
@@ -27,6 +31,14 @@ import av
 import numpy as np
 
 from videotrain.data.clip_sampling import uniform_indices
+from videotrain.data.media_budget import (
+    ReadBudget,
+    VideoTooLarge,
+    check_frame_count,
+    check_frame_size,
+    limit_ffmpeg_allocations,
+)
+from videotrain.untrusted.bounds import MAX_VIDEO_FRAMES
 
 # Seek forward (to the keyframe before a window) only when the window starts this much past
 # the last decoded frame; closer windows are reached faster by decoding on.
@@ -41,6 +53,22 @@ def _rgb(frame: av.VideoFrame) -> np.ndarray:
     same pixels as ``to_ndarray(format="rgb24")`` in about a third of the time (PyAV 18: 0.22
     against 0.71 ms for a 340x256 frame on this project's CPU; docs/data.md)."""
     return frame.reformat(format="rgb24").to_ndarray()
+
+
+def _stacked(frames: Sequence[av.VideoFrame], budget: ReadBudget) -> np.ndarray:
+    """``frames`` as one uint8 ``(T, H, W, 3)`` array, its bytes counted against ``budget``
+    before it is made (each frame converted straight into it: no second copy)."""
+    first = frames[0]
+    budget.convert(len(frames), first.width, first.height)
+    out = np.empty((len(frames), first.height, first.width, 3), dtype=np.uint8)
+    for k, frame in enumerate(frames):
+        out[k] = _rgb(frame)  # a frame of another size than the first is an error, as in np.stack
+    return out
+
+
+def _yuv_bytes(frame: av.VideoFrame) -> int:
+    """What a decoded frame holds while it waits to be chosen."""
+    return sum(plane.buffer_size for plane in frame.planes)
 
 
 class ClipSource(Protocol):
@@ -92,6 +120,8 @@ class VideoFile:
     def __init__(self, path: str, threads: int = 1) -> None:
         self.path, self.threads = path, threads
         self._count: int | None = None  # frames, once counted
+        self._budget = ReadBudget()  # the current read's; each read starts a new one
+        limit_ffmpeg_allocations("pyav")  # before the first av.open builds anything
         self._open()
         try:
             self.time_base = self.stream.time_base
@@ -100,9 +130,21 @@ class VideoFile:
             rate = self.stream.average_rate or self.stream.guessed_rate
             self.rate = float(rate) if rate else None
             self.duration = self._header_duration()
+            self._check_header()
         except BaseException:
             self.container.close()
             raise
+
+    def _check_header(self) -> None:
+        """The media budgets against what the headers declare, before any frame is decoded:
+        the frame size (0 where the header has none: each frame is checked when decoded) and
+        the frame count, stated or implied by the duration and the rate."""
+        context = self.stream.codec_context
+        self.width, self.height = int(context.width or 0), int(context.height or 0)
+        check_frame_size(self.width, self.height, "the header declares frames of")
+        check_frame_count(self.stream.frames or 0, "the header declares")
+        if self.duration is not None and self.rate:
+            check_frame_count(self.duration * self.rate, "its duration and frame rate make")
 
     def _open(self) -> None:
         self.container = av.open(self.path, metadata_errors="ignore")
@@ -145,6 +187,10 @@ class VideoFile:
 
     def _timed(self, frames, from_start: bool):
         for ordinal, frame in enumerate(frames):
+            if ordinal >= MAX_VIDEO_FRAMES:  # one pass sees each frame once: the video is longer
+                raise VideoTooLarge(f"more than {MAX_VIDEO_FRAMES:,} frames decoded in one pass, "
+                                    f"over the budget of {MAX_VIDEO_FRAMES:,} frames per video")
+            self._budget.decoded(frame.width, frame.height)  # before it is kept or converted
             if frame.pts is not None and self.time_base:
                 yield float(frame.pts * self.time_base) - self.start, frame
             elif from_start:  # no timestamps: count frames
@@ -157,6 +203,7 @@ class VideoFile:
 
     def measure_duration(self) -> float:
         """Decode the whole stream once (files without any duration in their headers)."""
+        self._budget = ReadBudget()
         last = 0.0
         for t, _ in self._decode_from(0.0):
             last = t + (1.0 / self.rate if self.rate else 0.0)
@@ -169,27 +216,37 @@ class VideoFile:
 
         A window with no frame in it (past the real end of a stream whose header overstates
         its length) falls back to the last frames decoded before it, or to the whole video.
+        The RGB frames asked for are refused before decoding when they exceed the budget;
+        the decoded frames waiting in a window are counted as they arrive.
         """
+        budget = self._budget = ReadBudget()
+        budget.expect(len(windows) * num_frames, self.width, self.height,
+                      f"{len(windows)} clip(s) of {num_frames} frames")
         out: list[np.ndarray | None] = [None] * len(windows)
         buffer: list[tuple[float, av.VideoFrame]] = []  # decoded, at or after the last window
         before: deque[av.VideoFrame] = deque(maxlen=num_frames)  # the last ones before it
         frames = None  # (time, frame) iterator since the last seek
         last_t, exhausted = -math.inf, False
+        held = 0  # bytes of the frames in buffer and before
         for i in sorted(range(len(windows)), key=lambda j: windows[j][0]):
             start, end = windows[i]
             if frames is None or (start > last_t + SEEK_GAP_S and not exhausted):
                 frames, last_t, exhausted = self._decode_from(start), -math.inf, False
-                buffer, before = [], deque(maxlen=num_frames)
+                buffer, before, held = [], deque(maxlen=num_frames), 0
             while last_t < end and not exhausted:
                 item = next(frames, None)
                 if item is None:
                     exhausted = True
                     break
                 last_t = item[0]
+                held += _yuv_bytes(item[1])
                 if last_t >= start:
                     buffer.append(item)
                 else:
+                    if len(before) == before.maxlen:  # the oldest one drops out
+                        held -= _yuv_bytes(before[0])
                     before.append(item[1])
+                budget.hold(held)
             inside = [f for t, f in buffer if start <= t < end]
             if not inside:  # e.g. the header overstates the duration
                 inside = [*before, *(f for t, f in buffer if t < end)][-num_frames:]
@@ -197,9 +254,10 @@ class VideoFile:
             if not inside:
                 raise ValueError(f"no frames decoded in [{start:.3f}, {end:.3f}) s")
             keep = uniform_indices(len(inside), num_frames).tolist()
-            out[i] = np.stack([_rgb(inside[k]) for k in keep])
+            out[i] = _stacked([inside[k] for k in keep], budget)
             # the next window starts at or after this one: frames before it are not needed
             buffer = [(t, f) for t, f in buffer if t >= start]
+            held = sum(_yuv_bytes(f) for _, f in buffer) + sum(_yuv_bytes(f) for f in before)
         return out  # type: ignore[return-value]
 
     def frame_count(self) -> int:
@@ -210,8 +268,12 @@ class VideoFile:
             if not self._at_start:  # rewind: reopening is the one rewind every input supports
                 self.container.close()
                 self._open()
-            self._count = sum(1 for p in self.container.demux(self.stream)
-                              if p.size and not p.is_discard)
+            count = 0
+            for packet in self.container.demux(self.stream):
+                count += 1 if packet.size and not packet.is_discard else 0
+                if count > MAX_VIDEO_FRAMES:  # stop reading: the budget is spent
+                    check_frame_count(count, "its packets hold more than")
+            self._count = count
             self._at_start = False  # the demuxer is at the end: the next decode reopens
         return self._count
 
@@ -221,10 +283,15 @@ class VideoFile:
         chosen frames. An index past the real end (a miscounted stream) gets the last frame."""
         wanted = {int(i) for clip in indices for i in clip}
         last_needed = max(wanted)
+        total = sum(len(clip) for clip in indices)
+        budget = self._budget = ReadBudget()  # the distinct frames kept, then the clips made
+        budget.expect(len(wanted) + total, self.width, self.height,
+                      f"{len(indices)} clip(s) of {total // max(len(indices), 1)} frames")
         kept: dict[int, np.ndarray] = {}
         last: tuple[int, av.VideoFrame] | None = None
         for ordinal, (_, frame) in enumerate(self._decode_from(0.0)):
             if ordinal in wanted:
+                budget.convert(1, frame.width, frame.height)
                 kept[ordinal] = _rgb(frame)  # (H, W, 3)
             last = ordinal, frame
             if ordinal >= last_needed:
@@ -232,7 +299,10 @@ class VideoFile:
         if last is None:
             raise ValueError("no frames decoded")
         if last[0] < last_needed and last[0] not in kept:  # the stream ended early
+            budget.convert(1, last[1].width, last[1].height)
             kept[last[0]] = _rgb(last[1])
+        h, w = next(iter(kept.values())).shape[:2]
+        budget.convert(total, w, h)
         return [np.stack([kept[min(int(i), last[0])] for i in clip]) for clip in indices]
 
     def close(self) -> None:

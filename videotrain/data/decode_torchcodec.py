@@ -24,6 +24,11 @@ Known difference: a window wholly past the real end of the stream (a header that
 the duration) falls back to the last ``num_frames`` frames here; PyAV falls back to the frames
 decoded since the keyframe it sought to, which may be fewer.
 
+Media budgets (``videotrain.data.media_budget``), as for PyAV: the scanned frame count and the
+header's frame size are checked at open, and the RGB frames of a batch before the call that
+makes them. torchcodec converts every frame to the stream's declared size, so a frame that is
+larger than its header says costs no more than the header's size.
+
 Not readable here, unlike PyAV: raw elementary streams (``.h264`` without a container), which
 the exact scan cannot seek back through; they fail as a ``BadVideo`` like a corrupt file.
 """
@@ -41,6 +46,12 @@ import numpy as np
 import torch
 
 from videotrain.data.clip_sampling import uniform_indices
+from videotrain.data.media_budget import (
+    ReadBudget,
+    check_frame_count,
+    check_frame_size,
+    limit_ffmpeg_allocations,
+)
 
 INSTALL_HINT = (
     'data.decoder=torchcodec needs the optional torchcodec extra (pip install -e ".[torchcodec]") '
@@ -86,6 +97,7 @@ class TorchCodecVideo:
 
     def __init__(self, path: str, threads: int = 1) -> None:
         video_decoder = require_torchcodec()
+        limit_ffmpeg_allocations("torchcodec")  # the FFmpeg it loaded; before its scan at open
         self.path = path
         if not os.path.exists(path):  # the same exception as PyAV's
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
@@ -98,6 +110,9 @@ class TorchCodecVideo:
         self.num_frames = int(m.num_frames or 0)
         if self.num_frames < 1:
             raise ValueError("no video frames")
+        check_frame_count(self.num_frames, "its scan counts")
+        self.width, self.height = int(m.width or 0), int(m.height or 0)
+        check_frame_size(self.width, self.height, "the header declares frames of")
         self.first = float(m.begin_stream_seconds)  # the first frame's timestamp (scanned)
         self.end = float(m.end_stream_seconds)  # the last frame's timestamp + its duration
         header_start = m.begin_stream_seconds_from_header
@@ -128,6 +143,8 @@ class TorchCodecVideo:
         unique = sorted({int(i) for i in indices})
         if not unique:
             return {}, {}
+        ReadBudget().expect(len(unique) + len(indices), self.width, self.height,
+                            f"{len(unique)} distinct frames")  # the batch, then the clips
         batch = self.decoder.get_frames_at(unique)
         data = batch.data.numpy()  # (n, H, W, 3) uint8
         pts = batch.pts_seconds.tolist()
@@ -171,6 +188,9 @@ class TorchCodecVideo:
         lo = max(start + self.start, self.first)
         hi = min(end + self.start, self.end)
         if lo < hi:
+            average = (self.end - self.first) / self.num_frames  # the range's frames, estimated
+            ReadBudget().expect(math.ceil((hi - lo) / average) + 1 if average > 0 else self.num_frames,
+                                self.width, self.height, "the frames of one clip window")
             batch = self.decoder.get_frames_played_in_range(lo, hi)
             frames, pts = batch.data, batch.pts_seconds  # (n, H, W, 3), (n,)
             if hi >= self.end:  # the range stops before the end: add the last frame

@@ -13,6 +13,15 @@ from videotrain.untrusted.text import shown
 MAX_CONFIG_NODES = 20_000  # a run's resolved config has a few hundred
 MAX_CONFIG_DEPTH = 32
 
+# What one video may cost (predict, eval, training: videotrain.data.media_budget checks them,
+# from the header before decoding and on every decoded frame before it becomes RGB). A few KB
+# of H.264 can declare 8192x8192 frames or fifty million of them; docs/data.md states these.
+MAX_FRAME_PIXELS = 4096 * 4096  # width x height of one frame (16.8 MP: 4K DCI fits)
+MAX_VIDEO_FRAMES = 36_000  # frames in one video: 20 minutes at 30 fps, 10 at 60
+MAX_DECODED_PIXELS = 2**35  # decoded in one read of a video: 16,000 frames at 1920x1080
+MAX_DECODED_BYTES = 384 * 2**20  # held at once by one read: frames waiting + the RGB returned
+MAX_FFMPEG_ALLOC = 64 * 2**20  # any one allocation FFmpeg makes (its index of a file's frames)
+
 # what a config read from a file that this user did not seal may set of the clip the model sees
 # (videotrain.config_files.model_part); larger values are refused naming the key. A frame of
 # 512 px short side and 128 frames is past every shipped model; the command line may go further.
