@@ -31,6 +31,7 @@ from videotrain.build import CONFIG_DIR, clean_errors, validate
 from videotrain.config_files import (
     RefusedConfig,
     checked_config,
+    model_part,
     read_config_file,
     shipped_options,
     shipped_targets,
@@ -39,6 +40,7 @@ from videotrain.engine import checkpoint as ckpt
 from videotrain.eval import run_eval
 from videotrain.export import export
 from videotrain.predict import predict
+from videotrain.untrusted import FILE_DATA_BOUNDS
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "exp").glob("*.yaml"))
 
@@ -324,3 +326,82 @@ def test_run_config_false_drops_the_runs_config(attack: dict[str, Path],
                  "data.num_frames=4", "data.num_workers=0"]
     with pytest.raises(ValueError, match="does not fit the configured model"):
         run_eval(validate(compose_cfg(overrides)), overrides, tmp_path)
+
+
+# ---------------------------------------------------------------------- a config this user did not seal
+def _theirs(compose_cfg) -> dict:
+    """A stranger's run config: another model and clip, and every kind of machine key set to
+    what a crafted config would (paths, workers, batch sizes, generated sizes, devices)."""
+    cfg = OmegaConf.to_container(compose_cfg([
+        "data=kinetics", "data.root=/their/data", "data.classes_file=/etc/shadow",
+        "data.val_file=/proc/self/environ", "data.num_workers=100000", "data.batch_size=100000",
+        "data.num_frames=16", "data.crop_size=224", "data.short_side=256", "data.sampling_rate=3",
+        "data.fps=25", "data.sampler=segment", "model/backbone=timm", "model.backbone.name=resnet18",
+        "+model.backbone.kwargs={checkpoint_path: /their/w.pth, depth: 3}",
+        "model.init_from=/their/init.ckpt", "trainer.precision=bf16", "device=cuda:7",
+        "eval.batch_size=100000", "predict.out=/home/me/.bashrc", "export.out=/home/me/x"]),
+        resolve=True)
+    return cfg
+
+
+def test_only_what_defines_the_model_is_taken_from_an_unsealed_config(compose_cfg) -> None:
+    theirs = _theirs(compose_cfg)
+    base = checked_config(theirs, "RUN/config.yaml")
+    composed = compose_cfg([])
+    got, unused = model_part(base, composed, [], "RUN/config.yaml")
+    for key in ("data.num_frames", "data.crop_size", "data.short_side", "data.sampling_rate",
+                "data.fps", "data.sampler", "model.head", "trainer.precision"):
+        assert OmegaConf.select(got, key) == OmegaConf.select(base, key), key
+    assert got.model.backbone.name == "resnet18" and dict(got.model.backbone.kwargs) == {"depth": 3}
+    for key in ("data.name", "data.root", "data.num_workers", "data.batch_size", "model.init_from",
+                "device", "eval", "predict", "export", "memory", "optim", "trainer.max_epochs"):
+        assert OmegaConf.select(got, key) == OmegaConf.select(composed, key), key
+    assert "data.classes_file" not in got.data and "data.val_file" not in got.data  # synthetic's
+    assert {"data.root", "data.num_workers", "data.classes_file", "model.init_from",
+            "device"} <= set(unused)
+    assert not {k for k in unused if k.split(".")[0] in ("eval", "predict", "export")}
+
+
+def test_the_command_line_sets_what_it_names(compose_cfg) -> None:
+    """A key the command line sets is its own, a clip key too; a group chosen there
+    (``data=kinetics``) selects the dataset and keeps the run's clip."""
+    base = checked_config(_theirs(compose_cfg), "f")
+    overrides = ["data=kinetics", "data.root=/mine", "data.crop_size=32", "model/head=mean"]
+    composed = compose_cfg(overrides)
+    got, _ = model_part(base, composed, overrides, "f", scores_data=True)
+    assert got.data.root == "/mine" and got.data.crop_size == 32 and got.data.num_frames == 16
+    assert got.data.classes_file is None and got.data.val_file == "val.csv"  # the shipped defaults
+    assert got.model.head == composed.model.head
+
+
+def test_eval_refuses_a_dataset_it_would_change_silently(compose_cfg) -> None:
+    base = checked_config(_theirs(compose_cfg), "RUN/config.yaml")
+    with pytest.raises(RefusedConfig) as err:
+        model_part(base, compose_cfg([]), [], "RUN/config.yaml", scores_data=True)
+    text = str(err.value)
+    assert text.startswith("RUN/config.yaml: this user did not seal it")
+    for key in ("data.name", "data.root", "data.classes_file", "data.val_file"):
+        assert key in text, key
+    assert "/etc/shadow" not in text and "/their" not in text and "environ" not in text
+    # generated data: its root only says where it is cached, its settings what it is
+    gen = checked_config(OmegaConf.to_container(compose_cfg(["data.root=/their/cache"]),
+                                                resolve=True), "f")
+    model_part(gen, compose_cfg([]), [], "f", scores_data=True)  # no refusal
+    spec = checked_config(OmegaConf.to_container(compose_cfg(["data.synthetic.size=32"]),
+                                                 resolve=True), "f")
+    with pytest.raises(RefusedConfig, match=r"differs from the run's in data\.synthetic\.size:"):
+        model_part(spec, compose_cfg([]), [], "f", scores_data=True)
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("crop_size", 4096), ("short_side", 100000), ("num_frames", 10**6), ("sampling_rate", 0),
+    ("fps", 1e9), ("num_frames", -1)])
+def test_a_clip_beyond_its_bound_is_refused_naming_the_key(compose_cfg, key: str,
+                                                           value: float) -> None:
+    theirs = OmegaConf.to_container(compose_cfg([]), resolve=True)
+    theirs["data"][key] = value
+    base = checked_config(theirs, "f")
+    with pytest.raises(RefusedConfig, match=rf"f: data\.{key} is .*up to {FILE_DATA_BOUNDS[key]}"):
+        model_part(base, compose_cfg([]), [], "f")
+    got, _ = model_part(base, compose_cfg([f"data.{key}=8"]), [f"data.{key}=8"], "f")
+    assert got.data[key] == 8  # the user's own value, whatever the file's

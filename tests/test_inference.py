@@ -1,7 +1,7 @@
 """Using a trained model: ``python -m videotrain.predict`` (top-k classes of video files, with
 the evaluation's views) and ``python -m videotrain.export`` (torch.export / ONNX graphs whose
-logits equal the eager model's). The checkpoint comes from a tiny run trained with SBP at block
-granularity, so the exported graph is the evaluation forward without SBP's machinery."""
+logits equal the eager model's). The checkpoint comes from a tiny run trained with SBP, so the
+exported graph is the evaluation forward without SBP's machinery."""
 
 from __future__ import annotations
 
@@ -24,16 +24,16 @@ from videotrain.engine.inference import ExportSettings, PredictSettings, run_exp
 from videotrain.export import export
 from videotrain.predict import predict
 from videotrain.trained_run import load_trained
+from videotrain.untrusted import NAME_CHARS, shown_name
 
 CLASSES = ["right_then_down", "right_then_up", "left_then_down", "left_then_up"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, run_overrides, compose_cfg) -> Path:
-    """A two-step run (tiny ViT, SBP at block granularity); returns its last checkpoint."""
+    """A two-step run (tiny ViT, SBP); returns its last checkpoint."""
     run_dir = tmp_path_factory.mktemp("inference") / "run"
-    run.train(compose_cfg(run_overrides(trainer__max_steps=2, memory="sbp",
-                                        memory__granularity="block")), run_dir)
+    run.train(compose_cfg(run_overrides(trainer__max_steps=2, memory="sbp")), run_dir)
     return run_dir / "checkpoints" / "last.ckpt"
 
 
@@ -109,7 +109,7 @@ def test_export_equals_the_eager_model(trained, compose_cfg, tmp_path: Path, fmt
     assert meta["max_abs_diff_vs_eager"] <= 1e-4
     assert json.loads(Path(f"{out}.json").read_text())["class_names"] == CLASSES
     t, size = meta["input"]["shape"][1], meta["input"]["shape"][3]
-    # the run's own model (SBP at block granularity) in eval mode: the same logits
+    # the run's own model (SBP) in eval mode: the same logits
     run_cfg = OmegaConf.load(trained.parent.parent / "config.yaml")
     own = build_model(run_cfg, num_classes=4)
     own.load_state_dict(ckpt.load(trained)["model"])
@@ -158,3 +158,37 @@ def test_predict_cli_prints_the_true_class_first(run_overrides, compose_cfg, tin
     at = lines.index(str(video))
     assert lines[at + 1].split()[:2] == ["1.", "left_then_down"], done.stdout
     assert json.loads(out.read_text())["predictions"][0]["top"][0]["class"] == "left_then_down"
+
+
+HOSTILE_NAMES = ["x\n  1. forged  1.0000", "\x1b[2J\x1b]52;c;ZWNobw==\x07cleared", "\u202eevil",
+                 "n" * 500]
+
+
+def test_class_names_from_a_checkpoint_are_escaped_in_every_sink(
+        trained, compose_cfg, tiny_root: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    """Class names with a newline, terminal escapes (clear, OSC 52), a bidirectional control
+    and 500 characters: predict's terminal output, ``predict.out`` and the export's metadata
+    hold them escaped and cut to ``NAME_CHARS``; no control character reaches any of them, and
+    the names still tell the classes apart."""
+    hostile = tmp_path / "hostile.ckpt"
+    blob = ckpt.load(trained)
+    blob["class_names"] = HOSTILE_NAMES
+    torch.save(blob, hostile)
+    video = tiny_root / "val" / "right_then_up" / "right_then_up_0000.mp4"
+    out = tmp_path / "pred.json"
+    with caplog.at_level("INFO"):
+        summary = _predict(compose_cfg, hostile, video, f"predict.out={out}", "predict.topk=4")
+        meta = _export(compose_cfg, hostile, tmp_path / "model.pt2", "torch_export")
+    printed = capsys.readouterr().out
+    shipped = [t["class"] for t in json.loads(out.read_text())["predictions"][0]["top"]]
+    recorded = json.loads(Path(f"{tmp_path / 'model.pt2'}.json").read_text())["class_names"]
+    assert recorded == meta["class_names"] and len(recorded) == 4
+    assert sorted(shipped) == sorted(recorded) == sorted(shown_name(n) for n in HOSTILE_NAMES)
+    assert len(set(recorded)) == 4
+    for text in (printed, caplog.text, *shipped, *recorded):
+        assert not any(not c.isprintable() for c in text.replace("\n", "")), repr(text)
+        assert "\x1b" not in text and "\u202e" not in text and "n" * (NAME_CHARS + 1) not in text
+    assert not any(line.startswith("  1. forged") for line in printed.splitlines())
+    assert "\\x1b[2J" in printed and "\\u202e" in printed and "(500 chars)" in printed
+    assert summary["predictions"][0]["top"][0]["class"] in recorded

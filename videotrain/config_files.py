@@ -43,9 +43,7 @@ from videotrain import schema
 from videotrain.build import CONFIG_DIR
 from videotrain.data.loaders import READER_OPTIONS
 from videotrain.untrusted import FILE_DATA_BOUNDS, plain_tree_problem, read_bytes, shown
-
-MAX_CONFIG_BYTES = 4 << 20  # a run's config.yaml is a few KB
-MAX_CONFIG_NODES = 20_000  # and a few hundred values
+from videotrain.untrusted.bounds import MAX_CONFIG_BYTES, BadValue, check_yaml
 
 TRUSTED_RUN_HINT = (
     "If you trust this run, rebuild the model from this command line's config groups and load "
@@ -303,21 +301,16 @@ def checked_config(data: Mapping[str, Any] | DictConfig, source: str,
 
 def load_yaml(text: str, source: str) -> Any:
     """``text`` parsed as plain YAML data (YAML's safe loader: no Python tags), refusing
-    anchors and aliases before anything is composed (a 2 KB alias bomb expands to gigabytes;
-    videotrain never writes either). An error names the file, the line and the problem, never
-    the text."""
+    anchors and aliases, more values than a config has and deep nesting before anything is
+    composed (``untrusted.bounds.check_yaml``: a 2 KB alias bomb expands to gigabytes, and
+    nesting ends in a ``RecursionError``; videotrain writes neither). An error names the file,
+    the line and the problem, never the text."""
     try:
-        for count, event in enumerate(yaml.parse(text, Loader=yaml.SafeLoader)):
-            if count > 4 * MAX_CONFIG_NODES:  # a key and a value are one event each
-                raise RefusedConfig(f"{source}: more than {MAX_CONFIG_NODES} values; a config "
-                                    "has a few hundred")
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-                line = event.start_mark.line + 1 if event.start_mark else "?"
-                raise RefusedConfig(f"{source}:{line}: a YAML anchor or alias (&name / *name); "
-                                    "configs read from files may not use them (videotrain writes "
-                                    "none), nothing of it was composed")
+        check_yaml(text, source)
         # OmegaConf's loader (YAML's safe one, with YAML 1.2 floats), as OmegaConf.load reads
         data = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else {}
+    except BadValue as err:
+        raise RefusedConfig(str(err)) from None
     except OmegaConfBaseException as err:
         raise RefusedConfig(f"{source}: not a config of plain values "
                             f"({shown(str(err).splitlines()[0])})") from None
@@ -410,7 +403,8 @@ def model_part(base: DictConfig, composed: DictConfig, overrides: list[str], sou
                scores_data: bool = False) -> tuple[DictConfig, list[str]]:
     """``composed`` (this command line's config) with what defines the model (:data:`MODEL_KEYS`)
     taken from ``base``, a checked config read from ``source`` that this user did not seal;
-    keys the command line sets stay its own. Returns it and the keys of ``base`` not used (set
+    keys the command line sets themselves (``data.crop_size=...``, ``model/head=mean``) stay
+    its own. Returns it and the keys of ``base`` not used (set
     there to another value). ``scores_data`` (eval): a dataset key (:data:`DATASET_KEYS`)
     whose value differs and that the command line does not set is refused, naming the keys."""
     given = override_keys(overrides)
@@ -420,7 +414,7 @@ def model_part(base: DictConfig, composed: DictConfig, overrides: list[str], sou
         node: Any = plain
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
-        if node is None or _given(key, given):
+        if node is None or key in given:  # (a group chosen, data=kinetics, keeps the clip)
             continue  # an older run without it, or the command line's own value
         OmegaConf.update(out, key, _model_value(key, node, source), merge=False, force_add=True)
     mine = _leaves(OmegaConf.to_container(out, resolve=True))

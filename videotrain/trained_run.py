@@ -162,7 +162,7 @@ def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()
              "sealed): the model from it, all else from this command line%s "
              "(docs/cluster.md#configs-read-from-files)", source,
              f"; not used: {_listed(unused)}" if unused else "")
-    return apply_overrides(mine, cfg, overrides, keep), run_dir
+    return apply_overrides(mine, cfg, [], keep), run_dir  # mine has the overrides already
 
 
 def _listed(keys: list[str], limit: int = 12) -> str:
