@@ -131,11 +131,13 @@ WRAPPER = ("import os, subprocess, sys\n"
            "sys.exit(os.waitstatus_to_exitcode(status))\n")
 
 
-def _wrapped(args: list[str], cwd: Path) -> tuple[int, str, float, float]:
-    """``python ARGS`` in a fresh process, through a wrapper that reports the child's own peak
-    RSS (``os.wait4``): exit status, all output, wall seconds, peak MB. Killed at ``CHILD_S``."""
+def _wrapped(args: list[str], cwd: Path,
+             prefix: tuple[str, ...] = ()) -> tuple[int, str, float, float]:
+    """``python ARGS`` in a fresh process (run by ``prefix``: :func:`_privileges`), through a
+    wrapper that reports the child's own peak RSS (``os.wait4``): exit status, all output, wall
+    seconds, peak MB. Killed at ``CHILD_S``."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", WRAPPER, sys.executable, *args], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-c", WRAPPER, *prefix, sys.executable, *args], cwd=cwd,
                             env=os.environ.copy(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -160,11 +162,12 @@ def import_rss_mb(tmp_path_factory: pytest.TempPathFactory) -> float:
     return peak
 
 
-def _child(module: str, args: list[str], cwd: Path, import_rss_mb: float) -> tuple[str, str]:
+def _child(module: str, args: list[str], cwd: Path, import_rss_mb: float,
+           prefix: tuple[str, ...] = ()) -> tuple[str, str]:
     """``python -m MODULE ARGS`` in a fresh process: exit 2 within ``CHILD_S``, one ``error:``
     line, a peak RSS under ``import_rss_mb + GROWTH_MB``, no secret and no terminal escape in
     its output. Returns (the error line, all output)."""
-    code, text, wall, peak = _wrapped(["-m", module, *args], cwd)
+    code, text, wall, peak = _wrapped(["-m", module, *args], cwd, prefix)
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert code == 2 and len(errors) == 1, text[-3000:]
     assert wall < CHILD_S and peak < import_rss_mb + GROWTH_MB, (wall, peak, import_rss_mb)
@@ -250,6 +253,102 @@ def test_stored_config_text_is_logged_escaped(shared: Path, outside: Path, run_o
     assert "\\nimport os" in shown and "\\x1b[2J" in shown
     assert not any(ln.lstrip().startswith("import os") for ln in shown.splitlines())
     assert "\x1b" not in caplog.text and not marker.exists()
+
+
+# ---------------------------------------------------------------------- high: the check fails closed
+# Run as root and without root's privileges: a check that fails open often does so for one of
+# them only (root lists a folder of mode 0333; an ordinary user, or root on NFS with root
+# squash, cannot). This machine's interpreter may sit where only root reads (a pyenv under
+# /root), so the unprivileged child is root with every capability dropped (``setpriv``): uid 0
+# without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH gets exactly an ordinary user's permission
+# checks, as root squash does. Not root: the child runs as this (unprivileged) user.
+SETPRIV = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs")
+
+
+@pytest.fixture(params=["root", "unprivileged"])
+def privileges(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """The command prefix that runs a child as root, or as an unprivileged user."""
+    if os.geteuid() != 0:
+        if request.param == "root":
+            pytest.skip("not root: the unprivileged case runs as this user")
+        return ()
+    if request.param == "root":
+        return ()
+    if shutil.which(SETPRIV[0]) is None:
+        pytest.fail("setpriv (util-linux) is needed to drop root's privileges in a child")
+    return SETPRIV
+
+
+def _resume_child(shared: Path, run_overrides, cwd: Path, import_rss_mb: float,
+                  privileges: tuple[str, ...], *extra: str) -> str:
+    line, _ = _child("videotrain", [*run_overrides(trainer__max_steps=2), *extra,
+                                    f"hydra.run.dir={shared}"], cwd, import_rss_mb, privileges)
+    return line
+
+
+def test_an_unlistable_run_folder_is_refused(shared: Path, outside: Path, run_overrides,
+                                             import_rss_mb: float,
+                                             privileges: tuple[str, ...]) -> None:
+    """A shared run folder of mode 0333 (entered and written, not listed) with
+    ``videotrain.log`` linked to the user's ``.bashrc``: refused, root seeing the link, an
+    unprivileged user because the folder cannot be listed (it passed as clean, and the log was
+    appended through the link); nothing is appended."""
+    (shared / "videotrain.log").unlink(missing_ok=True)
+    (shared / "videotrain.log").symlink_to(outside / ".bashrc")
+    before = _snapshot(outside)
+    os.chmod(shared, 0o333)
+    try:
+        line = _resume_child(shared, run_overrides, outside, import_rss_mb, privileges)
+    finally:
+        os.chmod(shared, 0o755)
+    why = "videotrain.log (a symbolic link" if not privileges else "cannot be listed"
+    assert why in line and "nothing was read or written" in line, line
+    assert _snapshot(outside) == before
+
+
+def test_a_checkpoints_link_to_another_run_leaves_it_untouched(
+        shared: Path, tmp_path: Path, outside: Path, run_overrides, import_rss_mb: float,
+        privileges: tuple[str, ...]) -> None:
+    """``checkpoints`` linked to another run's checkpoint folder: refused, under
+    ``trainer.resume=false`` too (which moves the folder aside); resume deleted and wrote that
+    run's files. The other run is byte for byte as it was."""
+    other = Path(shutil.copytree(shared, tmp_path / "other", symlinks=True))
+    shutil.rmtree(shared / "checkpoints")
+    (shared / "checkpoints").symlink_to(other / "checkpoints")
+    before = _snapshot(other)
+    for extra in ((), ("trainer.resume=false",)):
+        line = _resume_child(shared, run_overrides, outside, import_rss_mb, privileges, *extra)
+        assert "checkpoints (a symbolic link" in line, line
+    assert _snapshot(other) == before and os.readlink(other / "checkpoints" / "last.ckpt")
+
+
+def test_a_run_folder_that_is_a_link_is_refused(shared: Path, tmp_path: Path, outside: Path,
+                                                run_overrides, import_rss_mb: float,
+                                                privileges: tuple[str, ...]) -> None:
+    """``hydra.run.dir=SHARED/run`` where ``run`` is a link to another run folder: refused (it
+    was followed, and that folder's files replaced); the folder behind it is unchanged."""
+    link = tmp_path / "handed" / "run"
+    link.parent.mkdir()
+    link.symlink_to(shared)
+    before = _snapshot(shared)
+    line = _resume_child(link, run_overrides, outside, import_rss_mb, privileges)
+    assert f"run folder {link} is a symbolic link" in line, line
+    assert _snapshot(shared) == before
+
+
+def test_a_hydra_file_link_is_refused_before_hydra_writes(
+        shared: Path, outside: Path, run_overrides, import_rss_mb: float,
+        privileges: tuple[str, ...]) -> None:
+    """``.hydra/config.yaml`` linked to the user's ``.bashrc``: refused before the log is
+    opened or ``.hydra/`` written (the callback writes ``.hydra/`` itself, replacing a link:
+    tests/test_untrusted.py); the file behind it is unchanged."""
+    (shared / ".hydra").mkdir(exist_ok=True)  # the in-process run that made it has none
+    (shared / ".hydra" / "config.yaml").unlink(missing_ok=True)
+    (shared / ".hydra" / "config.yaml").symlink_to(outside / ".bashrc")
+    before = _snapshot(outside)
+    line = _resume_child(shared, run_overrides, outside, import_rss_mb, privileges)
+    assert ".hydra/config.yaml (a symbolic link" in line, line
+    assert _snapshot(outside) == before
 
 
 # ---------------------------------------------------------------------- medium: secrets, disk, hangs

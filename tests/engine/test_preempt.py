@@ -5,6 +5,7 @@ bit for bit (the kill storm, ``-m slow``), also when submitit requeues the job i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -273,6 +274,60 @@ def test_sigterm_leaves_a_checkpoint_a_log_line_exit_75_and_no_processes(
     assert len(children) >= 3, children  # two train workers and wandb's service, at least
     time.sleep(0.5)
     assert _still_running(children) == [], output[-3000:]
+
+
+# ------------------------------------------------------------------- the default logger (wandb)
+
+# `python -m videotrain` with a stop sent by the process to itself right after the first
+# checkpoint (step 2): SIGTERM as a scheduler's preemption sends it, SIGKILL as the OOM killer
+# or a lost node ends a job. The same command without this wrapper then resumes.
+STOP_AFTER_FIRST_CHECKPOINT = """
+import os, runpy, signal, sys
+from videotrain.engine.run_checkpoints import RunCheckpoints
+signum = getattr(signal, sys.argv.pop(1))
+real_save = RunCheckpoints.save
+def save(self, parts):
+    path = real_save(self, parts)
+    if parts.state.step == 2:
+        os.kill(os.getpid(), signum)
+    return path
+RunCheckpoints.save = save
+sys.argv[0] = "videotrain"
+runpy.run_module("videotrain", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_run_resumes_with_the_same_command_under_wandb(
+        signame: str, reference, run_overrides, metrics_rows, tmp_path: Path) -> None:
+    """Under the default logger (wandb, offline), a run stopped after its first checkpoint
+    (SIGTERM: exit 75; SIGKILL: killed) resumes with the same command: the run-folder check
+    lets wandb's own links in ``wandb/`` pass (it refused them, and the run was stuck), and
+    the per-step losses are those of the uninterrupted run."""
+    _, ref_dir, _ = reference
+    run_dir = tmp_path / "run"
+    args = [*run_overrides(**RUN_EXTRA, logger__wandb__mode="offline"), f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # conftest disables wandb
+    first = subprocess.Popen([sys.executable, "-c", STOP_AFTER_FIRST_CHECKPOINT, signame, *args],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output = first.communicate(timeout=300)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # wandb's service, orphaned by SIGKILL
+            os.killpg(first.pid, signal.SIGKILL)
+    expected = EXIT_PREEMPTED if signame == "SIGTERM" else -signal.SIGKILL
+    assert first.returncode == expected, output[-3000:]
+    assert (run_dir / "wandb" / "debug.log").is_symlink()  # wandb's links, as it left them
+    assert [p.name for p in (run_dir / "wandb").glob("*/logs/debug-core.log")]
+    assert ckpt.load(run_dir / "checkpoints" / "last.ckpt")["step"] >= 2
+
+    again = subprocess.run([sys.executable, "-m", "videotrain", *args], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "resumed from" in again.stdout + again.stderr
+    assert _losses(metrics_rows(run_dir)) == _losses(metrics_rows(ref_dir))  # bit for bit
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # one wandb run folder each
 
 
 # ------------------------------------------------------------------- kill storm (slow)
