@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from videotrain.untrusted.files import make_dirs, write_bytes, write_text
+
 # the official sizes (rows of the files a training start reads)
 SIZES = {"ssv2_train": 168_913, "ssv2_val": 24_777, "k400_train": 240_000, "k700_train": 545_000,
          "ucf_train": 9_537, "ucf_test": 3_783, "hmdb_per_class": 133}
@@ -52,9 +54,8 @@ PRESENT_FRACTION = 0.1  # a partial download: 90% of the K400 videos missing
 ID_CHARS = string.ascii_letters + string.digits + "-_"
 
 
-def _crlf(path: Path, lines: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes("".join(f"{ln}\r\n" for ln in lines).encode())
+def _crlf(path: Path, lines: list[str], root: Path | None = None) -> None:
+    write_bytes(path, "".join(f"{ln}\r\n" for ln in lines).encode(), root)
 
 
 def youtube_ids(n: int, rng: random.Random) -> list[str]:
@@ -64,10 +65,9 @@ def youtube_ids(n: int, rng: random.Random) -> list[str]:
 def write_ssv2(root: Path, n_train: int, n_val: int) -> None:
     templates = [f"Putting [something] {k} next to [something]" for k in range(174)]
     keys = [t.replace("[", "").replace("]", "") for t in templates]
-    (root / "labels").mkdir(parents=True)
-    (root / "20bn-something-something-v2").mkdir()
-    (root / "labels" / "labels.json").write_text(
-        "{\n" + ",\n".join(f' "{k}": "{i}"' for i, k in enumerate(keys)) + "\n}\n")
+    make_dirs(root / "20bn-something-something-v2", root)
+    write_text(root / "labels" / "labels.json",
+               "{\n" + ",\n".join(f' "{k}": "{i}"' for i, k in enumerate(keys)) + "\n}\n", root)
     rng, vid = random.Random(0), 0
     for name, n in (("train.json", n_train), ("validation.json", n_val)):
         entries = []
@@ -76,7 +76,8 @@ def write_ssv2(root: Path, n_train: int, n_val: int) -> None:
             t = templates[rng.randrange(174)]
             entries.append(json.dumps({"id": str(vid), "label": t.replace("[something]", "a cup"),
                                        "template": t, "placeholders": ["a cup", "a cup"]}))
-        (root / "labels" / name).write_bytes(("[\r\n" + ",\r\n".join(entries) + "\r\n]\r\n").encode())
+        write_bytes(root / "labels" / name,
+                    ("[\r\n" + ",\r\n".join(entries) + "\r\n]\r\n").encode(), root)
 
 
 def kinetics_labels(n: int) -> list[str]:
@@ -93,7 +94,7 @@ def write_kinetics_release(path: Path, rows: int, labels: list[str], rng: random
         label, start = labels[rng.randrange(len(labels))], rng.randrange(0, 300)
         out.append((label, yid, start, start + 10))
         lines.append(f'"{label}",{yid},{start},{start + 10},train')
-    path.write_text("\n".join(lines) + "\n")
+    write_text(path, "\n".join(lines) + "\n")
     return out
 
 
@@ -105,42 +106,40 @@ def write_kinetics_list(root: Path, rows: int, present: float) -> Path:
 
     labels = kinetics_labels(400)
     rng = random.Random(1)
-    videos = root / "videos_320" / "train"
-    videos.mkdir(parents=True)
+    videos = make_dirs(root / "videos_320" / "train", root)
     lines, keep = [], int(rows * present)
     for i, yid in enumerate(youtube_ids(rows, rng)):
         rel = f"videos_320/train/{yid}_{i % 300:06d}_{i % 300 + 10:06d}.mp4"
         lines.append(list_line(rel, rng.randrange(400)))
         if i < keep:
-            (root / rel).write_bytes(b"\0" * 16)
-    (root / "train.csv").write_text("".join(lines))
-    (root / "classes.txt").write_text("".join(f"{n}\n" for n in labels))
+            write_bytes(root / rel, b"\0" * 16, root)
+    write_text(root / "train.csv", "".join(lines), root)
+    write_text(root / "classes.txt", "".join(f"{n}\n" for n in labels), root)
     return videos
 
 
 def write_ucf101(root: Path, n_train: int, n_test: int) -> None:
     classes = [f"Class{k:03d}Action" for k in range(101)]
     lists = root / "ucfTrainTestlist"
-    _crlf(lists / "classInd.txt", [f"{k + 1} {c}" for k, c in enumerate(classes)])
+    _crlf(lists / "classInd.txt", [f"{k + 1} {c}" for k, c in enumerate(classes)], root)
     _crlf(lists / "trainlist01.txt", [f"{classes[i % 101]}/v_{classes[i % 101]}_g{i % 25 + 8:02d}_c{i % 7 + 1:02d}.avi {i % 101 + 1}"
-                                      for i in range(n_train)])
+                                      for i in range(n_train)], root)
     _crlf(lists / "testlist01.txt", [f"{classes[i % 101]}/v_{classes[i % 101]}_g{i % 7 + 1:02d}_c{i % 5 + 1:02d}.avi"
-                                     for i in range(n_test)])
-    (root / "UCF-101").mkdir()
+                                     for i in range(n_test)], root)
+    make_dirs(root / "UCF-101", root)
 
 
 def write_hmdb51(root: Path, per_class: int) -> None:
     classes = sorted(f"action_{k:02d}" + ("_ball" if k % 5 == 0 else "") for k in range(51))
     lists = root / "testTrainMulti_7030_splits"
-    lists.mkdir(parents=True)
     for name in classes:
         videos = [f"Some_Clip_[{i}]_(take_2)!_&_more_{name}_f_cm_np1_fr_med_{i}.avi" for i in range(per_class)]
         for fold in (1, 2, 3):
             ids = [(i + fold) % 10 for i in range(per_class)]  # 7 train, 3 test of 10 (and 0s)
             marks = ["1" if k < 6 else "2" if k < 9 else "0" for k in ids]
-            (lists / f"{name}_test_split{fold}.txt").write_text(
-                "".join(f"{v} {m} \n" for v, m in zip(videos, marks, strict=True)))
-    (root / "hmdb51_org").mkdir()
+            write_text(lists / f"{name}_test_split{fold}.txt",
+                       "".join(f"{v} {m} \n" for v, m in zip(videos, marks, strict=True)), root)
+    make_dirs(root / "hmdb51_org", root)
 
 
 # ---------------------------------------------------------------------- timing
@@ -202,16 +201,16 @@ def annotations_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def write_annotations(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """``bench.json`` and ``bench.md`` of the annotation suite; returns the table."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """``bench.json`` and ``bench.md`` of the annotation suite, in the user's own ``out_dir``
+    (through the one writer: never through a link); returns the table."""
     table = annotations_markdown(rows)
-    (out_dir / "bench.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2) + "\n")
+    write_text(out_dir / "bench.json", json.dumps({"rows": rows, "meta": meta}, indent=2) + "\n")
     m = meta["machine"]
     title = (f"{m.get('cpus')} CPUs ({m.get('processor')}), python {m.get('python')}, torch "
              f"{meta['torch']}; x{meta['scale']:g} the official sizes, best of {meta['repeat']} "
              f"runs each; load average {meta['load_avg_start']} at the start (a shared machine)")
-    (out_dir / "bench.md").write_text(f"# videotrain bench: annotation files at official sizes\n\n"
-                                      f"{title}\n\n{table}")
+    write_text(out_dir / "bench.md", f"# videotrain bench: annotation files at official sizes\n\n"
+                                     f"{title}\n\n{table}")
     return table
 
 
@@ -235,8 +234,8 @@ def run_annotation_bench(out: str | Path | None = None, scale: float = 1.0, repe
     def say(msg: str) -> None:
         log(msg, file=sys.stderr)
 
-    default_cache_root().mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-annotations-", dir=default_cache_root()))
+    # a private folder (0700) for the generated files; each is written by the one writer
+    tmp = Path(tempfile.mkdtemp(prefix="bench-annotations-", dir=make_dirs(default_cache_root())))
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -246,13 +245,11 @@ def run_annotation_bench(out: str | Path | None = None, scale: float = 1.0, repe
         k400 = tmp / "k400"
         write_kinetics_list(k400, size("k400_train"), PRESENT_FRACTION)
         k700_csv = tmp / "k700" / "train.csv"
-        k700_csv.parent.mkdir()
         k700_rows = write_kinetics_release(k700_csv, size("k700_train"), kinetics_labels(700),
                                            random.Random(2))
-        k700_videos = tmp / "k700" / "videos"
-        k700_videos.mkdir()
+        k700_videos = make_dirs(tmp / "k700" / "videos", tmp)
         for _, yid, start, end in k700_rows[: len(k700_rows) // 100]:  # 1% downloaded
-            (k700_videos / f"{yid}_{start:06d}_{end:06d}.mp4").write_bytes(b"\0" * 16)
+            write_bytes(k700_videos / f"{yid}_{start:06d}_{end:06d}.mp4", b"\0" * 16, tmp)
         k700_count = len(k700_rows)
         del k700_rows  # a training start's heap holds no such list: full collections stay small
         write_ucf101(tmp / "ucf101", size("ucf_train"), size("ucf_test"))

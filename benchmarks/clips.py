@@ -38,6 +38,8 @@ import av
 import numpy as np
 
 from videotrain.data.layouts import default_cache_root
+from videotrain.data.synthetic import CONTAINERS
+from videotrain.untrusted.files import atomic_writer, make_dirs, rename, write_text
 
 NUM_CLASSES = 4
 
@@ -136,30 +138,27 @@ def encoder_options(spec: ClipSetSpec) -> dict[str, str]:
     raise ValueError(f"no settings for encoder {spec.codec!r}")
 
 
-def write_clip(path: Path, spec: ClipSetSpec, index: int) -> int:
-    """Encode video ``index`` to ``path`` (no audio); returns its size in bytes. Written to a
-    temporary name first, so ``path`` is either complete or absent."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    try:
-        with av.open(str(tmp), mode="w") as container:  # the container from the suffix
-            stream = container.add_stream(spec.codec, rate=Fraction(spec.fps))
-            stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, "yuv420p"
-            stream.codec_context.gop_size = spec.gop
-            stream.options = encoder_options(spec)
-            for frame in render_frames(spec, index):
-                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                    container.mux(packet)
-            for packet in stream.encode():
+def write_clip(path: Path, spec: ClipSetSpec, index: int, root: Path | None = None) -> int:
+    """Encode video ``index`` to ``path`` (no audio); returns its size in bytes. Written by the
+    one writer (a new file renamed over the name; ``root``: the set being generated, below which
+    no link is followed), so ``path`` is either complete or absent."""
+    with (atomic_writer(path, root) as f,  # the container from the suffix
+          av.open(f, mode="w", format=CONTAINERS[path.suffix.lower()]) as container):
+        stream = container.add_stream(spec.codec, rate=Fraction(spec.fps))
+        stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, "yuv420p"
+        stream.codec_context.gop_size = spec.gop
+        stream.options = encoder_options(spec)
+        for frame in render_frames(spec, index):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path.stat().st_size
+        for packet in stream.encode():
+            container.mux(packet)
+    return os.lstat(path).st_size
 
 
-def _write_job(job: tuple[str, ClipSetSpec, int]) -> int:
-    path, spec, index = job
-    return write_clip(Path(path), spec, index)
+def _write_job(job: tuple[str, ClipSetSpec, int, Path | None]) -> int:
+    path, spec, index, root = job
+    return write_clip(Path(path), spec, index, root)
 
 
 # ---------------------------------------------------------------------- the set on disk
@@ -181,18 +180,21 @@ def ensure_clip_set(spec: ClipSetSpec, cache_dir: str | Path | None = None,
     root = set_root(spec, cache_dir)
     if (root / "spec.json").exists():
         return root
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # the cache folder is the user's own (followed as given); the set's folder and all below it
+    # are the project's: written by the one writer rooted there, no link followed
+    parent = root.parent.resolve()
+    tmp = parent / f"{root.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftovers (a link is not followed)
     rels = [relative_path(spec, i) for i in range(spec.count)]
-    for rel in rels:
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+    for folder in dict.fromkeys((tmp / rel).parent for rel in rels):
+        make_dirs(folder, tmp)
     workers = workers or os.cpu_count() or 1
     if log:
         log(f"generating {spec.count} {spec.name}-like videos ({spec.seconds:g} s, "
             f"{spec.width}x{spec.height}, {spec.fps} fps, {spec.codec}) into {root} with "
             f"{workers} processes ...")
     t0 = time.perf_counter()
-    jobs = [(str(tmp / rel), spec, i) for i, rel in enumerate(rels)]
+    jobs = [(str(tmp / rel), spec, i, tmp) for i, rel in enumerate(rels)]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
             sizes = list(pool.map(_write_job, jobs, chunksize=4))
@@ -200,17 +202,17 @@ def ensure_clip_set(spec: ClipSetSpec, cache_dir: str | Path | None = None,
         sizes = [_write_job(j) for j in jobs]
     elapsed = time.perf_counter() - t0
     lines = "".join(f"{rel} {i % NUM_CLASSES}\n" for i, rel in enumerate(rels))
-    (tmp / "train.csv").write_text(lines)
-    (tmp / "val.csv").write_text(lines)
-    (tmp / "classes.txt").write_text("".join(f"class_{k}\n" for k in range(NUM_CLASSES)))
+    write_text(tmp / "train.csv", lines, tmp)
+    write_text(tmp / "val.csv", lines, tmp)
+    write_text(tmp / "classes.txt", "".join(f"class_{k}\n" for k in range(NUM_CLASSES)), tmp)
     kbps = sum(sizes) * 8 / (spec.count * spec.seconds) / 1000
-    (tmp / "spec.json").write_text(json.dumps(
+    write_text(tmp / "spec.json", json.dumps(
         {**asdict(spec), "generation_s": elapsed, "workers": workers, "mean_kbps": kbps,
-         "bytes": sum(sizes)}, indent=2) + "\n")
+         "bytes": sum(sizes)}, indent=2) + "\n", tmp)
     if log:
         log(f"  {elapsed:.0f} s, mean bit rate {kbps:.0f} kb/s")
     try:
-        tmp.rename(root)
+        rename(tmp, parent / root.name, root=parent)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return root

@@ -4,6 +4,7 @@ ratios to pytorchvideo and to one worker, the workers that would feed a target r
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import statistics
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from videotrain.bench.report import cell
+from videotrain.untrusted.files import write_bytes, write_text
 
 DATA_COLUMNS = [
     ("set", "set", "{}"),
@@ -182,17 +184,19 @@ def plot_data(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()  # drawn in memory, written by the one writer (never through a link)
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_bytes(path, png.getvalue())
 
 
 def write_data(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
                targets: list[dict[str, Any]] | None = None) -> str:
     """``bench.json`` (rows with ``kind: "data"``, the sets, the worker targets), ``bench.md``
-    and ``bench.png`` for a data suite; returns the table."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    and ``bench.png`` for a data suite, in the user's own ``out_dir`` (through the one writer:
+    never through a link); returns the table."""
     table = data_markdown(rows, targets)
-    (out_dir / "bench.json").write_text(json.dumps(
+    write_text(out_dir / "bench.json", json.dumps(
         {"rows": rows, "targets": targets or [], "meta": meta}, indent=2) + "\n")
     s = meta["setting"]
     title = (f"{meta['device']} · {meta['machine'].get('cpus')} CPUs · torch {meta['torch']} · "
@@ -203,7 +207,7 @@ def write_data(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
     sets = "".join(f"- {name}-like: {i['count']} videos, {i['seconds']:g} s, {i['width']}x"
                    f"{i['height']}, {i['fps']} fps, {i['codec']} (keyframe every <= {i['gop']} "
                    f"frames), {i['mean_kbps']:.0f} kb/s\n" for name, i in s["sets"].items())
-    (out_dir / "bench.md").write_text(f"# videotrain bench: data loading\n\n{title}\n\n{sets}\n"
-                                      f"{table}")
+    write_text(out_dir / "bench.md", f"# videotrain bench: data loading\n\n{title}\n\n{sets}\n"
+                                     f"{table}")
     plot_data(rows, out_dir / "bench.png", title)
     return table

@@ -33,7 +33,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from videotrain.untrusted import shown
+from videotrain.untrusted.files import read_text, write_text
+
 CONF = Path(__file__).resolve().parent / "conf"
+RECORD_BYTES = 1 << 20  # step_times.json: a few rows' seconds
 SWEEP = "+sweep=accuracy"
 CLASSES = 4  # every temporal task's classes
 
@@ -120,9 +124,8 @@ def write_row(out: Path, row: str, steps: int, per_epoch: int) -> str:
     body = (CONF / "row" / f"{row}.yaml").read_text()
     extra = (f"# equal time (benchmarks/equal_time.py): e2e's wall-clock time on this machine\n"
              f"trainer:\n  max_steps: {steps}\n  max_epochs: {math.ceil(steps / per_epoch)}\n")
-    path = out / "conf" / "row" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body.rstrip("\n") + "\n" + extra)
+    own = Path(out).resolve()  # the user's --out, followed as given; conf/row/ below it is ours
+    write_text(own / "conf" / "row" / f"{name}.yaml", body.rstrip("\n") + "\n" + extra, root=own)
     return name
 
 
@@ -131,16 +134,21 @@ def step_times(out: Path, rows: list[str], extra: list[str], threads: int, steps
     """The step times of ``rows`` and e2e: those kept in ``out/step_times.json``, the missing ones
     measured beside e2e now (scaled to the kept e2e's time) and kept."""
     record = out / "step_times.json"
-    kept = json.loads(record.read_text()) if record.exists() else {}
-    known: dict[str, float] = kept.get("step_s", {})
+    # read as the one reader reads: a regular file (a link there is refused), of bounded size
+    kept = (json.loads(read_text(record, RECORD_BYTES, "step_times.json"))
+            if os.path.lexists(record) else {})
+    known = kept.get("step_s", {}) if isinstance(kept, dict) else None
+    if not isinstance(known, dict) or not all(
+            isinstance(k, str) and type(v) in (int, float) and v > 0 for k, v in known.items()):
+        raise ValueError(f"{shown(record)}: step_s is not a mapping of row names to seconds; "
+                         "delete the file to measure again")
     missing = [r for r in rows if r not in known]
     if missing or "e2e" not in known:
         new = measure_step_times(["e2e", *missing], extra, threads, steps, warmup)
         scale = known["e2e"] / new["e2e"] if "e2e" in known else 1.0
         known.update({r: t * scale for r, t in new.items() if r not in known})
-        out.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"step_s": known, "threads": threads, "steps": steps,
-                                      "warmup": warmup, "overrides": extra}, indent=2) + "\n")
+        write_text(record, json.dumps({"step_s": known, "threads": threads, "steps": steps,
+                                       "warmup": warmup, "overrides": extra}, indent=2) + "\n")
     return known
 
 
@@ -176,10 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     single = [o.split(",")[0] if o.split("=")[0] in ("seed", "data.synthetic.task") else o
               for o in extra]
     out = Path(args.out)
-    times = step_times(out, rows, single, args.threads, args.steps, args.warmup)
-    per_epoch, steps = e2e_steps(single)
-    sized = at_time_steps({r: times[r] for r in ("e2e", *rows)}, steps)
-    names = [write_row(out, r, n, per_epoch) for r, n in sized.items()]
+    try:  # a record that is no regular file or no mapping; a link below --out: refused
+        times = step_times(out, rows, single, args.threads, args.steps, args.warmup)
+        per_epoch, steps = e2e_steps(single)
+        sized = at_time_steps({r: times[r] for r in ("e2e", *rows)}, steps)
+        names = [write_row(out, r, n, per_epoch) for r, n in sized.items()]
+    except (ValueError, OSError) as err:  # UnsafeFileError and JSONDecodeError are ValueErrors
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     for r, n in sized.items():
         print(f"{r}: {times[r]:.3f} s a step against e2e's {times['e2e']:.3f} s: {n} steps "
               f"(e2e: {steps})")
