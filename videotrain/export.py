@@ -73,7 +73,7 @@ def export(cfg: DictConfig, overrides: list[str] | None = None,
     names = [shown_name(n) for n in trained.class_names]  # read from files: escaped and cut
     meta = export_metadata(settings.format, t, size, names, str(trained.path),
                            settings.dynamic_batch, settings.batch_size, diff)
-    write_text(Path(f"{out}.json"), json.dumps(meta, indent=2), root)  # replaces a link, never follows
+    write_text(Path(f"{out}.json"), json.dumps(meta, indent=2), root)  # a link there: replaced
     print(f"wrote {out} ({settings.format}; input video (B, {t}, 3, {size}, {size}) -> logits "
           f"(B, {len(trained.class_names)}))", flush=True)
     return {**meta, "path": str(out)}

@@ -140,14 +140,16 @@ def write_video(path: Path, frames: np.ndarray, fps: int, root: Path | None = No
     ``path`` is either the whole video or what stood there before."""
     suffix = path.suffix.lower()
     if suffix not in CONTAINERS:
-        raise ValueError(f"a synthetic video is one of {', '.join(CONTAINERS)}, not {shown(suffix)}")
+        raise ValueError(f"a synthetic video is one of {', '.join(CONTAINERS)}, not "
+                         f"{shown(suffix)}")
     if suffix == ".webm":
         codec = "libvpx"
     elif suffix == ".mp4" and "libx264" in av.codecs_available:
         codec = "libx264"
     else:
         codec = "mpeg4"
-    with atomic_writer(path, root) as f, av.open(f, mode="w", format=CONTAINERS[suffix]) as container:
+    with (atomic_writer(path, root) as f,
+          av.open(f, mode="w", format=CONTAINERS[suffix]) as container):
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"

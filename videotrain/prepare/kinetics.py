@@ -303,7 +303,7 @@ def prepare_kinetics(csvs: list[str | Path], video_dir: str | Path, out: str | P
             if done % 500 == 0 or done == total:
                 log(f"  re-encoded {done}/{total}")
 
-        for split in dict.fromkeys(r.split for r in todo):  # a link there: refused before any encode
+        for split in dict.fromkeys(r.split for r in todo):  # a link: refused before any encode
             make_dirs(own / f"videos_{resize}" / split, root=own)
         results = encode_all([(str(found[r]), str(own / dsts[r].relative_to(out))) for r in todo],
                              settings, workers, progress, root=own)
