@@ -383,12 +383,13 @@ def test_annotation_keys_pointing_at_secrets_show_no_content(
         tmp_path: Path, compose_cfg, capsys: pytest.CaptureFixture,
         caplog: pytest.LogCaptureFixture) -> None:
     """``data.val_file`` / ``data.classes_file`` naming the user's private key or ``.netrc``:
-    the annotation error names the file (and the line) and what was expected, never the text."""
+    the edited config is not sealed by this user, so it names no file to read; eval refuses its
+    dataset naming the key (never its value), and the file is not read."""
     _edit_config(shared, lambda c: c["data"].update({key: str(outside / secret)}))
     overrides = _command("eval", _last(shared), tiny_root, tmp_path)
     code, errors, text = _in_process("eval", overrides, tmp_path / "out", compose_cfg, capsys)
-    where = f"{outside / secret}:{line}:" if line else str(outside / secret)
-    _refused(code, errors, text, where)
+    _refused(code, errors, text, "config.yaml", f"data.{key}")
+    assert str(outside / secret) not in errors[0] and line in (1, None)
     assert SECRET not in caplog.text and "BEGIN OPENSSH" not in text and "machine" not in text
 
 
@@ -412,18 +413,20 @@ def synthetic_data(compose_cfg, shrink_overrides: list[str],
 def test_a_files_synthetic_root_is_not_written(name: str, shared: Path, outside: Path,
                                                tiny_root: Path, tmp_path: Path, compose_cfg,
                                                isolated_env: Path, synthetic_data,
+                                               tiny_synthetic_overrides: list[str],
                                                capsys: pytest.CaptureFixture) -> None:
     """``data.name: synthetic`` with a ``data.root`` of the file's choosing: eval (and predict,
     for a checkpoint without class names) generate nothing there; the data comes from the
-    user's own cache (here the session's, which holds this spec already) and the command works."""
+    user's own cache (here the session's, which holds this spec already: the user names the
+    generator's settings, which a config they did not seal does not choose) and it works."""
     target = outside / "generated-here"
     _edit_config(shared, lambda c: c.update(data=synthetic_data(str(target))))
     if name == "predict":  # no class names in the checkpoint or results.json: the dataset's
         _rewrite_checkpoint(_last(shared), lambda b: b.pop("class_names"))
         (shared / "results.json").unlink()
     cache = sorted(p.name for p in isolated_env.iterdir())
-    code, errors, text = _in_process(name, _command(name, _last(shared), tiny_root, tmp_path),
-                                     tmp_path / "out", compose_cfg, capsys)
+    overrides = [*_command(name, _last(shared), tiny_root, tmp_path), *tiny_synthetic_overrides]
+    code, errors, text = _in_process(name, overrides, tmp_path / "out", compose_cfg, capsys)
     assert code == 0 and not errors, text[-2000:]
     assert not target.exists() and sorted(p.name for p in isolated_env.iterdir()) == cache
     if name == "predict":
@@ -675,3 +678,46 @@ def test_a_dataset_behind_links_still_works(shared: Path, tiny_root: Path, tmp_p
     linked = [*base, f"data.root={link}"]
     assert run_eval(validate(compose_cfg(linked)), linked, tmp_path / "b") == direct
     assert json.loads((tmp_path / "b" / "eval.json").read_text())["videos"] == 8
+
+
+def test_wandb_replaces_links_planted_at_its_names(tmp_path: Path, outside: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule that lets wandb's links pass (videotrain.untrusted.run_folder._wandb_link),
+    tried: links planted at ``wandb/latest-run``, ``debug.log``, ``debug-internal.log`` and at
+    ``logs/debug-core.log`` of the run folders wandb would pick in the next minute are replaced
+    or left aside by wandb (it makes a new run folder of its own), and nothing is written
+    through any of them."""
+    from videotrain.metrics.logger import MetricsLogger, WandbSettings
+    from videotrain.untrusted import check_run_folder
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # conftest disables wandb
+    run_dir = tmp_path / "run"
+    (run_dir / "wandb").mkdir(parents=True)
+    (run_dir / "wandb_run_id").write_text("abc123\n")
+    victims = {name: outside / f"victim-{name}" for name in ("latest-run", "debug.log",
+                                                            "debug-internal.log", "core")}
+    for name, victim in victims.items():
+        victim.write_text("the user's file\n")
+        if name != "core":
+            (run_dir / "wandb" / name).symlink_to(victim)
+    now = time.time()
+    for second in range(60):  # wandb names its run folder offline-run-DATE_TIME-ID
+        stamp = time.strftime("%Y%m%d_%H%M%S", time.localtime(now + second))
+        logs = run_dir / "wandb" / f"offline-run-{stamp}-abc123" / "logs"
+        logs.mkdir(parents=True)
+        (logs / "debug-core.log").symlink_to(victims["core"])
+    check_run_folder(run_dir)  # wandb's names: they pass
+    before = _snapshot(outside)
+    logger = MetricsLogger(run_dir, wandb=WandbSettings(mode="offline"), run_name="run")
+    try:
+        logger.log({"train_loss": 1.0}, step=1)
+    finally:
+        logger.finish({"train_loss": 1.0})
+    assert _snapshot(outside) == before
+    for name in ("latest-run", "debug.log", "debug-internal.log"):
+        target = os.readlink(run_dir / "wandb" / name)
+        assert not target.startswith("/") and target.split("/")[0].startswith("offline-run-")
+    new = run_dir / "wandb" / os.readlink(run_dir / "wandb" / "latest-run")
+    assert (new / "logs" / "debug.log").is_file() and not (new / "logs" / "debug.log").is_symlink()
+    assert os.readlink(new / "logs" / "debug-core.log") != str(victims["core"])
+    check_run_folder(run_dir)  # and the run can be resumed again

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from videotrain.engine import checkpoint as ckpt
+from videotrain.untrusted import UnsafeFileError
 
 
 def test_save_atomic_writes_and_leaves_no_temp_file(tmp_path: Path) -> None:
@@ -226,3 +227,28 @@ def test_old_layout_is_refused_clearly(tmp_path: Path) -> None:
     ckpt.save_atomic({"model": {}, "step": 1}, tmp_path / ckpt.LAST)  # a lone last.ckpt file
     with pytest.raises(ckpt.CheckpointError, match="resumes from layout 2 only"):
         ckpt.CheckpointDir(tmp_path).load_newest()
+
+
+def test_a_linked_checkpoint_folder_is_never_written_into_or_pruned(tmp_path: Path) -> None:
+    """``RUN/checkpoints`` a link to another run's checkpoint folder: every operation of the
+    folder (below ``root``, the run folder, no link is followed) is refused, and the other
+    run's files are as they were; the run's own folder works as before."""
+    other = ckpt.CheckpointDir(tmp_path / "other" / "checkpoints", keep_last_k=None)
+    for step in (1, 2, 3):
+        other.save(_blob(step), step)
+    (other.folder / ".step-00000009.ckpt.x.tmp").write_bytes(b"theirs")
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in other.folder.iterdir()}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(other.folder)
+    ours = ckpt.CheckpointDir(run / "checkpoints", keep_last_k=1, root=run)
+    for act in (lambda: ours.save(_blob(4), 4), ours.prune, ours.clean_temporaries,
+                ours.step_files, ours.load_newest, lambda: ours.set_aside("replaced-x")):
+        with pytest.raises(UnsafeFileError, match="symbolic link"):
+            act()
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in other.folder.iterdir()}
+    assert after == before and (run / "checkpoints").is_symlink()
+    (run / "checkpoints").unlink()
+    ours.save(_blob(4), 4)
+    assert [p.name for p in ours.step_files()] == ["step-00000004.ckpt"]
+    assert ours.set_aside("replaced-x") == run / "checkpoints.replaced-x"

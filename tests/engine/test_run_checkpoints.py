@@ -17,6 +17,7 @@ from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.distributed import Comm
 from videotrain.engine.run_checkpoints import Checkpointed, RunCheckpoints, TrainState
 from videotrain.memory.e2e import EndToEnd
+from videotrain.untrusted import UnsafeFileError
 
 # The top-level keys of a training checkpoint (layout 2) as the trainer wrote them with its
 # hand-kept list, before TrainState serialised itself. Frozen here: a renamed or dropped
@@ -27,6 +28,9 @@ LAYOUT_2_KEYS = (
     "data_waits", "peaks", "last_val", "val_step", "best_top1", "best_step", "config",
     "class_names",
 )
+# What this version writes: those, and this user's seal of the stored config (untrusted.own);
+# a file without the seal (the layout above) still resumes.
+WRITTEN_KEYS = (*LAYOUT_2_KEYS, "config_seal")
 STATE_KEYS = ("step", "epoch", "consumed", "skipped", "step_times", "data_waits", "peaks",
               "last_val", "val_step", "best_top1", "best_step")
 CPU = torch.device("cpu")
@@ -84,7 +88,7 @@ def test_save_restore_best_and_set_aside(tmp_path: Path) -> None:
     assert owner.save_unless_saved(parts) == path  # step 4's is written: not again
     assert path.stat().st_mtime_ns == (folder / "step-00000004.ckpt").stat().st_mtime_ns
     blob = ckpt.load(path)
-    assert set(blob) == set(LAYOUT_2_KEYS)
+    assert set(blob) == set(WRITTEN_KEYS)
     assert blob["class_names"] == ["a", "b"] and blob["config"] == {"optim": {"lr": 0.1}}
     expected = torch.rand(5)  # the RNG state after the save is what the restore brings back
     _step(parts)  # moves on from the checkpoint: the restore must undo this
@@ -109,6 +113,28 @@ def test_save_restore_best_and_set_aside(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("metrics.replaced-*.jsonl"))) == 1
 
 
+def test_starting_over_moves_names_and_follows_no_link(tmp_path: Path) -> None:
+    """``trainer.resume=false`` sets the previous run aside by renaming names in the run
+    folder: a ``metrics.jsonl`` that is a link is moved as a link (its target untouched), a
+    ``checkpoints`` link is refused, not moved with what it points to."""
+    run_dir, victim = tmp_path / "run", tmp_path / "victim"
+    run_dir.mkdir()
+    (victim / "checkpoints").mkdir(parents=True)
+    (victim / "metrics.jsonl").write_text("the user's file\n")
+    (victim / "checkpoints" / "step-00000001.ckpt").write_bytes(b"theirs")
+    (run_dir / "metrics.jsonl").symlink_to(victim / "metrics.jsonl")
+    RunCheckpoints(run_dir, keep_last_k=2, resume="false", comm=Comm(), device=CPU).find_resume()
+    (moved,) = run_dir.glob("metrics.replaced-*.jsonl")
+    assert moved.is_symlink() and not (run_dir / "metrics.jsonl").exists()
+    assert (victim / "metrics.jsonl").read_text() == "the user's file\n"
+    (run_dir / "checkpoints").symlink_to(victim / "checkpoints")
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        RunCheckpoints(run_dir, keep_last_k=2, resume="false", comm=Comm(),
+                       device=CPU).find_resume()
+    assert [p.name for p in (victim / "checkpoints").iterdir()] == ["step-00000001.ckpt"]
+    assert (run_dir / "checkpoints").is_symlink()
+
+
 BASE = dict(trainer__max_epochs=1, trainer__checkpoint_every_n_steps=2, model__head__dropout=0.5)
 
 
@@ -122,7 +148,7 @@ def test_a_checkpoint_in_the_old_hand_written_layout_resumes_exactly(
     ref = tmp_path / "reference"
     ref_results = run.train(compose_cfg(overrides), ref)
     written = ckpt.load(ref / "checkpoints" / "step-00000002.ckpt")
-    assert set(written) == set(LAYOUT_2_KEYS)  # what this version writes: no key more or less
+    assert set(written) == set(WRITTEN_KEYS)  # what this version writes: no key more or less
     old = {key: written[key] for key in LAYOUT_2_KEYS}
     old["skipped"] = list(old["skipped"])
     resumed = tmp_path / "resumed"
