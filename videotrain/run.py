@@ -140,7 +140,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
             # the one writer, root = the run folder: a real folder, no link in it followed
             write_text(out_dir / "config.yaml", config_text, root=out_dir)
             # config.seal: this user's keyed digest of those bytes, what makes the run their own
-            write_seal(out_dir / "config.yaml", config_text.encode("utf-8"))
+            write_seal(out_dir / "config.yaml", config_text.encode("utf-8"), root=out_dir)
             log.info("training %s on %s x %d process(es): %d steps (%d per epoch), global batch %d "
                      "(%d per process x %d accumulated x %d), lr %g (optim.lr_scaling=%s), output in %s",
                      trainer.strategy.describe(), device, ctx.world_size, trainer.total_steps,

@@ -167,14 +167,14 @@ def seal_path(path: str | Path) -> Path:
     return Path(path).with_suffix(SEAL_SUFFIX)
 
 
-def write_seal(path: str | Path, data: bytes) -> Path | None:
+def write_seal(path: str | Path, data: bytes, root: str | Path | None = None) -> Path | None:
     """Write the seal of ``data`` (the exact bytes just written to ``path``) beside it
-    (:func:`seal_path`, through ``files.write_text``); None, and nothing written, without a
-    key."""
+    (:func:`seal_path`, through the one writer ``files.write_text``, under the run folder
+    ``root``); None, and nothing written, without a key."""
     value = seal(data)
     if value is None:
         return None
-    return write_text(seal_path(path), value + "\n")
+    return write_text(seal_path(path), value + "\n", root)
 
 
 def is_sealed_file(path: str | Path, data: bytes) -> bool:
