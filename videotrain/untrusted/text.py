@@ -13,7 +13,7 @@ from typing import Any
 
 SHOWN_CHARS = 100  # a value read from a file is cut to this many characters when shown
 PATH_CHARS = 1000  # a path (a Path object) is cut at this many
-NAME_CHARS = 120  # a class name read from a file, where one must be shown (SSv2's run to 80)
+NAME_CHARS = SHOWN_CHARS  # a class name as shown, escapes and cut included (SSv2's run to 80)
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
@@ -51,5 +51,15 @@ def quoted(value: Any, limit: int = SHOWN_CHARS) -> str:
 
 def shown_name(name: Any) -> str:
     """A class name read from a file (a checkpoint, ``results.json``, a dataset's class list),
-    as predict prints it and export records it: :func:`shown`, cut to :data:`NAME_CHARS`."""
-    return shown(name if isinstance(name, str) else str(name)[:NAME_CHARS], NAME_CHARS)
+    as predict prints it and export records it: :func:`shown`, but at most :data:`NAME_CHARS`
+    characters in all, escapes and the cut's note included, so that showing it again (a
+    table's cell, a log line) leaves it as it is."""
+    text = name if isinstance(name, str) else str(name)[:4 * NAME_CHARS]
+    whole = shown(text, NAME_CHARS)
+    if len(whole) <= NAME_CHARS:
+        return whole
+    note = f"...({len(text)} chars)"
+    keep = NAME_CHARS - len(note)
+    while keep > 1 and len(shown(text[:keep], keep)) + len(note) > NAME_CHARS:
+        keep -= 1  # escapes take up to 10 characters each: fewer of the name's fit
+    return shown(text[:keep], keep) + note
