@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -43,7 +42,6 @@ from videotrain.engine.precision import Precision
 from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.base import SelfPlanning
-from videotrain.memory.renamed import RENAMED_OPTIONS, warn_renamed_choices
 from videotrain.memory.simulate import StepMemory
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier, wants_channels_last
@@ -126,17 +124,12 @@ def check_required(cfg: DictConfig, prefix: str = "") -> None:
             raise ValueError(f"{prefix}{key} is required here: {what} ({prefix}{key}=...)")
 
 
-def validate(cfg: DictConfig, choices: dict[str, Any] | None = None) -> DictConfig:
+def validate(cfg: DictConfig) -> DictConfig:
     """Reject keys no schema has (``+trainer.max_epoch=3``), naming the nearest valid one, and
-    keys an experiment requires that are not set; the types were checked while composing; warn
-    once for a group option chosen by its deprecated name (``memory=checkpoint``, from
-    ``choices``: Hydra's ``runtime.choices``, by default the running app's). Every app calls it
-    on the config it runs."""
+    keys an experiment requires that are not set; the types were checked while composing.
+    Every app calls it on the config it runs."""
     schema.check_keys(cfg)
     check_required(cfg)
-    if choices is None and HydraConfig.initialized():
-        choices = dict(HydraConfig.get().runtime.choices)
-    warn_renamed_choices(choices or {})
     return cfg
 
 
@@ -228,15 +221,14 @@ def compose_cfg(overrides: list[str]) -> DictConfig:
     validated."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-    choices = dict(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]  # what compose() does without return_hydra_config
-    return validate(cfg, choices)
+    return validate(cfg)
 
 
 def config_mixes_frames(cfg: DictConfig) -> bool:
     """Whether the configured backbone mixes frames (TSM's ``model.backbone.temporal_shift`` >
-    0), read from the config without building the model: frame-level SBP cannot train it."""
+    0), read from the config without building the model: SBP + recompute cannot train it."""
     return float(cfg.model.backbone.get("temporal_shift") or 0) > 0
 
 
@@ -314,7 +306,7 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
         if model.strategy.name != "e2e":
             log.warning("model.freeze_backbone=true: memory=%s has nothing to save, since the "
                         "backbone runs without autograd; memory=e2e does the same",
-                        RENAMED_OPTIONS.get(model.strategy.name, model.strategy.name))
+                        model.strategy.name)
     return model
 
 

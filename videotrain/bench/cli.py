@@ -18,7 +18,6 @@ from videotrain.bench.child import step_stats
 from videotrain.bench.spawn import child_reply, device_name, machine_info, run_child
 from videotrain.bench.suites import (
     CHILD_KEYS,
-    SUITE_ALIASES,
     SUITES,
     own_shape,
     resolve,
@@ -297,7 +296,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Extra arguments are Hydra overrides applied to every row after its own, e.g. "
                "model/backbone=resnet10 model/head=tconv trainer.precision=bf16.")
     p.add_argument("--suite", default="default", choices=sorted(SUITES),
-                   type=lambda name: SUITE_ALIASES.get(name, name),  # --suite checkpoint: recompute
                    help="the rows to run (suites.py): default, sbp, recompute, all, or gpu: the "
                         "CUDA acceptance suite (resnet50 + transformer head, B=8 x T=16 at 224 px, "
                         "bf16; e2e, sbp, frame dropout, recompute, memory=auto at half of e2e's "

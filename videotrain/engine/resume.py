@@ -33,7 +33,6 @@ from videotrain.data.loaders import build_data
 from videotrain.engine.class_order import class_order_problem
 from videotrain.engine.evaluate import EvalSettings
 from videotrain.engine.settings import RunSettings, TrainerSettings
-from videotrain.memory.renamed import normalise_memory
 from videotrain.metrics.logger import LoggerSettings
 from videotrain.untrusted import plain_tree_problem, shown
 
@@ -93,26 +92,16 @@ def is_neutral(key: str) -> bool:
 
 def config_diff(saved: dict | None, current: dict | None) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, current value)`` for every key that differs and is not neutral;
-    empty when either config is unknown. A key present on one side only has ``ABSENT`` there.
-    Both sides' ``memory`` keys are compared under their current names, so a run started with a
-    deprecated spelling (``memory.checkpoint``, ``videotrain.memory.renamed``) resumes under
-    the new one."""
+    empty when either config is unknown. A key present on one side only has ``ABSENT`` there."""
     if saved is None or current is None:
         return []
-    old, new = flatten(current_names(saved)), flatten(current_names(current))
+    old, new = flatten(saved), flatten(current)
     diffs = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, ABSENT), new.get(key, ABSENT)
         if not is_neutral(key) and not _equal(a, b):
             diffs.append((key, a, b))
     return diffs
-
-
-def current_names(cfg: dict) -> dict:
-    """``cfg`` with its ``memory`` node's deprecated keys renamed (``normalise_memory``)."""
-    if isinstance(cfg, dict) and isinstance(cfg.get("memory"), dict):
-        return {**cfg, "memory": normalise_memory(cfg["memory"])}
-    return cfg
 
 
 def one_sided(diffs: list[tuple[str, Any, Any]]) -> tuple[list, list]:

@@ -17,8 +17,6 @@ Where each family lives:
 - ``auto/``: ``memory=auto``, give it a budget and it profiles, estimates and picks the fastest
   plan of the families above that fits.
 
-- ``renamed.py``: the deprecated spellings (``memory=checkpoint`` and the old recomputation keys).
-
 ``docs/memory.md`` describes each strategy's semantics and its measured cost.
 """
 

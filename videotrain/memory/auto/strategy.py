@@ -54,7 +54,6 @@ from videotrain.memory.e2e import EndToEnd
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute.planner import InfeasibleBudget
 from videotrain.memory.recompute.strategy import Recompute
-from videotrain.memory.renamed import normalise_memory, renamed_argument
 from videotrain.memory.sampling import SAMPLERS
 from videotrain.memory.sbp.strategy import StochasticBackprop, check_nograd_chunk
 from videotrain.memory.simulate import (
@@ -72,12 +71,7 @@ __all__ = ["AutoStrategy", "NoPlanFits", "build_strategy"]
 
 STRATEGIES: dict[str, type] = {"e2e": EndToEnd, "recompute": Recompute, "sbp": StochasticBackprop,
                                 "sbp_recompute": StochasticBackprop, "frame_dropout": FrameDropout}
-# the defaults of sbp_recompute and recompute_fracs (their deprecated spellings are told apart
-# from a set value by them)
-SBP_RECOMPUTE = "blocks"
-RECOMPUTE_FRACS = (0.9, 0.75, 0.6, 0.5, 0.4)
-# candidate kinds as checkpoints written before the rename (issue 47) name them
-RENAMED_KINDS: dict[str, str] = {"checkpoint": "recompute", "sbp_checkpoint": "sbp_recompute"}
+RECOMPUTE_FRACS = (0.9, 0.75, 0.6, 0.5, 0.4)  # the default planner budgets of recompute plans
 
 
 def build_strategy(c: Candidate, rank: int | None = None) -> MemoryStrategy:
@@ -142,7 +136,7 @@ class AutoStrategy:
         free_frac: float = 0.9,
         allow_frame_dropout: bool = False,
         allow_frozen_bn: bool = True,
-        sbp_recompute: str | None = SBP_RECOMPUTE,
+        sbp_recompute: str | None = "blocks",
         recompute_fracs: list[float] | tuple[float, ...] = RECOMPUTE_FRACS,
         verify: bool = True,
         max_profiles: int = 16,
@@ -152,14 +146,7 @@ class AutoStrategy:
         lower_set_cap: int = 500,
         seed: int = 0,
         rank: int | None = None,
-        sbp_checkpoint: str | None = None,
-        checkpoint_fracs: list[float] | None = None,
     ) -> None:
-        # deprecated spellings (videotrain.memory.renamed): sbp_checkpoint, checkpoint_fracs
-        sbp_recompute = renamed_argument("sbp_checkpoint", sbp_checkpoint, "sbp_recompute",
-                                         sbp_recompute, SBP_RECOMPUTE)
-        recompute_fracs = renamed_argument("checkpoint_fracs", checkpoint_fracs, "recompute_fracs",
-                                           list(recompute_fracs), list(RECOMPUTE_FRACS))
         if sum(b is not None for b in (budget_mb, budget_frac, budget_gb)) > 1:
             raise ValueError("set at most one of memory.budget_gb, memory.budget_mb and memory.budget_frac")
         if budget_gb is not None and not budget_gb > 0:
@@ -228,10 +215,6 @@ class AutoStrategy:
         ``StochasticBackprop.prepare`` refuses it); frame SBP itself runs there, lockstep."""
         if not self.options.sbp_recompute:
             return "sbp+recompute: disabled (memory.sbp_recompute=null)"
-        try:
-            StochasticBackprop(0.5, recompute=self.options.sbp_recompute)
-        except TypeError as err:
-            return f"sbp+recompute: StochasticBackprop does not take recompute= yet ({err})"
         if mixes_frames(backbone):
             return "sbp + recompute: the backbone's temporal shift mixes frames"
         return None
@@ -453,8 +436,7 @@ class AutoStrategy:
         by_name = {c.name: c for c in self.candidates}
         c = by_name.get(state["active"])
         if c is None:  # the re-profiled candidates differ: rebuild the saved plan as it was
-            kind = RENAMED_KINDS.get(state["kind"], state["kind"])
-            c = Candidate(state["active"], kind, normalise_memory(dict(state["params"])), tier=0)
+            c = Candidate(state["active"], state["kind"], dict(state["params"]), tier=0)
         if self.active is None or c.name != self.active.name:
             log.info("memory=auto: resuming with %s (from the checkpoint)", c.name)
             self._activate(c)
