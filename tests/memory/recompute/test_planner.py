@@ -11,7 +11,6 @@ from videotrain.memory.recompute.graph import Graph, articulation_points, lower_
 from videotrain.memory.recompute.planner import (
     InfeasibleBudget,
     approximate_family,
-    brute_force,
     chain_cost,
     dp,
     min_peak,
@@ -35,6 +34,22 @@ def random_dag(n: int, seed: int, p: float = 0.3) -> Graph:
 
 def chain(n: int) -> Graph:
     return Graph([f"v{i}" for i in range(n)], [[i - 1] if i else [] for i in range(n)], [1.0] * n, [1.0] * n)
+
+
+def brute_force(g: Graph, budget: float) -> float | None:
+    """Least overhead over *all* chains of lower sets with peak <= budget (small graphs only):
+    the oracle of the planner's DP."""
+    sets = [s for s in lower_sets(g) or [] if s]
+    inner = [s for s in sets if s != g.full]
+    best: float | None = None
+    for r in range(len(inner) + 1):
+        for combo in itertools.combinations(inner, r):
+            if any(b & a != a for a, b in itertools.pairwise(combo)):
+                continue
+            peak, over = chain_cost(g, [*combo, g.full])
+            if peak <= budget and (best is None or over < best):
+                best = over
+    return best
 
 
 def brute_lower_sets(g: Graph) -> set[int]:

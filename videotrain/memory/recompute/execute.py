@@ -94,13 +94,6 @@ class StatShield:
                 buffers[name] = buf
 
 
-@contextmanager
-def isolated_bn_stats(bns: list[_BatchNorm]) -> Iterator[None]:
-    """Run the body with each BN's running-stat buffers replaced by clones; put originals back."""
-    with StatShield(bns).swapped():
-        yield
-
-
 # A provider is called at forward time and returns a factory of the context to re-enter on
 # recompute (a snapshot of the state it needs).
 ReplayProvider = Callable[[], Callable[[], AbstractContextManager[Any]]]

@@ -104,9 +104,6 @@ class Graph:
     def mem_of(self, s: int) -> float:
         return sum(self.mem[v] for v in self.members(s))
 
-    def saved_of(self, s: int) -> float:
-        return sum(self.saved[v] for v in self.members(s))
-
     def cost_of(self, s: int) -> float:
         return sum(self.cost[v] for v in self.members(s))
 

@@ -52,7 +52,6 @@ approximate one: ancestor closures plus prefixes of several topological orders.
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Callable
@@ -405,21 +404,6 @@ def plan(g: Graph, budget: float | None, objective: str = "time", cap: int = 500
     if objective not in ("time", "memory"):
         raise ValueError(f"memory.objective must be time or memory, got {objective!r}")
     return best, smallest, exact
-
-
-def brute_force(g: Graph, budget: float) -> float | None:
-    """Least overhead over *all* chains of lower sets with peak <= budget (small graphs only)."""
-    sets = [s for s in lower_sets(g) or [] if s]
-    inner = [s for s in sets if s != g.full]
-    best: float | None = None
-    for r in range(len(inner) + 1):
-        for combo in itertools.combinations(inner, r):
-            if any(b & a != a for a, b in itertools.pairwise(combo)):
-                continue
-            peak, over = chain_cost(g, [*combo, g.full])
-            if peak <= budget and (best is None or over < best):
-                best = over
-    return best
 
 
 def sqrt_plan(g: Graph, segments: int | None = None) -> Plan:
