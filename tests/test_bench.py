@@ -48,9 +48,8 @@ def test_saved_activation_bytes_e2e_vs_no_grad() -> None:
 
 @pytest.mark.parametrize(("strategy", "at_most"), [
     (StochasticBackprop(0.5), 0.8),
-    (StochasticBackprop(0.5, granularity="block"), 1.0),  # only the first blocks' branches split
     (FrameDropout(0.5), 0.8),
-], ids=["sbp_frame", "sbp_block", "dropout"])
+], ids=["sbp_frame", "dropout"])
 def test_saved_activation_bytes_shrink_with_keep_ratio(strategy, at_most: float) -> None:
     video, _ = synthetic_batch(2, 8, 32, 4)
     e2e = saved_activation_bytes(tiny_model(EndToEnd()).train(), video)
@@ -67,18 +66,18 @@ def test_default_suite_rows() -> None:
     names = [s["name"] for s in resolve(SUITES["default"], [], [])]
     assert names == [
         "resnet18/e2e", "resnet18/sbp-frame-1", "resnet18/sbp-frame-0.75",
-        "resnet18/sbp-frame-0.5", "resnet18/sbp-frame-0.25", "resnet18/sbp-block-0.5",
-        "resnet18/sbp-block-0.25", "resnet18/frame_dropout-0.5", "resnet18/frame_dropout-0.25",
-        "vit_tiny/e2e", "vit_tiny/sbp-frame-0.5", "vit_tiny/sbp-block-0.5",
-        "vit_tiny/sbp-block-0.25",
+        "resnet18/sbp-frame-0.5", "resnet18/sbp-frame-0.25",
+        "resnet18/frame_dropout-0.5", "resnet18/frame_dropout-0.25",
+        "vit_tiny/e2e", "vit_tiny/sbp-frame-0.5",
         "timm:convnext_atto/e2e", "timm:convnext_atto/sbp-frame-0.5",
         "timm:convnext_atto/checkpoint-optimal-b0.5",
         "timm:vit_tiny_patch16_224/e2e", "timm:vit_tiny_patch16_224/sbp-frame-0.5",
         "timm:vit_tiny_patch16_224/checkpoint-optimal-b0.5",
     ]
-    spec = resolve([row("resnet18", "sbp", 0.5, "block")], ["device=cpu"], [])[1]
+    spec = resolve([row("resnet18", "sbp", 0.5, bn_policy="frozen")], ["device=cpu"], [])[1]
     assert spec["overrides"] == ["device=cpu", "model/backbone=resnet18", "memory=sbp",
-                                 "memory.keep_ratio=0.5", "memory.granularity=block"]
+                                 "memory.keep_ratio=0.5", "memory.bn_policy=frozen"]
+    assert spec["name"] == "resnet18/sbp-frame-0.5"  # SBP rows keep the names results are compared by
 
 
 def test_timm_rows_compose_and_build() -> None:
@@ -105,9 +104,11 @@ def test_resolve_overrides_filter_and_reference() -> None:
     names = [s["name"] for s in specs]
     assert len(names) == len(set(names)) and all(n.startswith("resnet10/") for n in names)
     # --only keeps an e2e reference per backbone
-    specs = resolve(SUITES["default"], [], [], only=["sbp-block-0.25"])
-    assert [s["name"] for s in specs] == ["resnet18/e2e", "resnet18/sbp-block-0.25",
-                                          "vit_tiny/e2e", "vit_tiny/sbp-block-0.25"]
+    specs = resolve(SUITES["default"], [], [], only=["sbp-frame-0.5"])
+    assert [s["name"] for s in specs] == [
+        "resnet18/e2e", "resnet18/sbp-frame-0.5", "vit_tiny/e2e", "vit_tiny/sbp-frame-0.5",
+        "timm:convnext_atto/e2e", "timm:convnext_atto/sbp-frame-0.5",
+        "timm:vit_tiny_patch16_224/e2e", "timm:vit_tiny_patch16_224/sbp-frame-0.5"]
     ckpt = resolve(SUITES["recompute"], [], [])
     assert {s["policy"] for s in ckpt if s["strategy"] == "recompute"} == {"blocks", "sqrt",
                                                                            "optimal"}

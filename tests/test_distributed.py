@@ -71,8 +71,7 @@ SBP = ["model/backbone=resnet10", "model.backbone.temporal_shift=0", "memory=sbp
        "model.head.dropout=0.5"]
 STRATEGIES = {
     "frame_dropout": ["memory=frame_dropout", "memory.keep_ratio=0.5", "trainer.max_steps=2"],
-    "sbp_block": ["model/backbone=resnet10", "memory=sbp", "memory.granularity=block",
-                  "trainer.max_steps=2"],
+    "sbp_shift": ["model/backbone=resnet10", "memory=sbp", "trainer.max_steps=2"],  # lockstep, shifted
     "recompute": ["memory=recompute", "trainer.max_steps=2"],
     "e2e_accum": ["trainer.grad_accum=2", "data.batch_size=1", "trainer.max_steps=2"],
 }
@@ -123,7 +122,7 @@ def test_ddp_resume_and_every_strategy(run_overrides, compose_cfg, tmp_path: Pat
 
     # masks: the rank enters the seed (ranks differ), and the resumed stream is the same
     runs = checks["runs"]
-    for name in ("sbp_a", "sbp_b", "frame_dropout", "sbp_block"):
+    for name in ("sbp_a", "sbp_b", "frame_dropout", "sbp_shift"):
         probe = runs[name]
         assert [p["sampler_rank"] for p in probe] == [0, 1], name
     assert runs["sbp_a"][0]["last_keep"] != runs["sbp_a"][1]["last_keep"]

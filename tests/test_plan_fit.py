@@ -111,8 +111,9 @@ def test_fit_estimates_the_frozen_backbone_step_training_builds(report: dict) ->
 
 
 def test_a_shifting_backbone_skips_the_frame_level_sbp_recompute_row(tmp_path) -> None:
-    """The default resnet10 mixes frames: SBP rows resolve to block granularity, and the
-    frame-level SBP + recompute row is skipped with a reason, not a failure (exit 0)."""
+    """The default resnet10 mixes frames: SBP rows run the lockstep code, and the SBP +
+    recompute row (record/apply, which cannot shift) is skipped with a reason, not a failure
+    (exit 0)."""
     args = ["model.backbone.temporal_shift=0.125" if a.startswith("model.backbone.temporal_shift")
             else a for a in TINY]
     out = tmp_path / "f.json"

@@ -21,10 +21,9 @@ CONF = ROOT / "benchmarks" / "conf"
 SCRIPT = ROOT / "scripts" / "summarize_sweep.py"
 SWEEP = yaml.safe_load((CONF / "sweep" / "accuracy.yaml").read_text())
 ROWS = SWEEP["hydra"]["sweeper"]["params"]["row"].split(",")
-# what each row builds: (strategy name, keep ratio, granularity or policy)
-EXPECTED = {"e2e": ("e2e", None, None), "sbp-frame-0.5": ("sbp", 0.5, "frame"),
-            "sbp-frame-0.25": ("sbp", 0.25, "frame"), "sbp-block-0.5": ("sbp", 0.5, "block"),
-            "sbp-block-0.25": ("sbp", 0.25, "block"), "frame_dropout-0.5": ("frame_dropout", 0.5, None),
+# what each row builds: (strategy name, keep ratio, policy)
+EXPECTED = {"e2e": ("e2e", None, None), "sbp-frame-0.5": ("sbp", 0.5, None),
+            "sbp-frame-0.25": ("sbp", 0.25, None), "frame_dropout-0.5": ("frame_dropout", 0.5, None),
             "frame_dropout-0.25": ("frame_dropout", 0.25, None),
             "recompute-optimal": ("recompute", None, "optimal")}
 
@@ -50,8 +49,6 @@ def test_each_row_composes_with_the_sweep_and_builds_its_strategy(row: str) -> N
                                        "recompute": "Recompute"}[name], row
     if keep is not None:
         assert strategy.keep_ratio == keep
-    if mode in ("frame", "block"):
-        assert cfg.memory.granularity == mode
     if mode == "optimal":
         assert cfg.memory.policy == "optimal"
 
@@ -66,7 +63,7 @@ def test_at_time_steps_and_row_files(tmp_path: Path) -> None:
         cfg = compose_cfg([f"hydra.searchpath=[file://{CONF},file://{tmp_path / 'conf'}]", *order])
         # the row's own memory settings, and e2e's wall-clock time in steps (the row's
         # max_epochs wins over the sweep's 2)
-        assert cfg.memory.keep_ratio == 0.5 and cfg.memory.granularity == "frame"
+        assert cfg.memory.keep_ratio == 0.5 and cfg.memory._target_.endswith("StochasticBackprop")
         assert cfg.trainer.max_steps == 384 and cfg.trainer.max_epochs == 3
 
 

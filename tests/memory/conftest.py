@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from videotrain.memory import StochasticBackprop
 from videotrain.models.backbones import FrameBackbone, resnet, vit
 from videotrain.models.heads import MeanHead, TConvHead
 from videotrain.models.video import VideoClassifier
@@ -75,6 +76,14 @@ def shifted_pair(strategy) -> tuple[VideoClassifier, VideoClassifier]:
     head = make_head(bb.feature_dim)
     ref = VideoClassifier(copy.deepcopy(bb), copy.deepcopy(head))
     return ref.train(), VideoClassifier(bb, head, strategy).train()
+
+
+class RecordApply(StochasticBackprop):
+    """Frame SBP on record/apply (``videotrain.memory.sbp.split``) whatever the backbone: the path
+    an untraceable backbone takes, as the oracle the lockstep code is compared with."""
+
+    def _lockstep_graph(self, backbone: nn.Module) -> None:
+        return None
 
 
 def video(seed: int = 0, requires_grad: bool = False) -> torch.Tensor:

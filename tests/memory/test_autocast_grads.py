@@ -17,19 +17,17 @@ from torch import nn
 
 from videotrain.memory import EndToEnd, FrameDropout, Recompute, StochasticBackprop
 
+# name -> the strategy, from the memory tests' kit (kit.RecordApply: SBP on record/apply)
 STRATEGIES = {
-    "e2e": EndToEnd,
-    "frame_dropout": lambda: FrameDropout(keep_ratio=0.5),
-    "sbp_frame": lambda: StochasticBackprop(keep_ratio=0.5, sampler="uniform"),
-    "sbp_frame_frozen_bn": lambda: StochasticBackprop(keep_ratio=0.5, bn_policy="frozen"),
-    "sbp_frame_record": lambda: StochasticBackprop(keep_ratio=0.5, lockstep=False),
-    "sbp_block": lambda: StochasticBackprop(keep_ratio=0.5, granularity="block"),
-    "sbp_block_frozen_bn": lambda: StochasticBackprop(keep_ratio=0.5, granularity="block",
-                                                      bn_policy="frozen"),
-    "sbp_recompute": lambda: StochasticBackprop(keep_ratio=0.5, recompute="blocks"),
-    "recompute_blocks": lambda: Recompute("blocks"),
-    "recompute_sqrt": lambda: Recompute("sqrt"),
-    "recompute_optimal": lambda: Recompute("optimal", objective="memory"),
+    "e2e": lambda kit: EndToEnd(),
+    "frame_dropout": lambda kit: FrameDropout(keep_ratio=0.5),
+    "sbp_frame": lambda kit: StochasticBackprop(keep_ratio=0.5, sampler="uniform"),
+    "sbp_frame_frozen_bn": lambda kit: StochasticBackprop(keep_ratio=0.5, bn_policy="frozen"),
+    "sbp_frame_record": lambda kit: kit.RecordApply(keep_ratio=0.5),
+    "sbp_recompute": lambda kit: StochasticBackprop(keep_ratio=0.5, recompute="blocks"),
+    "recompute_blocks": lambda kit: Recompute("blocks"),
+    "recompute_sqrt": lambda kit: Recompute("sqrt"),
+    "recompute_optimal": lambda kit: Recompute("optimal", objective="memory"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _FP32: dict[tuple[str, str, str], set[str]] = {}  # (backbone, strategy, device) -> fp32's set
@@ -38,7 +36,7 @@ _FP32: dict[tuple[str, str, str], set[str]] = {}  # (backbone, strategy, device)
 def _params_with_grad(kit, backbone: str, strategy: str, dtype: torch.dtype | None,
                       device: torch.device) -> set[str]:
     """One cross-entropy step of a fresh model; the names of the parameters given a gradient."""
-    _, model = kit.model_pair(backbone, STRATEGIES[strategy](), head="mean")
+    _, model = kit.model_pair(backbone, STRATEGIES[strategy](kit), head="mean")
     model.to(device)
     x = kit.video()[:1, :4].to(device)  # (1, 4, C, H, W): bf16 convolutions are slow on some CPUs
     ctx = torch.autocast(device.type, dtype=dtype) if dtype is not None else torch.autocast(

@@ -64,7 +64,7 @@ def test_sbp_step_dispatches_at_most_1_5x_e2e_ops(backbone: str, bn_policy: str,
     strategy = StochasticBackprop(keep_ratio=keep_ratio, bn_policy=bn_policy, seed=0, rank=0)
     e2e, model = _models(backbone, strategy)
     ours, theirs = step_ops(model, 8), step_ops(e2e, 8)
-    assert strategy.granularity == "frame"  # the default on every one of these backbones
+    assert strategy._traced[1] is not None  # the lockstep code ran, on every one of these backbones
     ratio = sum(ours.values()) / sum(theirs.values())
     extra = {op: n - theirs.get(op, 0) for op, n in (ours - theirs).most_common(8)}
     assert ratio <= 1.5, f"{ratio:.2f}x e2e's aten ops ({sum(ours.values())}); most above e2e: {extra}"

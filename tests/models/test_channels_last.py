@@ -52,7 +52,7 @@ def _run(channels_last: bool, memory: list[str]) -> tuple[torch.nn.Module, list[
     return model, layouts, logits
 
 
-SBP = ["memory=sbp", "memory.keep_ratio=0.5", "memory.granularity=frame"]
+SBP = ["memory=sbp", "memory.keep_ratio=0.5"]
 
 
 @pytest.mark.parametrize("memory", [["memory=e2e"],

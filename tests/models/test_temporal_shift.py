@@ -9,7 +9,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
 
 from videotrain.build import CONFIG_DIR, build_model, clean_errors, validate
 from videotrain.memory.base import encode_all_frames, set_clip_length
@@ -153,18 +152,15 @@ def test_config_values_are_checked(capsys) -> None:
         _cfg("model/backbone=vit_tiny", "+model.backbone.temporal_shift=0.125")
 
 
-def test_frame_sbp_with_the_shift_builds_and_without_lockstep_is_one_error_line(capsys) -> None:
-    """Frame-granularity SBP runs on the shifted backbone through the lockstep code (the default
-    granularity there); with ``memory.lockstep=false`` it cannot, which is one error line."""
+def test_sbp_with_the_shift_builds_and_with_recompute_is_one_error_line(capsys) -> None:
+    """SBP runs on the shifted backbone through the lockstep code, built with the model; composed
+    with recomputation (record/apply, which cannot shift) it cannot, which is one error line."""
     cfg = _cfg("model.backbone.temporal_shift=0.125", "memory=sbp")
-    assert build_model(cfg, 4).strategy.granularity == "frame"
-    cfg = _cfg("model.backbone.temporal_shift=0.125", "memory=sbp", "memory.granularity=frame",
-               "memory.lockstep=false")
+    assert build_model(cfg, 4).strategy._traced[1] is not None  # the lockstep code
+    cfg = _cfg("model.backbone.temporal_shift=0.125", "memory=sbp", "memory.recompute=blocks")
     with pytest.raises(SystemExit) as exit_info, clean_errors():
         build_model(cfg, 4)
     assert exit_info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: memory.granularity=frame")
-    assert "memory.granularity=block" in err[0]
-    OmegaConf.update(cfg, "memory.granularity", "block")
-    assert build_model(cfg, 4).strategy.granularity == "block"
+    assert len(err) == 1 and err[0].startswith("error: memory.recompute does not compose"), err
+    assert "model.backbone.temporal_shift=0" in err[0]

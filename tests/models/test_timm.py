@@ -18,18 +18,19 @@ from safetensors.torch import save_file
 
 from videotrain.build import build_model
 from videotrain.memory.recompute.graph import symbolic_trace
-from videotrain.memory.sbp.blocks import block_adapter
 from videotrain.memory.sbp.lockstep import lockstep_graph
 from videotrain.models.backbones import PretrainedWeightsUnavailable, resnet
+from videotrain.models.temporal_shift import block_adapter
 from videotrain.models.timm_backbone import TimmBackbone, find_blocks, timm_backbone
 from videotrain.models.weights import PretrainedWeightsMismatch, load_backbone_weights
 
-# name -> (feature dim, blocks, the adapter SBP's block granularity uses for them)
+# name -> (feature dim, blocks, the residual-branch adapter the temporal shift uses, or None: the
+# model takes no shift)
 REAL = {
     "resnet10t": (512, 4, "timm_resnet_block_forward"),
     "resnet18": (512, 8, "timm_resnet_block_forward"),
-    "convnext_atto": (320, 12, "convnext_block_forward"),
-    "vit_tiny_patch16_224": (192, 12, "timm_vit_block_forward"),
+    "convnext_atto": (320, 12, None),
+    "vit_tiny_patch16_224": (192, 12, None),
 }
 
 
@@ -44,7 +45,11 @@ def test_real_models_keep_the_backbone_contract(real, name: str) -> None:
     bb = real[name].train()
     dim, num_blocks, adapter = REAL[name]
     assert bb.feature_dim == dim and len(bb.blocks()) == num_blocks
-    assert {block_adapter(b).__name__ for b in bb.blocks()} == {adapter}
+    if adapter is None:
+        with pytest.raises(TypeError, match="ResNet blocks only"):
+            block_adapter(bb.blocks()[0])
+    else:
+        assert {block_adapter(b).__name__ for b in bb.blocks()} == {adapter}
     x = torch.randn(2, 3, 64, 64)  # the default data is 64 px: a 224-px ViT must take it
     assert bb(x).shape == (2, dim)
     # the recompute planner and SBP's lockstep pass trace it with timm's notrace registry

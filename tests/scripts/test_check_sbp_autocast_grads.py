@@ -14,9 +14,9 @@ def check(load_script):
 
 
 def test_every_parameter_gets_a_gradient_under_bf16(check, capsys) -> None:
-    assert check.main(["vit-block"]) == 0
+    assert check.main(["vit-frame"]) == 0
     line = capsys.readouterr().out.splitlines()[-1].split()
-    assert line[0] == "vit-block" and line[-1] == "ok", line
+    assert line[0] == "vit-frame" and line[-1] == "ok", line
     fp32, bf16 = line[2], line[4]  # "0/N"
     assert fp32 == bf16 and fp32.startswith("0/") and int(fp32[2:]) > 0, line
 
@@ -30,7 +30,7 @@ def test_a_parameter_without_gradient_is_counted_and_fails(check, monkeypatch, c
         return model
 
     monkeypatch.setattr(check, "build_model", with_an_unused_parameter)
-    missing, total = check.missing_grads(check.CASES["vit-block"], torch.bfloat16)
+    missing, total = check.missing_grads(check.CASES["vit-frame"], torch.bfloat16)
     assert missing == 1 and total > 1
-    assert check.main(["vit-block"]) == 1
+    assert check.main(["vit-frame"]) == 1
     assert capsys.readouterr().out.splitlines()[-1].split()[-1] == "FAIL"

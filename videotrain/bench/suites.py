@@ -1,7 +1,7 @@
 """Benchmark suites: named lists of row specs.
 
 A row spec says what the table reports about a configuration (backbone, strategy, keep ratio,
-granularity, policy, ...) and carries the Hydra overrides that build it. Adding a suite is
+policy, ...) and carries the Hydra overrides that build it. Adding a suite is
 adding a list of ``row(...)`` calls to ``SUITES``; every option passed to ``row`` becomes a
 ``trainer.<key>=<value>`` override when it is named ``trainer_<key>``, else a
 ``memory.<key>=<value>`` override and a column of the row.
@@ -57,14 +57,13 @@ def row(
     backbone: str,
     strategy: str,
     keep_ratio: float | None = None,
-    granularity: str | None = None,
     policy: str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """A row spec. ``keep_ratio=None`` means "no such option" and is reported as 1.0 (every
     frame gets a backward), so e2e and recompute rows sit at keep ratio 1 in the plots."""
     trainer = {k[len("trainer_"):]: options.pop(k) for k in list(options) if k.startswith("trainer_")}
-    memory = {"keep_ratio": keep_ratio, "granularity": granularity, "policy": policy, **options}
+    memory = {"keep_ratio": keep_ratio, "policy": policy, **options}
     overrides = [*backbone_overrides(backbone), f"memory={strategy}"]
     overrides += [f"memory.{k}={v}" for k, v in memory.items() if v is not None]
     overrides += [f"trainer.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in trainer.items()]
@@ -72,7 +71,7 @@ def row(
         "backbone": backbone,
         "strategy": strategy,
         "keep_ratio": 1.0 if keep_ratio is None else float(keep_ratio),
-        "granularity": granularity,
+        "granularity": granularity_of(strategy),
         "policy": policy,
         **options,
         "overrides": overrides,
@@ -87,31 +86,32 @@ def backbone_overrides(backbone: str) -> list[str]:
     return [f"model/backbone={backbone}"]
 
 
-def _sbp(backbone: str, granularity: str, ratios: tuple[float, ...]) -> list[dict[str, Any]]:
-    return [row(backbone, "sbp", r, granularity) for r in ratios]
+def granularity_of(strategy: str) -> str | None:
+    """The ``granularity`` field of a row: ``frame`` for SBP (the word its row names keep,
+    ``resnet50/sbp-frame-0.5``: the names results are compared by), else ``None``."""
+    return "frame" if strategy == "sbp" else None
 
 
-SBP_ROWS = [
-    row(R18, "e2e"),
-    *_sbp(R18, "frame", (1.0, 0.75, 0.5, 0.25)),
-    *_sbp(R18, "block", (0.5, 0.25)),
-    row(VIT, "e2e"),
-    *_sbp(VIT, "frame", (0.5,)),
-    *_sbp(VIT, "block", (0.5, 0.25)),
-]
+def _sbp(backbone: str, ratios: tuple[float, ...]) -> list[dict[str, Any]]:
+    return [row(backbone, "sbp", r) for r in ratios]
+
+
+R18_SBP_ROWS = [row(R18, "e2e"), *_sbp(R18, (1.0, 0.75, 0.5, 0.25))]
+VIT_SBP_ROWS = [row(VIT, "e2e"), *_sbp(VIT, (0.5,))]
+SBP_ROWS = [*R18_SBP_ROWS, *VIT_SBP_ROWS]
 
 # timm backbones (model/backbone=timm): a ConvNeXt and a ViT, e2e against frame-level SBP and
 # the optimal recomputation plan at half the e2e estimate
 TIMM_ROWS = [
     r for b in (CONVNEXT, TIMM_VIT) for r in (
-        row(b, "e2e"), row(b, "sbp", 0.5, "frame"),
+        row(b, "e2e"), row(b, "sbp", 0.5),
         row(b, "recompute", policy="optimal", budget_frac=0.5))
 ]
 
 DEFAULT_ROWS = [
-    *SBP_ROWS[:7],
+    *R18_SBP_ROWS,
     *(row(R18, "frame_dropout", r) for r in (0.5, 0.25)),
-    *SBP_ROWS[7:],
+    *VIT_SBP_ROWS,
     *TIMM_ROWS,
 ]
 
@@ -131,7 +131,7 @@ RECOMPUTE_ROWS = [
     *(row(R18, "recompute", policy="optimal", budget_frac=f) for f in (0.7, 0.5)),
     {**row(R18, "recompute", policy="optimal"), "budget": "min"},
     {**row(R18, "e2e"), "policy": "torch.compile", "budget_frac": 0.5, "compile_budget": 0.5},
-    *({**row(R18, "sbp", 0.5, "frame", recompute=c), "policy": f"checkpoint:{c}"}
+    *({**row(R18, "sbp", 0.5, recompute=c), "policy": f"checkpoint:{c}"}
       for c in ("blocks", "optimal")),
     *({**row(R18, "e2e"), "policy": "sac_milp", "budget_frac": f, "sac_milp": f} for f in (0.7, 0.5)),
     {**row(R18, "e2e"), "policy": "sac_milp", "budget": "min", "sac_milp": "min"},
@@ -147,26 +147,26 @@ RECOMPUTE_ROWS = [
 # judge come first, so that a run cut short by its time budget still has them; the comparison
 # rows (frame dropout, SBP + recomputation, memory=auto, torch.compile) follow.
 NCHW_E2E = {**row(R50, "e2e", trainer_channels_last=False), "policy": "nchw"}
-FROZEN_SBP = {**row(R50, "sbp", 0.5, "frame", bn_policy="frozen"), "policy": "frozen"}
+FROZEN_SBP = {**row(R50, "sbp", 0.5, bn_policy="frozen"), "policy": "frozen"}
 VIT_B16_SHAPE = {"batch_size": 8, "frames": 64}
 VIT_B16_JUDGED = [{**r, **VIT_B16_SHAPE} for r in (
-    row(VIT_B16, "e2e"), row(VIT_B16, "sbp", 0.5, "frame"), row(VIT_B16, "sbp", 0.25, "frame"))]
+    row(VIT_B16, "e2e"), row(VIT_B16, "sbp", 0.5), row(VIT_B16, "sbp", 0.25))]
 VIT_B16_RECOMPUTE = {**row(VIT_B16, "recompute", policy="optimal", budget_frac=0.5), **VIT_B16_SHAPE}
 GPU_ROWS = [
     row(R50, "e2e"),
     NCHW_E2E,
-    row(R50, "sbp", 0.5, "frame"),
-    row(R50, "sbp", 0.25, "frame"),
+    row(R50, "sbp", 0.5),
+    row(R50, "sbp", 0.25),
     FROZEN_SBP,
     row(R50, "recompute", policy="sqrt"),
     row(R50, "recompute", policy="optimal", budget_frac=0.5),
     *VIT_B16_JUDGED,
     row(R50, "frame_dropout", 0.5),
-    {**row(R50, "sbp", 0.5, "frame", recompute="optimal"), "policy": "checkpoint:optimal"},
+    {**row(R50, "sbp", 0.5, recompute="optimal"), "policy": "checkpoint:optimal"},
     VIT_B16_RECOMPUTE,
     {**row(R50, "auto"), "budget_frac": 0.5, "auto_budget_of_e2e": 0.5},
     {**row(R50, "e2e"), "policy": "torch.compile", "compile": True},
-    {**row(R50, "sbp", 0.5, "frame"), "policy": "torch.compile", "compile": True},
+    {**row(R50, "sbp", 0.5), "policy": "torch.compile", "compile": True},
 ]
 
 SUITES: dict[str, list[dict[str, Any]]] = {
@@ -176,8 +176,6 @@ SUITES: dict[str, list[dict[str, Any]]] = {
     "gpu": GPU_ROWS,
 }
 SUITES["all"] = [r for name in ("default", "recompute") for r in SUITES[name]]
-# --suite checkpoint: the deprecated name of --suite recompute (removed with memory=checkpoint)
-SUITE_ALIASES = {"checkpoint": "recompute"}
 
 # The GPU suite must finish in 10 minutes on one H100: each row gets at most 240 s (a compile
 # that does not finish), and no row runs past 570 s of the run (30 s left for the report). The
@@ -268,7 +266,7 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
         if (_value(ovs, "model/backbone") or "resnet10") == "resnet10" and \
                 _value(ovs, "model.backbone.temporal_shift") is None:
             # per-frame unless the user says otherwise: resnet10's config (alone) turns TSM's
-            # shift on, and these suites compare frame- and block-level SBP on a per-frame model
+            # shift on, and these suites measure the strategies on a per-frame model
             ovs = [*ovs, "model.backbone.temporal_shift=0"]
         key = (*sorted(ovs), *(f"{k}={spec.get(k)}" for k in CHILD_KEYS))  # not overrides
         if key in seen:
@@ -278,7 +276,8 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
         spec["backbone"] = backbone_of(ovs) or spec["backbone"]
         group = _value(ovs, "memory")
         spec["strategy"] = group if group else spec["strategy"]
-        for field in ("keep_ratio", "granularity", "policy"):
+        spec["granularity"] = granularity_of(spec["strategy"])
+        for field in ("keep_ratio", "policy"):
             v = _value(ovs, f"memory.{field}")
             if v is not None:
                 spec[field] = float(v) if field == "keep_ratio" else v

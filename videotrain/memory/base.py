@@ -1,7 +1,7 @@
 """The memory-strategy seam: how the backbone is run over the frames of a clip in training.
 
 Every strategy is a small object with two methods. ``prepare`` may wrap the backbone's blocks
-once (block-level SBP, per-block recomputation). ``encode`` runs the backbone over a clip and
+once (SBP's BatchNorm patches, per-block recomputation). ``encode`` runs the backbone over a clip and
 returns per-frame features plus the *positions* of the frames they belong to, so strategies
 that drop frames (frame dropout) hand the head a subset without lying about time.
 

@@ -6,8 +6,8 @@ never need ``isinstance`` checks on torchvision classes:
 
 * ``forward(frames)``: ``(N, C, H, W) -> (N, D)``, one feature vector per frame;
 * ``feature_dim``: ``D``;
-* ``blocks()``: the residual / encoder blocks in execution order, which is where block-level
-  SBP and per-block checkpointing attach.
+* ``blocks()``: the residual / encoder blocks in execution order, which is where per-block
+  recomputation (``memory.policy=blocks``) and TSM's temporal shift attach.
 
 * ``set_clip_length(T)``: the frames per clip of the next calls; strategies call it before
   every backbone call (``videotrain.memory.base.set_clip_length``). Only a backbone whose frames
@@ -53,7 +53,7 @@ class FrameBackbone(nn.Module):
     @property
     def mixes_frames(self) -> bool:
         """Whether the frames of a clip interact inside the backbone (then it must see whole
-        clips, in time order, and frame-level SBP cannot train it)."""
+        clips, in time order; frame SBP meets its kept and dropped frames at each shift)."""
         return self.temporal_shift > 0
 
     def set_clip_length(self, num_frames: int) -> None:

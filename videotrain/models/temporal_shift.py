@@ -19,25 +19,97 @@ next call, so recomputation in backward (``memory=recompute``) shifts with the s
 traces keep the module as a leaf (:class:`FrameTracer`), so a traced graph reads ``T`` when it
 runs, not when it was traced.
 
-Blocks are re-expressed through SBP's block adapters (``videotrain.memory.sbp.blocks``), which
-know where a block's residual branch is: the shifted forward is the adapter with a branch that
-shifts its input. Block-level SBP shifts all frames first and then splits the branch by frame.
+Blocks are re-expressed through residual-branch adapters (:func:`block_adapter`), which know
+where a ResNet block's residual branch is: the shifted forward is ``skip(x) + branch(shift(x))``.
+Frame SBP's lockstep code meets its kept and dropped frames at each shift
+(:meth:`TemporalShift.lockstep_parts`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 from torch import fx, nn
 
-from videotrain.memory.sbp.blocks import (
-    block_adapter,
-    resnet_block_forward,
-    timm_resnet_block_forward,
-)
-from videotrain.memory.sbp.lockstep import PartRows
+# branch(fn, x) -> fn(x) with whatever the caller does around it (here: shift x first)
+Branch = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+Adapter = Callable[[nn.Module, torch.Tensor, Branch], torch.Tensor]
 
-# ResNet blocks (torchvision, timm): a convolutional branch on (N, C, H, W)
-_SHIFTABLE = (resnet_block_forward, timm_resnet_block_forward)
+_RESNET_ATTRS = ("conv1", "bn1", "conv2", "bn2", "relu", "downsample")
+
+
+def resnet_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+    """torchvision ``BasicBlock``/``Bottleneck``'s forward with its residual branch through
+    ``branch``. ``x (N, C, H, W)``."""
+
+    def residual(z: torch.Tensor) -> torch.Tensor:  # conv1 .. bn2 (BasicBlock) / bn3
+        out = block.relu(block.bn1(block.conv1(z)))
+        out = block.bn2(block.conv2(out))
+        if hasattr(block, "conv3"):  # Bottleneck
+            out = block.bn3(block.conv3(block.relu(out)))
+        return out
+
+    identity = x if block.downsample is None else block.downsample(x)
+    return block.relu(branch(residual, x) + identity)  # (N, C', H', W')
+
+
+def timm_resnet_block_forward(block: nn.Module, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+    """timm ``BasicBlock``/``Bottleneck``'s forward with its residual branch through ``branch``.
+    ``x (N, C, H, W)``."""
+    bottleneck = hasattr(block, "conv3")
+
+    def residual(z: torch.Tensor) -> torch.Tensor:  # conv1 .. bn2 (BasicBlock) / bn3, se, drop_path
+        if bottleneck:
+            out = block.act1(block.bn1(block.conv1(z)))
+            out = block.aa(block.act2(block.drop_block(block.bn2(block.conv2(out)))))
+            out = block.bn3(block.conv3(out))
+        else:
+            out = block.aa(block.act1(block.drop_block(block.bn1(block.conv1(z)))))
+            out = block.bn2(block.conv2(out))
+        if block.se is not None:
+            out = block.se(out)
+        if block.drop_path is not None:
+            out = block.drop_path(out)
+        return out
+
+    shortcut = x if block.downsample is None else block.downsample(x)
+    act = block.act3 if bottleneck else block.act2
+    return act(branch(residual, x) + shortcut)
+
+
+# (module, qualified name) of a block class's ``forward`` -> the adapter that re-expresses it:
+# matched by the forward, not by attribute names alone, so that a look-alike whose forward
+# differs is refused; every timm subclass that keeps that forward matches
+_FORWARD_ADAPTERS: dict[tuple[str, str], Adapter] = {
+    ("timm.models.resnet", "BasicBlock.forward"): timm_resnet_block_forward,
+    ("timm.models.resnet", "Bottleneck.forward"): timm_resnet_block_forward,
+}
+
+
+def block_adapter(block: nn.Module) -> Adapter:
+    """The adapter that knows where ``block``'s residual branch is: timm's ResNet blocks by
+    their ``forward``, torchvision's (and look-alikes) by attribute names; a ``TypeError`` for
+    any other block."""
+    forward = getattr(type(block), "forward", None)
+    key = (getattr(forward, "__module__", ""), getattr(forward, "__qualname__", ""))
+    if key in _FORWARD_ADAPTERS:
+        return _FORWARD_ADAPTERS[key]
+    if all(hasattr(block, a) for a in _RESNET_ATTRS):
+        return resnet_block_forward
+    raise TypeError(f"no residual-branch adapter for {type(block).__name__}: ResNet blocks only "
+                    f"(torchvision's with {', '.join(_RESNET_ATTRS)}; timm's BasicBlock and "
+                    "Bottleneck)")
+
+
+class Parts(Protocol):
+    """The rows of one frame-SBP step as the lockstep code hands them to a module that meets
+    both parts (``videotrain.memory.sbp.lockstep.PartRows``)."""
+
+    n_keep: int
+
+    def neighbours(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def temporal_shift(x: torch.Tensor, num_frames: int, fraction: float) -> torch.Tensor:
@@ -59,7 +131,7 @@ def temporal_shift(x: torch.Tensor, num_frames: int, fraction: float) -> torch.T
     return out.flatten(0, 1)  # (N, C, ...)
 
 
-def shift_parts(kept: torch.Tensor, dropped: torch.Tensor, rows: PartRows, num_frames: int,
+def shift_parts(kept: torch.Tensor, dropped: torch.Tensor, rows: Parts, num_frames: int,
                 fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`temporal_shift` of the frames ``[kept | dropped]`` (part rows, ``rows``), as the
     two parts: the shifted channels of every frame gathered from a ``(N + 1)``-row source (both
@@ -99,8 +171,8 @@ class TemporalShift(nn.Module):
         return temporal_shift(x, self.num_frames, self.fraction)
 
     def lockstep_parts(self, kept: torch.Tensor, dropped: torch.Tensor,
-                       rows: PartRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shift in frame-granularity SBP's lockstep code (``videotrain.memory.sbp.lockstep``):
+                       rows: Parts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shift in SBP's lockstep code (``videotrain.memory.sbp.lockstep``):
         ``kept (n, C, ...)`` with autograd and ``dropped (N - n, C, ...)`` without, the row blocks
         of ``rows``. Each frame reads its neighbours' channels from either part; a dropped
         neighbour is a constant, so a kept frame's gradient reaches its kept neighbours only."""
@@ -113,9 +185,8 @@ class TemporalShift(nn.Module):
 
 
 class ShiftedForward:
-    """Replaces ``forward`` on one block instance: ``skip(x) + branch(shift(x))``. A plain object
-    (like SBP's ``PatchedBlock``), so parameters and ``state_dict`` keys do not change and the
-    model still pickles."""
+    """Replaces ``forward`` on one block instance: ``skip(x) + branch(shift(x))``. A plain object,
+    so parameters and ``state_dict`` keys do not change and the model still pickles."""
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
@@ -138,13 +209,12 @@ def add_temporal_shift(blocks: list[nn.Module], fraction: float, model: str) -> 
     ``fraction``; anything else raises a ``ValueError`` naming ``model``."""
     for blk in blocks:
         try:
-            ok = block_adapter(blk) in _SHIFTABLE
+            block_adapter(blk)
         except TypeError:
-            ok = False
-        if not ok:
             raise ValueError(f"model.backbone.temporal_shift: {model} has {type(blk).__name__} "
                              "blocks; the temporal shift is implemented for ResNet blocks only "
-                             "(resnet10/18/50, timm ResNets); set model.backbone.temporal_shift=0")
+                             "(resnet10/18/50, timm ResNets); set model.backbone.temporal_shift=0"
+                             ) from None
     for blk in blocks:
         blk.temporal_shift = TemporalShift(fraction)
         blk.forward = ShiftedForward(blk)

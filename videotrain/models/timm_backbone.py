@@ -111,8 +111,8 @@ class TimmBackbone(FrameBackbone):
         if not found:
             raise TypeError(
                 f"timm model {self.name!r} ({type(self.net).__name__}): no blocks found (looked for "
-                "net.blocks, net.stages[i].blocks, net.stages[i] and net.layer1..layer4); strategies "
-                "that work per block (memory.granularity=block, memory.policy=blocks) cannot use it"
+                "net.blocks, net.stages[i].blocks, net.stages[i] and net.layer1..layer4); what works "
+                "per block (memory.policy=blocks, model.backbone.temporal_shift) cannot use it"
             )
         return found
 

@@ -13,11 +13,8 @@ from torch import nn
 from videotrain.build import CONFIG_DIR
 from videotrain.memory import EndToEnd, StochasticBackprop, encode_all_frames
 from videotrain.memory.sampling import keep_mask
-from videotrain.memory.sbp.blocks import branch_norms
-from videotrain.memory.sbp.split import ScaleGrad
 
 CONFIGS = Path(CONFIG_DIR)
-GRANULARITIES = ("frame", "block")
 TIMM = ["timm_resnet", "timm_convnext", "timm_vit"]  # tiny timm models (tests/memory/conftest.py)
 BACKBONES = ["resnet", "vit", *TIMM]
 
@@ -31,9 +28,8 @@ def backbone_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_keep_ratio_one_reproduces_e2e_exactly(kit, backbone: str, granularity: str) -> None:
-    ref, model = kit.model_pair(backbone, sbp(keep_ratio=1.0, granularity=granularity))
+def test_keep_ratio_one_reproduces_e2e_exactly(kit, backbone: str) -> None:
+    ref, model = kit.model_pair(backbone, sbp(keep_ratio=1.0))
     x = kit.video()
     assert torch.equal(kit.step(ref, x), kit.step(model, x))
     kit.assert_close_dicts(kit.grads(ref), kit.grads(model), rtol=0, atol=0)
@@ -42,9 +38,8 @@ def test_keep_ratio_one_reproduces_e2e_exactly(kit, backbone: str, granularity: 
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
-@pytest.mark.parametrize(("granularity", "keep_ratio"), [("frame", 0.25), ("block", 0.6)])
-def test_forward_and_running_stats_equal_e2e(kit, backbone, granularity, keep_ratio) -> None:
-    ref, model = kit.model_pair(backbone, sbp(keep_ratio=keep_ratio, granularity=granularity))
+def test_forward_and_running_stats_equal_e2e(kit, backbone) -> None:
+    ref, model = kit.model_pair(backbone, sbp(keep_ratio=0.25))
     x = kit.video()
     torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
     ours, theirs = backbone_buffers(model), backbone_buffers(ref)
@@ -53,8 +48,7 @@ def test_forward_and_running_stats_equal_e2e(kit, backbone, granularity, keep_ra
             assert int(ours[n]) == int(theirs[n]) == 1, n  # updated exactly once
         else:  # e2e's kernel over all frames, up to rounding: lockstep reduces the rows in
             # [kept | dropped] order, its kept/dropped convolutions round with their batch size
-            # (timm resnet10t's 1x1 downsample conv on 2x2 maps: ~1e-7), and block granularity's
-            # later blocks see kept rows that differ from e2e's by float rounding
+            # (timm resnet10t's 1x1 downsample conv on 2x2 maps: ~1e-7)
             torch.testing.assert_close(ours[n], theirs[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
@@ -83,7 +77,7 @@ def _hand_reference(kit, backbone: str, policy: str, keep: torch.Tensor, x: torc
 
 @pytest.mark.parametrize(("backbone", "policy"), [("resnet", "full_batch"), ("resnet", "frozen"), ("vit", "full_batch"),
                                                   *((b, "full_batch") for b in TIMM), ("timm_resnet", "frozen")])
-def test_frame_granularity_gradient_spec(kit, backbone: str, policy: str) -> None:
+def test_gradient_spec(kit, backbone: str, policy: str) -> None:
     strategy = sbp(keep_ratio=0.375, bn_policy=policy, nograd_chunk=3)
     plain, model = kit.model_pair(backbone, strategy)
     x = kit.video(requires_grad=True)
@@ -109,13 +103,15 @@ def test_frame_granularity_gradient_spec(kit, backbone: str, policy: str) -> Non
     assert bool((per_frame[mask] > 0).all())
 
 
-def test_full_batch_bn_on_a_float64_model_matches_the_float64_reference(kit) -> None:
+@pytest.mark.parametrize("record_apply", [False, True], ids=["lockstep", "record_apply"])
+def test_full_batch_bn_on_a_float64_model_matches_the_float64_reference(kit, record_apply: bool) -> None:
     """``bn_policy=full_batch`` on a float64 model: the backward used to crash (fp32 statistics
     handed to the fp64 BN backward kernel). Now the statistics and the backward arithmetic are
     fp64, so the gradients meet the hand reference at fp64 precision (fp32 arithmetic anywhere
-    in the BN backward would miss 1e-9 by orders of magnitude)."""
+    in the BN backward would miss 1e-9 by orders of magnitude), in both implementations."""
     torch.manual_seed(0)
-    strategy = sbp(keep_ratio=0.375, nograd_chunk=3)
+    kw = {"keep_ratio": 0.375, "nograd_chunk": 3, "seed": 0, "rank": 0}
+    strategy = kit.RecordApply(**kw) if record_apply else sbp(**kw)
     _, model = kit.model_pair("resnet", strategy)
     model.double()
     x = kit.video().double()
@@ -130,41 +126,31 @@ def test_full_batch_bn_on_a_float64_model_matches_the_float64_reference(kit) -> 
     kit.assert_close_dicts(ours, theirs, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_full_batch_bn_backward_meets_the_cuda_kernels_contract(kit, monkeypatch,
-                                                                granularity: str) -> None:
+def test_full_batch_bn_backward_meets_the_cuda_kernels_contract(kit, monkeypatch) -> None:
     """CUDA's BN backward asserts that the saved statistics are given, in eval mode too (CPU
     reads the running pair there and ignores them): SBP's BN backward passed none and failed
     on every GPU ("save_mean should always be defined", found by the first GPU run,
     docs/results/gpu/). The CPU twin of that precondition: each call hands a defined (mean,
-    invstd) pair. Record/apply (``lockstep=False``) calls the kernel in eval mode with the
-    recorded statistics as both pairs; lockstep (the default, frame and block granularity) in
-    training mode with the statistics the forward kernel saved, as autograd's own BN backward
-    does (``mean``/``var`` unused there). The gpu-marked tests run the kernel itself."""
+    invstd) pair. The one kept-rows BN backward (``KeptRowsBatchNorm``) calls the kernel in
+    training mode with the full batch's statistics, as autograd's own BN backward does
+    (``mean``/``var`` unused there), under the lockstep code and record/apply alike, once per
+    BN layer. The gpu-marked tests run the kernel itself."""
     real = torch.ops.aten.native_batch_norm_backward
     calls = []
 
     def checked(grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask):
         assert save_mean is not None and save_invstd is not None
         assert save_mean.shape == save_invstd.shape == (x.shape[1],)
-        if not train:
-            torch.testing.assert_close(save_mean, mean)
-            torch.testing.assert_close(save_invstd, torch.rsqrt(var + eps))
         calls.append(train)
         return real(grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask)
 
     monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", checked)
-    _, model = kit.model_pair("resnet", sbp(granularity=granularity))
-    kit.step(model, kit.video())
-    if granularity == "frame":  # every BN layer of the backbone, in training mode
+    for strategy in (sbp(), kit.RecordApply(keep_ratio=0.5, seed=0, rank=0)):
+        _, model = kit.model_pair("resnet", strategy)
+        calls.clear()
+        kit.step(model, kit.video())
         n_bn = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.backbone.modules())
-        assert calls == [True] * n_bn, calls
-    else:  # the split branches' BN layers (lockstep per branch), in training mode
-        assert calls and all(calls), calls
-    _, model = kit.model_pair("resnet", sbp(granularity=granularity, lockstep=False))
-    calls.clear()
-    kit.step(model, kit.video())
-    assert calls and not any(calls)  # record/apply: every BN layer's backward in eval mode
+        assert calls == [True] * n_bn, (type(strategy).__name__, calls)
 
 
 def test_grad_scale_inverse_keep_scales_backbone_grads_only(kit) -> None:
@@ -177,119 +163,25 @@ def test_grad_scale_inverse_keep_scales_backbone_grads_only(kit) -> None:
     kit.assert_close_dicts(kit.grads(scaled.head), kit.grads(plain.head), rtol=0, atol=0)
 
 
-def _branch_ends(blk: nn.Module) -> list[nn.Module]:
-    """The last module of each residual branch of a block (their outputs are the branches')."""
-    if hasattr(blk, "drop_path1"):  # timm ViT: ... ls1 -> drop_path1, ... ls2 -> drop_path2
-        return [blk.drop_path1, blk.drop_path2]
-    if hasattr(blk, "conv_dw"):  # timm ConvNeXt: conv_dw, norm, mlp, gamma -> drop_path
-        return [blk.drop_path]
-    if hasattr(blk, "mlp"):  # torchvision ViT: dropout(attention), mlp
-        return [blk.dropout, blk.mlp]
-    return [getattr(blk, "bn3", blk.bn2)]  # ResNets (torchvision and timm): the last BN
-
-
-def _detach_dropped_branches(kit, ref: nn.Module, strategy: StochasticBackprop,
-                             scale: float | None = None) -> list:
-    """Hooks on an e2e copy: in each wrapped block, dropped frames' residual branch outputs
-    are detached (and kept frames' branch gradients multiplied by ``scale``), and (full-batch
-    BN) their rows are constants at the branch's BN inputs."""
-    hooks = []
-    blocks = ref.backbone.blocks()
-    for i, keep in strategy.last_block_keep.items():
-        rows = keep_mask(keep, kit.T).flatten()  # (N,)
-        blk = blocks[i]
-
-        def out_hook(_m, _args, out, rows=rows):
-            out = kit.row_detach(out, rows)  # only the kept rows have a gradient left
-            return out if scale is None else ScaleGrad.apply(out, scale).clone()  # (in-place adds follow)
-
-        def in_hook(_m, args, rows=rows):
-            return (kit.row_detach(args[0], rows),)
-
-        hooks += [m.register_forward_hook(out_hook) for m in _branch_ends(blk)]
-        hooks += [m.register_forward_pre_hook(in_hook) for m in branch_norms(blk)]
-    return hooks
-
-
 @pytest.mark.parametrize("backbone", BACKBONES)
-@pytest.mark.parametrize("grad_scale", ["none", "auto"])
-def test_block_granularity_matches_branch_detached_reference(kit, backbone: str, grad_scale: str) -> None:
-    """``auto`` is ``inverse_keep`` at block granularity: kept branches' gradients x T/n."""
-    strategy = sbp(keep_ratio=0.375, granularity="block", blocks=1.0, grad_scale=grad_scale)
-    ref, model = kit.model_pair(backbone, strategy)
-    assert strategy.grad_scale == {"none": "none", "auto": "inverse_keep"}[grad_scale]
-    x = kit.video()
-    logits = kit.step(model, x)
-    assert len(strategy.last_block_keep) == len(model.backbone.blocks())
-    hooks = _detach_dropped_branches(kit, ref, strategy, None if grad_scale == "none" else 8 / 3)
-    ref_logits = kit.step(ref, x)
-    for h in hooks:
-        h.remove()
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    # scaled, the early layers' gradients grow by up to (8/3)^blocks, and their rounding with them
-    atol = 1e-6 if grad_scale == "none" else 1e-5
-    kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=1e-4, atol=atol)
-
-
-def test_block_wrapped_block_zeroes_branch_grad_keeps_skip(kit) -> None:
-    """A single ResNet block with a downsample skip, called inside an SBP step."""
-    bb = kit.tiny_resnet()
-    strategy = sbp(granularity="block", blocks=[1])
-    plain_block = copy.deepcopy(bb.blocks()[1])
-    strategy.prepare(bb)
-    block = bb.blocks()[1]  # layer2[0]: BasicBlock with conv+BN downsample
-    assert block.downsample is not None
-    n = kit.B * kit.T
-    x = torch.randn(n, 64, 8, 8, requires_grad=True)  # (N, C, H, W)
-    w = torch.randn(n, 128, 4, 4)
-    kept = torch.tensor([0, 3, 4, 6, 9, 10, 13, 15])
-    mask = torch.zeros(n, dtype=torch.bool).index_fill_(0, kept, True)
-    dropped = (~mask).nonzero().squeeze(1)
-    with strategy.splitter.step(n, {block: (kept, dropped)}, None):
-        (block(x) * w).sum().backward()
-
-    # skip-only gradient: the branch detached for every frame
-    x_skip = x.detach().clone().requires_grad_(True)
-    skip_ref = copy.deepcopy(plain_block)
-    branch_out = []
-    skip_ref.bn2.register_forward_hook(lambda _m, _a, out: branch_out.append(out) or out.detach())
-    (skip_ref(x_skip) * w).sum().backward()
-    # full e2e gradient
-    x_full = x.detach().clone().requires_grad_(True)
-    (copy.deepcopy(plain_block)(x_full) * w).sum().backward()
-
-    assert torch.equal(x.grad[~mask], x_skip.grad[~mask]), "dropped frames: skip gradient only"
-    assert bool(x.grad[~mask].abs().sum(dim=(1, 2, 3)).gt(0).all()), "skip gradient intact"
-    assert not torch.allclose(x.grad[mask], x_skip.grad[mask]), "kept frames: branch too"
-    assert not torch.allclose(x_full.grad[~mask], x_skip.grad[~mask])  # the branch mattered
-
-
-@pytest.mark.parametrize("backbone", BACKBONES)
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_saved_activation_bytes_scale_with_keep_ratio(kit, backbone: str, granularity: str) -> None:
+def test_saved_activation_bytes_scale_with_keep_ratio(kit, backbone: str) -> None:
     x = kit.video()
     sizes = {}
     for r in (0.25, 0.5, 0.75, 1.0):
-        strategy = sbp(keep_ratio=r, granularity=granularity, blocks=1.0)
+        strategy = sbp(keep_ratio=r)
         bb = strategy.prepare(kit.BACKBONES[backbone]().train())
         sizes[r] = kit.saved_bytes(lambda bb=bb, s=strategy: s.encode(bb, x), exclude=bb)
     e2e_bb = kit.BACKBONES[backbone]().train()
     assert sizes[1.0] == kit.saved_bytes(lambda: encode_all_frames(e2e_bb, x), exclude=e2e_bb)
     assert sizes[0.25] < sizes[0.5] < sizes[0.75], sizes
-    if granularity == "frame":
-        for r in (0.25, 0.5, 0.75):
-            assert abs(sizes[r] / sizes[1.0] - r) <= 0.1 * r, (r, sizes)
-    else:
-        # each split branch also saves a copy of its kept input rows, which e2e shares with
-        # the previous layer, so r=0.75 can cost as much as e2e on ResNets; 0.5 must save
-        assert sizes[0.5] < sizes[1.0], sizes
+    for r in (0.25, 0.5, 0.75):
+        assert abs(sizes[r] / sizes[1.0] - r) <= 0.1 * r, (r, sizes)
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
-@pytest.mark.parametrize("granularity", ["block"])  # block wraps blocks *and* patches BN
-def test_noop_in_eval_and_under_no_grad(kit, backbone: str, granularity: str) -> None:
+def test_noop_in_eval_and_under_no_grad(kit, backbone: str) -> None:
     plain = kit.BACKBONES[backbone]()
-    strategy = sbp(granularity=granularity, blocks=1.0)
+    strategy = sbp()  # patches every BN layer
     bb = strategy.prepare(copy.deepcopy(plain))
     x = kit.video()
     frames = x.flatten(0, 1)
@@ -300,7 +192,7 @@ def test_noop_in_eval_and_under_no_grad(kit, backbone: str, granularity: str) ->
         assert torch.equal(out.features, encode_all_frames(plain, x).features)
     assert strategy.sampler.draws == 0
     kit.assert_close_dicts(kit.bn_buffers(bb), kit.bn_buffers(plain), rtol=0, atol=0)
-    # outside encode, wrapped blocks and patched BN behave like the originals, gradients too
+    # outside encode, patched BN behaves like the original, gradients too
     y, y_ref = bb(frames), plain(frames)
     assert torch.equal(y, y_ref)
     y.square().sum().backward(), y_ref.square().sum().backward()
@@ -322,11 +214,11 @@ def _bf16_grad_error(kit, backbone: str, strategy_factory, x: torch.Tensor) -> f
     return float((got - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize(("backbone", "granularity"), [("resnet", "frame"), ("vit", "block")])
-def test_bf16_autocast_runs_and_matches_fp32(kit, backbone: str, granularity: str) -> None:
+@pytest.mark.parametrize("backbone", ["resnet", "vit"])
+def test_bf16_autocast_runs_and_matches_fp32(kit, backbone: str) -> None:
     # CPUs without native bf16 run bf16 convolutions slowly: a (1, 4) clip for the ResNet
     x = kit.video()[:1, :4] if backbone == "resnet" else kit.video()
-    err = _bf16_grad_error(kit, backbone, lambda: sbp(granularity=granularity), x)
+    err = _bf16_grad_error(kit, backbone, sbp, x)
     # loose: bf16 itself moves this tiny model's gradients (a BN ResNet's by ~20% in e2e)
     e2e_err = _bf16_grad_error(kit, backbone, EndToEnd, x)
     assert err < max(0.1, 1.5 * e2e_err), (err, e2e_err)
@@ -345,76 +237,36 @@ def test_frozen_policy_keeps_running_stats_and_uses_them(kit) -> None:
     assert all(m.training for m in model.backbone.modules()), "modes restored after encode"
 
 
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_state_dict_round_trip_reproduces_next_mask(kit, granularity: str) -> None:
-    def masks(s: StochasticBackprop):
-        return s.last_keep if granularity == "frame" else s.last_block_keep
-
-    a = sbp(granularity=granularity, seed=7)
+def test_state_dict_round_trip_reproduces_next_mask(kit) -> None:
+    a = sbp(seed=7)
     _, model = kit.model_pair("vit", a)
     for i in range(2):
         model(kit.video(i))
     state = copy.deepcopy(a.state_dict())
     model(kit.video(2))
-    expected = copy.deepcopy(masks(a))
+    expected = a.last_keep.clone()
 
-    b = sbp(granularity=granularity, seed=0)  # the checkpoint's seed wins
+    b = sbp(seed=0)  # the checkpoint's seed wins
     _, model_b = kit.model_pair("vit", b)
     b.load_state_dict(state)
     model_b(kit.video(2))
-    got = masks(b)
-    if granularity == "frame":
-        assert torch.equal(got, expected)
-    else:
-        assert got.keys() == expected.keys()
-        assert all(torch.equal(got[k], expected[k]) for k in got)
+    assert torch.equal(b.last_keep, expected)
 
 
 def test_describe_and_validation() -> None:
-    d = sbp(granularity="block", sampler="uniform").describe()
+    d = sbp(sampler="uniform").describe()
     assert d["strategy"] == "sbp" and d["keep_ratio"] == 0.5
-    assert (d["granularity"], d["sampler"], d["bn_policy"], d["grad_scale"]) == (
-        "block", "uniform", "full_batch", "auto")  # grad_scale resolves in prepare()
-    for granularity, resolved in (("auto", "none"), ("frame", "none"), ("block", "inverse_keep")):
-        s = sbp(granularity=granularity)
-        s.prepare(_tiny_resnet_for_validation())  # no temporal shift: auto is frame
-        assert s.describe()["grad_scale"] == resolved, granularity
-    s = sbp(granularity="block", grad_scale="none")
-    s.prepare(_tiny_resnet_for_validation())
-    assert s.grad_scale == "none"  # set explicitly: kept
-    for bad in ({"keep_ratio": 0.0}, {"granularity": "layer"}, {"grad_scale": "sqrt"},
-                {"bn_policy": "split"}, {"nograd_chunk": 0}, {"sampler": "stride"}, {"lockstep": "no"}):
+    assert (d["sampler"], d["bn_policy"], d["grad_scale"], d["nograd_chunk"], d["recompute"]) == (
+        "uniform", "full_batch", "none", "auto", None)
+    assert sbp(grad_scale="inverse_keep", nograd_chunk=4).describe()["nograd_chunk"] == 4
+    for bad in ({"keep_ratio": 0.0}, {"grad_scale": "auto"}, {"grad_scale": "sqrt"},
+                {"bn_policy": "split"}, {"nograd_chunk": 0}, {"sampler": "stride"},
+                {"recompute_budget_frac": 0.5}):
         with pytest.raises(ValueError):
             sbp(**bad)
-    with pytest.raises(ValueError, match="blocks"):
-        sbp(granularity="block", blocks=[0, 9]).prepare(_tiny_resnet_for_validation())
-    with pytest.raises(TypeError, match="residual branch"):
-        s = sbp(granularity="block")
-        s.prepare(_BlocklessBackbone())
-
-
-def _tiny_resnet_for_validation() -> nn.Module:
-    from videotrain.models.backbones import resnet
-
-    return resnet(layers=[1, 1, 1, 1])
-
-
-class _BlocklessBackbone(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
-
-    def blocks(self) -> list[nn.Module]:
-        return [self.lin]
-
-
-def test_default_blocks_are_first_two_thirds(kit) -> None:
-    s = sbp(granularity="block")
-    s.prepare(kit.tiny_resnet())
-    assert s.block_indices == [0, 1, 2]  # round(2/3 * 4)
-    s = sbp(granularity="block", blocks=[-1])
-    s.prepare(kit.tiny_vit())
-    assert s.block_indices == [1]
+    for gone in ({"granularity": "frame"}, {"lockstep": True}, {"blocks": 1.0}, {"checkpoint": "sqrt"}):
+        with pytest.raises(TypeError):  # removed in 0.2.0 (no shims): not a setting
+            sbp(**gone)
 
 
 def test_unprepared_backbone_is_an_error(kit) -> None:
@@ -461,11 +313,10 @@ def test_exp_configs_select_sbp(exp: str) -> None:
     assert cfg.memory.keep_ratio == 0.5
 
 
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_prepared_model_deepcopies_and_pickles(kit, tmp_path: Path, granularity: str) -> None:
+def test_prepared_model_deepcopies_and_pickles(kit, tmp_path: Path) -> None:
     """EMA copies and ``torch.save(model)`` keep working: patches are plain picklable objects
     and a copy's patched modules follow the copy's own strategy."""
-    _, model = kit.model_pair("resnet", sbp(granularity=granularity, keep_ratio=0.25))
+    _, model = kit.model_pair("resnet", sbp(keep_ratio=0.25))
     x = kit.video()
     twin = copy.deepcopy(model)
     torch.save(model, tmp_path / "model.pt")

@@ -1,12 +1,15 @@
 """Lockstep SBP (``sbp/lockstep.py``): the twin code generated once per backbone gives the values,
-statistics and gradients of record/apply (``lockstep=False``) and stores no more, with every
-frame's convolutions run once; memory formats kept; the general path when a backbone cannot be
-traced; grad mode restored after an error.
+statistics and gradients of record/apply (``sbp/split.py``, called directly, or through the
+``RecordApply`` strategy of tests/memory/conftest.py) and stores no more, with every frame's
+convolutions run once; memory formats kept; record/apply, logged with its reason, when a
+backbone cannot be traced or the kept path is recomputed; grad mode restored after an error.
 
 The SBP specification itself (gradient spec, forward = e2e, ratios) is tested in
 ``test_sbp.py``, where lockstep is the default path for the BN ResNet."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -158,7 +161,8 @@ def test_model_level_matches_record_apply_and_runs_each_frame_once(kit, backbone
     x = kit.video()
     out: dict[bool, tuple] = {}
     for lockstep in (True, False):
-        _, model = kit.model_pair(backbone, sbp(lockstep=lockstep))
+        strategy = sbp() if lockstep else kit.RecordApply(keep_ratio=0.375, seed=0, rank=0)
+        _, model = kit.model_pair(backbone, strategy)
         rows: dict[int, list[int]] = {0: [], 1: []}
         convs = [m for m in model.backbone.modules() if isinstance(m, nn.Conv2d)]  # leaves
         hooks = [convs[i].register_forward_hook(
@@ -186,22 +190,30 @@ def test_stores_what_record_apply_stores(kit) -> None:
     x = kit.video()
     sizes = {}
     for lockstep in (True, False):
-        strategy = sbp(keep_ratio=0.5, lockstep=lockstep)
+        strategy = sbp(keep_ratio=0.5) if lockstep else kit.RecordApply(keep_ratio=0.5, seed=0, rank=0)
         bb = strategy.prepare(kit.BACKBONES["resnet"]().train())
         sizes[lockstep] = kit.saved_bytes(lambda bb=bb, s=strategy: s.encode(bb, x), exclude=bb)
     # the same kept-row activations (record/apply also keeps its recorded statistics)
     assert 0.99 * sizes[False] <= sizes[True] <= sizes[False], sizes
 
 
-def test_untraceable_backbone_falls_back_to_record_apply() -> None:
+def test_untraceable_backbone_falls_back_to_record_apply_saying_why(caplog) -> None:
     net = Untraceable().train()
-    assert lockstep_graph(net) is None
+    with caplog.at_level(logging.INFO, logger="videotrain.memory.sbp"):
+        assert lockstep_graph(net) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "record/apply" in said[0] and "Untraceable" in said[0], said
+    assert "TraceError" in said[0], said  # the reason: fx's error on the data-dependent branch
     assert lockstep_graph(OddNet()) is not None
     x = torch.randn(8, 3, 6, 6)
     strategy = sbp()
     strategy.prepare(net)
-    out = strategy.encode(net, x.view(2, 4, 3, 6, 6))  # record/apply: still works
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="videotrain.memory.sbp"):
+        for _ in range(2):
+            out = strategy.encode(net, x.view(2, 4, 3, 6, 6))  # record/apply: still works
     assert out.features.shape == (2, 4, 12) and out.features.requires_grad
+    assert len(caplog.records) == 1  # decided, and said, once per backbone
 
 
 def test_error_mid_pass_restores_grad_mode() -> None:
@@ -233,16 +245,37 @@ def test_twin_is_built_once_per_backbone_and_not_pickled(kit, monkeypatch) -> No
     assert len(built) == 1
     assert "batchnorm_parts" in traced[1].code  # BN meets both parts in the generated code
     assert strategy.__getstate__()["_traced"] is None
-    assert sbp(lockstep=False).describe()["lockstep"] is False
 
 
-def test_composed_with_recomputation_uses_record_apply(kit, monkeypatch) -> None:
+def test_composed_with_recomputation_uses_record_apply_saying_why(kit, monkeypatch, caplog) -> None:
     def refuse(*_a, **_k):
         raise AssertionError("the lockstep code ran with memory.recompute")
 
     monkeypatch.setattr(sbp_strategy, "lockstep_forward", refuse)
+    monkeypatch.setattr(sbp_strategy, "lockstep_graph", refuse)
     _, model = kit.model_pair("resnet", sbp(recompute="sqrt"))
+    with caplog.at_level(logging.INFO, logger="videotrain.memory.sbp"):
+        kit.step(model, kit.video())
+        kit.step(model, kit.video())
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("videotrain.memory.sbp")]
+    assert said == ["memory=sbp: record/apply, since memory.recompute=sqrt recomputes the kept "
+                    "path, which the lockstep code does not"], said
+
+
+def test_nograd_chunks_run_outside_the_lockstep_code_saying_why(kit, monkeypatch, caplog) -> None:
+    """``memory.nograd_chunk=N`` where nothing couples the frames (frozen BN, a ViT): the dropped
+    frames in pieces of N, which only record/apply's plain scheme runs; with full-batch BN the
+    statistics need every frame at once, and the lockstep code runs."""
+    calls = []
+    real = lockstep_forward
+    monkeypatch.setattr(sbp_strategy, "lockstep_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, model = kit.model_pair("resnet", sbp(bn_policy="frozen", nograd_chunk=4))
+    with caplog.at_level(logging.INFO, logger="videotrain.memory.sbp"):
+        kit.step(model, kit.video())
+    assert not calls and ["nograd_chunk" in r.getMessage() for r in caplog.records] == [True]
+    _, model = kit.model_pair("resnet", sbp(nograd_chunk=4))
     kit.step(model, kit.video())
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("policy", ["full_batch", "frozen"])
@@ -273,32 +306,6 @@ def test_channels_last_gives_the_same_results_and_keeps_the_format(kit, device: 
     kit.assert_close_dicts(got[torch.channels_last][1], got[torch.contiguous_format][1], **tol)
     formats = got[torch.channels_last][2]
     assert formats and all(formats), formats
-
-
-@pytest.mark.parametrize("backbone", ["resnet", "timm_resnet"])
-def test_block_granularity_branches_run_in_lockstep_like_record_apply(kit, backbone: str) -> None:
-    """Block SBP with full-batch BN runs each split branch's code once (a convolution after a BN
-    over all frames, with the kept rows' graph beside it), with record/apply's values, gradients
-    and BN statistics."""
-    x = kit.video()
-    out = {}
-    for lockstep in (True, False):
-        strategy = sbp(granularity="block", blocks=1.0, lockstep=lockstep)
-        _, model = kit.model_pair(backbone, strategy)
-        block = model.backbone.blocks()[0]
-        rows: dict[str, list[int]] = {"conv1": [], "conv2": []}
-        for name, seen in rows.items():
-            getattr(block, name).register_forward_hook(
-                lambda _m, args, _o, seen=seen: seen.append(args[0].shape[0]))
-        out[lockstep] = (kit.step(model, x), kit.grads(model), kit.bn_buffers(model), rows)
-    n_rows, n_keep = kit.B * kit.T, kit.B * 3
-    # the branch's first conv on its input's two parts; the second, after a BN: all frames at once
-    assert out[True][3] == {"conv1": [n_rows - n_keep, n_keep], "conv2": [n_rows]}
-    # record pass over all frames, then kept again
-    assert out[False][3] == {"conv1": [n_rows, n_keep], "conv2": [n_rows, n_keep]}
-    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
-    kit.assert_close_dicts(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
-    kit.assert_close_dicts(out[True][2], out[False][2], rtol=1e-5, atol=1e-6)
 
 
 def test_module_hooks_see_the_parts() -> None:

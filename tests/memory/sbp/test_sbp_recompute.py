@@ -3,8 +3,8 @@ path is recomputed in backward, and nothing else changes: same logits, loss, gra
 plain SBP with the same mask seed, under both BN policies; fewer saved activations.
 
 Composed SBP computes full-batch BN by record/apply (the lockstep pass does not checkpoint), so
-the plain twin uses ``lockstep=False`` for a bit-exact comparison; lockstep and record/apply
-agree to float rounding (``tests/memory/test_sbp_lockstep.py``)."""
+the plain twin runs record/apply too (``kit.RecordApply``) for a bit-exact comparison; lockstep
+and record/apply agree to float rounding (``tests/memory/sbp/test_sbp_lockstep.py``)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ def pair(kit, backbone: str, policy: str, bn_policy: str = "full_batch", keep_ra
     bb = kit.BACKBONES[backbone]()
     head = kit.make_head(bb.feature_dim)
     plain = VideoClassifier(copy.deepcopy(bb), copy.deepcopy(head),
-                            StochasticBackprop(keep_ratio, bn_policy=bn_policy, seed=3,
-                                                               lockstep=False))
+                            kit.RecordApply(keep_ratio, bn_policy=bn_policy, seed=3))
     composed = VideoClassifier(bb, head, StochasticBackprop(keep_ratio, bn_policy=bn_policy, seed=3,
                                                             recompute=policy))
     return plain.train(), composed.train()
@@ -73,8 +72,6 @@ def test_composed_saves_less_than_plain_sbp(kit, policy: str) -> None:
 
 
 def test_validation_and_describe() -> None:
-    with pytest.raises(ValueError, match="granularity=frame only"):
-        StochasticBackprop(0.5, granularity="block", recompute="blocks")
     with pytest.raises(ValueError, match="memory.policy"):
         StochasticBackprop(0.5, recompute="nope")
     with pytest.raises(ValueError, match="recompute=optimal"):

@@ -1,49 +1,45 @@
-"""SBP with TSM's temporal shift. Frame granularity (the default there, through the lockstep code):
-forward equal to e2e's, gradients equal to e2e's with the dropped frames' activations detached at
-every shift input, BN input and at the backbone's output. Block granularity shifts every frame
-before splitting each branch (so it equals e2e at keep 1, its forward equals e2e's at any keep,
-and its gradients are e2e's with the dropped branches detached)."""
+"""SBP with TSM's temporal shift, through the lockstep code: forward equal to e2e's, gradients
+equal to e2e's with the dropped frames' activations detached at every shift input, BN input and
+at the backbone's output. What cannot run there (record/apply: recomputation, an untraceable
+backbone) is refused when the model is built."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 from videotrain.memory import StochasticBackprop
 from videotrain.memory.sampling import keep_mask
-from videotrain.memory.sbp.blocks import branch_norms
-from videotrain.memory.sbp.split import ScaleGrad
 from videotrain.models.temporal_shift import TemporalShift
 
 
 def sbp(**kw) -> StochasticBackprop:
-    return StochasticBackprop(**{"keep_ratio": 0.5, "granularity": "block", "seed": 0, "rank": 0, **kw})
+    return StochasticBackprop(**{"keep_ratio": 0.5, "seed": 0, "rank": 0, **kw})
 
 
-def test_auto_granularity_is_frame_with_the_shift_and_block_without_lockstep(kit) -> None:
-    """``granularity=auto`` (the config default) is frame on the default resnet10 with its shift
-    (the lockstep code runs it), and block where the lockstep code cannot run."""
-    shifted = sbp(granularity="auto")
+def test_the_lockstep_code_is_built_when_the_model_is(kit) -> None:
+    """A backbone whose frames meet needs the lockstep code: ``prepare`` builds it, so a backbone
+    that cannot have it fails at once (below), not at the first step."""
+    shifted = sbp()
     kit.shifted_pair(shifted)
-    assert shifted.granularity == "frame" and shifted.describe()["grad_scale"] == "none"
-    fallback = sbp(granularity="auto", lockstep=False)
-    kit.shifted_pair(fallback)
-    assert fallback.granularity == "block"
-    plain = sbp(granularity="auto")
+    assert isinstance(shifted._traced[1], fx.GraphModule) and "module_parts" in shifted._traced[1].code
+    plain = sbp()
     kit.model_pair("resnet", plain)
-    assert plain.granularity == "frame"
+    assert plain._traced is None  # a per-frame backbone: built at the first step
 
 
-def test_frame_granularity_without_lockstep_is_refused_naming_the_key(kit) -> None:
-    with pytest.raises(ValueError, match="memory.granularity=frame .*memory.granularity=block"):
-        kit.shifted_pair(sbp(granularity="frame", lockstep=False))
+def test_an_untraceable_shifted_backbone_is_refused(kit, monkeypatch) -> None:
+    from videotrain.memory.sbp import strategy as sbp_strategy
+
+    monkeypatch.setattr(sbp_strategy, "lockstep_graph", lambda *_a, **_k: None)
+    with pytest.raises(ValueError, match="needs the lockstep code.*temporal_shift=0"):
+        kit.shifted_pair(sbp())
 
 
-@pytest.mark.parametrize("granularity", ["auto", "frame"])
-def test_checkpoint_with_the_shift_is_refused(kit, granularity: str) -> None:
+def test_recompute_with_the_shift_is_refused(kit) -> None:
     with pytest.raises(ValueError, match="memory.recompute .*temporal_shift"):
-        kit.shifted_pair(sbp(granularity=granularity, recompute="blocks"))
+        kit.shifted_pair(sbp(recompute="blocks"))
 
 
 def _detached_reference(kit, ref: nn.Module, keep: torch.Tensor, x: torch.Tensor,
@@ -77,7 +73,7 @@ def test_frame_sbp_gradients_are_e2e_with_dropped_frames_constant(kit, policy: s
     """The stated gradient, against a reference computed with plain autograd; the dropped
     frames' input gradient is exactly zero; the gradient differs from plain e2e's (the spec has
     teeth: the shift carries gradient through dropped neighbours in e2e)."""
-    strategy = sbp(granularity="frame", keep_ratio=keep_ratio, bn_policy=policy)
+    strategy = sbp(keep_ratio=keep_ratio, bn_policy=policy)
     ref, model = kit.shifted_pair(strategy)
     plain = kit.shifted_pair(sbp())[0]
     x = kit.video(requires_grad=True)
@@ -97,7 +93,7 @@ def test_frame_sbp_gradients_are_e2e_with_dropped_frames_constant(kit, policy: s
 
 
 def test_frame_sbp_forward_and_running_stats_equal_e2e_with_the_shift(kit) -> None:
-    ref, model = kit.shifted_pair(sbp(granularity="frame", keep_ratio=0.25))
+    ref, model = kit.shifted_pair(sbp(keep_ratio=0.25))
     x = kit.video()
     torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
     ours, theirs = kit.bn_buffers(model.backbone), kit.bn_buffers(ref.backbone)
@@ -106,65 +102,16 @@ def test_frame_sbp_forward_and_running_stats_equal_e2e_with_the_shift(kit) -> No
 
 
 def test_frame_sbp_at_keep_one_equals_e2e_with_the_shift(kit) -> None:
-    ref, model = kit.shifted_pair(sbp(granularity="frame", keep_ratio=1.0))
+    ref, model = kit.shifted_pair(sbp(keep_ratio=1.0))
     x = kit.video()
     torch.testing.assert_close(kit.step(model, x), kit.step(ref, x), rtol=0, atol=0)
     kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=0, atol=0)
-
-
-def test_block_sbp_at_keep_one_equals_e2e_with_the_shift(kit) -> None:
-    ref, model = kit.shifted_pair(sbp(keep_ratio=1.0, blocks=1.0))
-    x = kit.video()
-    torch.testing.assert_close(kit.step(model, x), kit.step(ref, x), rtol=0, atol=0)
-    kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=0, atol=0)
-
-
-def test_block_sbp_forward_equals_e2e_and_every_parameter_gets_a_gradient(kit) -> None:
-    """The forward covers every frame (shifted from all of them), so it is e2e's at any keep."""
-    ref, model = kit.shifted_pair(sbp(keep_ratio=0.5, blocks=1.0))
-    x = kit.video()
-    torch.testing.assert_close(kit.step(model, x), kit.step(ref, x), rtol=1e-5, atol=1e-5)
-    got = kit.grads(model)
-    assert got.keys() == {n for n, _ in model.named_parameters()}
-    assert all(torch.count_nonzero(g) > 0 for g in got.values())
-
-
-@pytest.mark.parametrize("grad_scale", ["none", "auto"])
-def test_block_sbp_gradients_are_e2e_with_dropped_branches_detached(kit, grad_scale: str) -> None:
-    """The reference: e2e with the shift, where in every block the dropped frames' branch output
-    (and their rows at the branch's BN inputs) are constants. The kept frames' branch gradient
-    flows through the shift into their neighbours' block inputs, as in e2e. The default
-    ``grad_scale=auto`` (block granularity: ``inverse_keep``) multiplies it by T/n = 8/3."""
-    strategy = sbp(keep_ratio=0.375, blocks=1.0, grad_scale=grad_scale)
-    ref, model = kit.shifted_pair(strategy)
-    scale = 8 / 3 if grad_scale == "auto" else 1.0
-
-    def branch_out(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return ScaleGrad.apply(kit.row_detach(out, rows), scale).clone()  # (in-place adds follow)
-
-    x = kit.video()
-    logits = kit.step(model, x)
-    hooks = []
-    for i, keep in strategy.last_block_keep.items():
-        rows = keep_mask(keep, kit.T).flatten()  # (N,)
-        blk = ref.backbone.blocks()[i]
-        hooks.append(blk.bn2.register_forward_hook(lambda _m, _a, out, rows=rows: branch_out(out, rows)))
-        hooks += [bn.register_forward_pre_hook(lambda _m, a, rows=rows: (kit.row_detach(a[0], rows),))
-                  for bn in branch_norms(blk)]
-    ref_logits = kit.step(ref, x)
-    for h in hooks:
-        h.remove()
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    kit.assert_close_dicts(kit.grads(model), kit.grads(ref), rtol=1e-4, atol=1e-6 if scale == 1.0 else 1e-5)
-
 
 
 @pytest.mark.parametrize("bn_policy", ["full_batch", "frozen"])
 def test_the_default_model_stores_about_keep_ratio_of_e2e(compose_cfg, bn_policy: str) -> None:
     """Issue 45's memory target on the model a user gets (the shipped config: ResNet-10 with TSM's
-    shift, granularity auto): SBP stores at most 0.55 of e2e's activations at keep 0.5 and 0.30
-    at 0.25. Block granularity, the default before the lockstep code ran the shift, stores 0.82
-    and 0.73 on this input."""
+    shift): SBP stores at most 0.55 of e2e's activations at keep 0.5 and 0.30 at 0.25."""
     from videotrain.build import build_model
     from videotrain.memory.base import mixes_frames
     from videotrain.metrics.saved import saved_activation_bytes
@@ -180,6 +127,5 @@ def test_the_default_model_stores_about_keep_ratio_of_e2e(compose_cfg, bn_policy
     e2e = saved_activation_bytes(model("memory=e2e"), video)
     for keep, at_most in ((0.5, 0.55), (0.25, 0.30)):
         sbp_model = model("memory=sbp", f"memory.keep_ratio={keep}", f"memory.bn_policy={bn_policy}")
-        assert sbp_model.strategy.granularity == "frame"  # auto, resolved on the shifted backbone
         ratio = saved_activation_bytes(sbp_model, video) / e2e
         assert ratio <= at_most, f"keep {keep}: SBP stores {ratio:.2f} of e2e's activations"

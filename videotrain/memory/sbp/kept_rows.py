@@ -1,4 +1,4 @@
-"""Autograd for the kept rows of an op that ran once over all rows (lockstep SBP).
+"""Autograd for the kept rows of an op that ran once over all rows (SBP).
 
 The lockstep code (``videotrain.memory.sbp.lockstep``) runs a convolution that feeds a
 full-batch BN, the BN itself, and a residual add with its ReLU once over all ``N`` rows of a
@@ -7,7 +7,8 @@ rows ``[:n]`` still need a graph, and what that graph saves must hold the kept r
 point of SBP). Each function here takes the kept rows' inputs (with their graphs) and the
 already computed output, saves what the op's backward needs, as ``n``-row tensors of their own,
 and in the backward runs ATen's own kernel for the op on the kept rows: e2e's gradient with
-the dropped rows held constant (their gradient paths cut).
+the dropped rows held constant (their gradient paths cut). :class:`KeptRowsBatchNorm` is also
+record/apply's BN backward (``videotrain.memory.sbp.split``).
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class BatchNormCoefficients:
     """The per-channel factors of one step's kept-rows BN backwards (:class:`KeptRowsBatchNorm`),
-    ``rho * w`` and ``w * rstd`` of every fused BN, computed for all of them by two ``_foreach``
-    ops at the first BN backward instead of two small ops per BN."""
+    ``rho * w`` and ``w * rstd`` of every BN, computed for all of them by two ``_foreach`` ops
+    at the first BN backward instead of two small ops per BN (and for the BNs added since, when
+    a recomputed segment runs its BNs again in backward)."""
 
     def __init__(self, rho: float) -> None:
         self.rho = rho
         self.layers: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (weight, rstd) per BN
-        self._coefs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._coefs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def add(self, weight: torch.Tensor | None, rstd: torch.Tensor) -> int:
         self.layers.append((weight, rstd))
@@ -35,19 +38,21 @@ class BatchNormCoefficients:
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rho * w, w * rstd)`` of BN ``i`` (``w = 1`` without affine weights)."""
-        if self._coefs is None:
+        if i >= len(self._coefs):
             with torch.no_grad():
-                affine = [(w, r) for w, r in self.layers if w is not None]
+                layers = self.layers[len(self._coefs):]
+                affine = [(w, r) for w, r in layers if w is not None]
                 ws, rs = [w.detach() for w, _ in affine], [r for _, r in affine]
                 w_rho = iter(torch._foreach_mul(ws, self.rho) if ws else [])
                 w_r = iter(torch._foreach_mul(ws, rs) if ws else [])
-                self._coefs = [(next(w_rho), next(w_r)) if w is not None
-                               else (r.new_full(r.shape, self.rho), r) for w, r in self.layers]
+                self._coefs += [(next(w_rho), next(w_r)) if w is not None
+                                else (r.new_full(r.shape, self.rho), r) for w, r in layers]
         return self._coefs[i]
 
 
 class KeptRowsBatchNorm(torch.autograd.Function):
-    """The kept rows ``y`` of a full-batch BN output, with the graph of the kept input ``x``.
+    """The kept rows ``y`` of a full-batch BN output, with the graph of the kept input ``x``
+    (``y=None``: computed here from the statistics, record/apply's apply phase).
 
     ``mean``, ``rstd`` are the full batch's statistics (``N`` rows, ``rho = n / N`` of them
     kept). Backward, with ``xhat = (x - mean) * rstd``, ``g`` the output gradient and ``m_k``
@@ -66,12 +71,15 @@ class KeptRowsBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                y: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
                 coefs: BatchNormCoefficients, eps: float) -> torch.Tensor:
         ctx.save_for_backward(x, mean, rstd)
         ctx.coefs, ctx.index = coefs, coefs.add(weight, rstd)
         ctx.eps, ctx.has_weight, ctx.has_bias = eps, weight is not None, bias is not None
-        return y  # (n, C, *): returned as is (a view for autograd)
+        if y is None:  # record/apply: normalize the kept rows with the recorded statistics
+            var = rstd.pow(-2).sub_(eps).clamp_(min=0.0)  # (C,): rstd = 1 / sqrt(var + eps)
+            return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)  # (n, C, *)
+        return y  # (n, C, *): the full-batch forward's kept rows, returned as is (a view for autograd)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -1,4 +1,4 @@
-"""Frame-granularity SBP in one forward: the backbone's code with kept and dropped twins.
+"""SBP in one forward: the backbone's code with kept and dropped twins.
 
 The backbone is traced with ``torch.fx`` once (per backbone object), made out of place, and
 rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward takes the frames
@@ -49,6 +49,7 @@ record/apply (``videotrain.memory.sbp.split``) instead; ``lockstep_graph`` retur
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
@@ -68,6 +69,8 @@ from videotrain.memory.sbp.kept_rows import (
     plain_conv,
 )
 from videotrain.memory.sbp.split import ScaleGrad, suggest_memory_format, train_bn_forward
+
+log = logging.getLogger(__name__)
 
 
 class PartRows:
@@ -226,7 +229,11 @@ def lockstep_graph(backbone: nn.Module, full_batch: bool = True) -> fx.GraphModu
         graph = tracer.trace(backbone)
         gm = make_out_of_place(fx.GraphModule(tracer.root, graph))
         return _twin_module(gm, full_batch)
-    except Exception:  # noqa: BLE001 - any failure to trace or rewrite means "use the general path"
+    except Exception as err:  # noqa: BLE001 - any failure to trace or rewrite: record/apply
+        reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        log.info("memory=sbp: record/apply, since the lockstep code of %s cannot be built (%s%s)",
+                 type(backbone).__name__, type(err).__name__, f": {reason}" if reason else "")
+        log.debug("lockstep_graph(%s) failed", type(backbone).__name__, exc_info=True)
         return None
 
 

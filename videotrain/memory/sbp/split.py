@@ -1,28 +1,22 @@
-"""The SBP split primitive and its BatchNorm machinery (shared by both SBP granularities).
+"""Record/apply: SBP's general path, where the lockstep code (``sbp/lockstep.py``) cannot run.
 
 ``split_forward(fn, x, ...)`` computes ``fn(x)`` for all ``N = B*T`` frames of ``x`` but
 records an autograd graph for the kept rows only: the dropped rows run under ``no_grad`` and
-their activations are never stored. Frame granularity calls it with ``fn = backbone``; block
-granularity calls it with ``fn`` = one residual branch.
+their activations are never stored. It runs when the kept path is recomputed (SBP composed
+with ``memory.recompute``), on a backbone ``torch.fx`` cannot trace, and for the dropped frames
+in ``nograd_chunk`` pieces.
 
-BatchNorm couples frames through batch statistics, so two separate forwards (kept, dropped)
-would normalize with two different statistics. ``bn_policy=full_batch`` fixes this per split
-unit (see ``videotrain.memory.sbp.strategy`` for the user-facing description):
+With training-mode BatchNorm (``bn_policy=full_batch``) it runs in two phases:
 
 1. **record**: ``fn`` runs once under ``no_grad`` over *all* rows with the BN layers' own
-   training-mode forward. This is exactly e2e's forward: batch statistics over all frames,
-   running statistics updated once. Every BN also records its batch ``(mean, biased var)``.
-   The dropped rows' outputs are taken from this pass.
-2. **apply**: ``fn`` reruns on the kept rows with autograd. Each BN normalizes with the
-   recorded full-batch statistics through ``_FullBatchStatsBN``, whose backward is e2e's BN
-   backward with the dropped rows held constant (their contribution to the mean and variance
-   is a constant; the 1/count factors use the full count). Running statistics are not touched.
+   training forward (e2e's: statistics over all frames, running statistics updated once); each
+   BN records its batch ``(mean, rstd)``. The dropped rows' outputs come from this pass.
+2. **apply**: ``fn`` reruns on the kept rows with autograd; each BN normalizes with the
+   recorded statistics and backpropagates through ``KeptRowsBatchNorm`` (``kept_rows.py``, the
+   lockstep code's BN backward too): e2e's BN backward with the dropped rows held constant.
 
 Without train-mode BN (LayerNorm ViTs, ``bn_policy=frozen``) there is nothing to record: the
 dropped rows run under ``no_grad`` in chunks of ``chunk`` frames and the kept rows run once.
-
-At frame granularity the default computes the same BN semantics in one pass instead of two
-(``videotrain.memory.sbp.lockstep``); record/apply remains the general path.
 """
 
 from __future__ import annotations
@@ -33,18 +27,12 @@ from types import MethodType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch._prims_common import suggest_memory_format  # the memory format torch's ops pick
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from videotrain.memory.recompute.execute import replay_on_recompute
-
-try:  # the memory format torch's own ops pick for a tensor
-    from torch._prims_common import suggest_memory_format
-except ImportError:  # pragma: no cover - torch without the private helper
-    def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
-        cl = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
-        return torch.channels_last if cl else torch.contiguous_format
+from videotrain.memory.sbp.kept_rows import BatchNormCoefficients, KeptRowsBatchNorm
 
 BN_POLICIES = ("full_batch", "frozen")
 
@@ -62,72 +50,6 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class _FullBatchStatsBN(torch.autograd.Function):
-    """BatchNorm of a subset of rows with statistics recorded over the full batch.
-
-    Forward: ``(x - mean) / sqrt(var + eps) * w + b`` with the recorded ``mean``, ``var``, or
-    ``out`` when given (the kept rows of the full-batch forward's output, which is that value).
-    Backward (``xhat`` normalized input, ``g`` output grad, sums over the rows present and
-    the spatial positions, ``M = count`` elements per channel in the *full* batch)::
-
-        dx = w * invstd * (g - sum(g) / M - xhat * sum(g * xhat) / M)
-
-    which is e2e's BN backward when the absent rows are constants (their ``g`` is zero). With
-    all rows present it is exactly e2e's BN backward. Only ``x`` is saved, like native BN.
-
-    The two per-channel sums come from ATen's fused BN backward in eval mode (its weight and
-    bias gradients are exactly ``sum(g * xhat)`` and ``sum(g)``), and ``dx`` from four in-place
-    passes over one fp32 buffer (fp64 for a float64 model: ``stats_dtype``):
-    ``w * invstd * g + (x - mean) * b + c`` with per-channel ``b`` and ``c``. ``(x - mean)`` is
-    formed first, so a large mean does not cancel. This is the same
-    formula as computing ``xhat`` and ``centered`` in full-size temporaries, with the same
-    rounding against a float64 reference, in about half the time and one allocation instead of
-    seven (the step's BN backward was the largest Python-level cost of an SBP step).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-        mean: torch.Tensor, var: torch.Tensor, eps: float, count: int,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if out is None:
-            y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)  # (n, C, *)
-        else:  # already computed by the full-batch forward (lockstep); returned as the output
-            ctx.mark_dirty(out)
-            y = out
-        ctx.save_for_backward(x, weight, mean, var)
-        ctx.count, ctx.eps, ctx.has_bias = count, eps, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, mean, var = ctx.saved_tensors
-        shape = (1, -1) + (1,) * (x.dim() - 2)  # broadcast (C,) over (n, C, *)
-        # eval-mode BN backward with (mean, var) as its statistics: grad_weight = sum(g * xhat),
-        # grad_bias = sum(g); the weight only gives the shape when the layer has none
-        # (mean, invstd) go in as the saved statistics too: CPU reads the running pair in eval
-        # mode, CUDA the saved pair (it asserts that they are given)
-        w = weight if weight is not None else torch.ones_like(mean)
-        invstd = torch.rsqrt(var + ctx.eps)  # (C,)
-        _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
-            grad, x, w, mean, var, mean, invstd, False, ctx.eps, [False, True, True])  # (C,), (C,)
-        acc = mean.dtype  # the statistics' dtype: fp32, or fp64 for a float64 model
-        sum_gx, sum_g = sum_gx.to(acc), sum_g.to(acc)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            scale = invstd if weight is None else invstd * weight.to(acc)  # (C,)
-            gx = (x - mean.view(shape)).to(acc)  # (n, C, *) fp32 (fp64), one buffer
-            gx.mul_((-scale * invstd * sum_gx / ctx.count).view(shape))
-            gx.add_((-scale * sum_g / ctx.count).view(shape)).addcmul_(grad, scale.view(shape))
-            gx = gx.to(x.dtype)
-        if weight is not None and ctx.needs_input_grad[1]:
-            gw = sum_gx.to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = sum_g.to(grad.dtype if weight is None else weight.dtype)
-        return gx, gw, gb, None, None, None, None, None
-
-
 class FullBatchNorm:
     """Owns the record/apply phases of the BN layers it patched (``bn_policy=full_batch``).
 
@@ -138,8 +60,9 @@ class FullBatchNorm:
 
     def __init__(self) -> None:
         self.phase: str | None = None  # None | "record" | "apply"
-        self.total_rows = 0  # rows (frames) of the full batch, during "apply"
-        self.stats: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # bn -> mean, var
+        self.kept_rows = 0  # rows (frames) of the kept part, during "apply"
+        self.coefs: BatchNormCoefficients | None = None  # the apply phase's BN backward factors
+        self.stats: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # bn -> mean, rstd
 
     def patch(self, module: nn.Module) -> None:
         for bn in module.modules():
@@ -164,33 +87,35 @@ class FullBatchNorm:
             self.phase = None
 
     @contextmanager
-    def apply(self, total_rows: int) -> Iterator[None]:
-        """Training-mode BN layers normalize with the recorded statistics."""
+    def apply(self, kept_rows: int, total_rows: int) -> Iterator[None]:
+        """Training-mode BN layers normalize ``kept_rows`` of ``total_rows`` rows with the
+        recorded statistics."""
         if self.phase is not None:
             raise RuntimeError(f"nested SBP BatchNorm phases ({self.phase!r} -> 'apply')")
-        self.phase, self.total_rows = "apply", total_rows
+        self.phase, self.kept_rows = "apply", kept_rows
+        self.coefs = BatchNormCoefficients(kept_rows / total_rows)
         try:
             yield
         finally:
             self.phase = None
 
     def clear(self) -> None:
-        self.stats = {}  # a fresh dict: replay snapshots keep theirs
+        self.stats, self.coefs = {}, None  # a fresh dict: replay snapshots keep theirs
 
     def snapshot(self) -> Callable[[], Any]:
         """The current phase and statistics, as a factory of a context that restores them
         (``recompute.replay_on_recompute``: a recomputed kept-frame path recomputes in
         backward, after the forward's phase has ended)."""
-        state = (self.phase, dict(self.stats), self.total_rows)
+        state = (self.phase, dict(self.stats), self.kept_rows, self.coefs)
 
         @contextmanager
         def replay() -> Iterator[None]:
-            before = (self.phase, self.stats, self.total_rows)
-            self.phase, self.stats, self.total_rows = state[0], dict(state[1]), state[2]
+            before = (self.phase, self.stats, self.kept_rows, self.coefs)
+            self.phase, self.stats, self.kept_rows, self.coefs = state[0], dict(state[1]), state[2], state[3]
             try:
                 yield
             finally:
-                self.phase, self.stats, self.total_rows = before
+                self.phase, self.stats, self.kept_rows, self.coefs = before
 
         return replay
 
@@ -203,45 +128,36 @@ class FullBatchNorm:
                     f"{type(bn).__name__} ran twice in one forward; bn_policy=full_batch needs "
                     "each BN layer called once per frame batch (use bn_policy=frozen)"
                 )
-            out, mean, var = _train_bn_with_stats(bn, orig, x)  # e2e's BN forward, running stats once
-            self.stats[bn] = (mean, var)
+            out, mean, rstd = _train_bn_with_stats(bn, orig, x)  # e2e's BN forward, running stats once
+            self.stats[bn] = (mean, rstd)
             return out
         if bn not in self.stats:
             raise RuntimeError(f"no recorded full-batch statistics for {type(bn).__name__}")
-        mean, var = self.stats[bn]
-        return full_batch_stats_bn(bn, x, mean, var, self.total_rows)
-
-
-def full_batch_stats_bn(
-    bn: _BatchNorm, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, total_rows: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``bn`` on the rows ``x (n, C, *)`` of a ``total_rows``-row batch whose statistics are
-    ``mean``, ``var`` (``_FullBatchStatsBN``); ``out``: the forward value, when already known."""
-    count = total_rows * (x[0, 0].numel() if x.dim() > 2 else 1)  # elements per channel
-    return _FullBatchStatsBN.apply(x, bn.weight, bn.bias, mean, var, bn.eps, count, out)
+        if x.shape[0] != self.kept_rows:
+            raise RuntimeError(f"SBP record/apply: {type(bn).__name__} got {x.shape[0]} rows, not "
+                               f"the step's {self.kept_rows} kept frames")
+        assert self.coefs is not None
+        mean, rstd = self.stats[bn]
+        return KeptRowsBatchNorm.apply(x, bn.weight, bn.bias, None, mean, rstd, self.coefs, bn.eps)
 
 
 def _train_bn_with_stats(
     bn: _BatchNorm, orig: Callable[..., torch.Tensor], x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """BN's training forward over all rows, and the batch ``(mean, biased var)`` it normalized
+    """BN's training forward over all rows, and the batch ``(mean, rstd)`` it normalized
     with, fp32 ``(C,)`` (fp64 for a float64 model: :func:`stats_dtype`).
 
     For the stock classes (whose forward is ``_BatchNorm.forward``) this is
-    ``aten._native_batch_norm_legit``, the kernel ``F.batch_norm`` runs in training, called with
-    ``_BatchNorm.forward``'s running-statistics bookkeeping: the same output and running
-    statistics, bit for bit (tested), and the statistics come with it for free. A separate
-    ``var_mean`` over every BN input was 10% of an SBP step on the CPU. A subclass with a forward
-    of its own runs that forward, and the statistics are computed beside it."""
+    :func:`train_bn_forward`: the same output and running statistics, bit for bit (tested), and
+    the statistics come with it. A subclass with a forward of its own runs that forward, and
+    the statistics are computed beside it."""
+    acc = stats_dtype(x)
     if getattr(orig, "__func__", None) is not _BatchNorm.forward:
         dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x.detach().to(stats_dtype(x)), dim=dims, correction=0)  # (C,), (C,)
-        return orig(x), mean, var
+        var, mean = torch.var_mean(x.detach().to(acc), dim=dims, correction=0)  # (C,), (C,)
+        return orig(x), mean, torch.rsqrt(var + bn.eps)
     out, mean, rstd = train_bn_forward(bn, x)
-    acc = stats_dtype(x)
-    var = rstd.to(acc).pow(-2).sub_(bn.eps).clamp_(min=0.0)  # rstd = 1 / sqrt(var + eps)
-    return out, mean.to(acc), var
+    return out, mean.to(acc), rstd.to(acc)
 
 
 def train_bn_forward(bn: _BatchNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -339,7 +255,7 @@ def split_forward(
         try:
             with torch.no_grad(), norm.record():
                 out = _compact(fn(x))  # (N, ...): e2e's forward; dropped rows are final
-            with norm.apply(total_rows=x.shape[0]), replay_on_recompute(norm.snapshot):
+            with norm.apply(keep_rows.numel(), x.shape[0]), replay_on_recompute(norm.snapshot):
                 kept = (kept_fn or fn)(x[keep_rows])  # (n, ...) with autograd
         finally:
             norm.clear()
