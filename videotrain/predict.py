@@ -35,6 +35,7 @@ from videotrain.build import CONFIG_DIR, build_precision, clean_errors, eval_set
 from videotrain.data.dataset import BadVideo
 from videotrain.engine.inference import (
     PredictSettings,
+    UnreadableVideo,
     ViewReader,
     format_prediction,
     list_videos,
@@ -42,7 +43,7 @@ from videotrain.engine.inference import (
     top_classes,
 )
 from videotrain.trained_run import load_trained
-from videotrain.untrusted import shown_name, write_text
+from videotrain.untrusted import shown, shown_name, write_text
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, An
             views = reader(path)  # (clips * crops, T, C, H, W)
         except BadVideo as err:
             if len(videos) == 1 and source.is_file():
-                raise BadVideo(f"video: {err}") from err
+                raise UnreadableVideo(f"video: {err}") from err  # one error: line, exit 2
             log.error("skipping %s", err)
             errors.append({"video": str(path), "error": str(err)})
             continue
@@ -84,7 +85,7 @@ def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, An
         print(format_prediction(str(path), top), flush=True)
     if errors:
         print(f"{len(errors)} of {len(videos)} videos could not be read: "
-              + ", ".join(e["video"] for e in errors), flush=True)
+              + ", ".join(shown(Path(e["video"])) for e in errors), flush=True)
     summary = {"checkpoint": str(trained.path), "video": str(source), "clips": ev.clips,
                "crops": ev.crops, "aggregate": ev.aggregate, "settings": asdict(settings),
                "predictions": predictions, "errors": errors}
@@ -93,7 +94,7 @@ def predict(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, An
         write_text(out, json.dumps(summary, indent=2))  # replaces a link there, never follows it
         log.info("predictions written to %s", out)
     if not predictions:
-        raise BadVideo(f"video: none of the {len(videos)} videos under {source} could be read")
+        raise UnreadableVideo(f"video: none of the {len(videos)} videos under {source} could be read")
     return summary
 
 

@@ -18,6 +18,9 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import videotrain.run as run
 from videotrain.data import decode, media_budget
@@ -28,6 +31,7 @@ from videotrain.data.layouts import generate
 from videotrain.data.loaders import BadDataError, build_data
 from videotrain.data.media_budget import VideoTooLarge, limit_ffmpeg_allocations
 from videotrain.data.synthetic import SyntheticSpec, render_clip, write_video
+from videotrain.engine.inference import UnreadableVideo, ViewReader
 from videotrain.engine.trainer import Trainer
 from videotrain.untrusted.bounds import MAX_FRAME_PIXELS
 
@@ -505,3 +509,61 @@ def test_over_budget_videos_are_skipped_in_training_and_not_evaluated(
     assert results["steps"] == 4 and (results["val_videos"], results["val_videos_listed"]) == (7, 8)
     warned = "\n".join(r.getMessage() for r in caplog.records)
     assert "VideoTooLarge" in warned and "over the budget" in warned
+
+
+# A small real MP4 whose header fields the property test overwrites: 20 frames of 32x32.
+FUZZ_SPEC = SyntheticSpec(num_frames=20, size=32)
+HOSTILE_WORDS = [0, 1, 2, 0x7FFF, 0xFFFF, 8192 << 16, 50_000_000, 0x7FFFFFFF, 0xFFFFFFFF]
+
+
+@pytest.fixture(scope="module")
+def fuzz_mp4(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = tmp_path_factory.mktemp("fuzz") / "clip.mp4"
+    write_video(path, render_clip(FUZZ_SPEC, 0, np.random.default_rng(0)), 10)
+    return path.read_bytes()
+
+
+def _peak_rss_reset() -> int:
+    """Reset this process's peak RSS (``/proc/self/clear_refs``) and return its RSS, in KB:
+    ``VmHWM`` then tells what the next step peaked at."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS")
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), sampler=st.sampled_from(["random", "segment"]),
+       cut=st.one_of(st.none(), st.integers(0, 4000)))
+def test_any_header_reads_or_is_one_bad_video(data: st.DataObject, sampler: str, cut: int | None,
+                                              fuzz_mp4: bytes, tmp_path_factory) -> None:
+    """Hostile headers, generated: 32-bit fields of the MP4's ``moov`` box (sizes, counts,
+    durations, time scales, the frame size, the codec's parameter sets) overwritten with
+    extreme or random words, the file perhaps cut. predict's reader (the evaluation's views,
+    either sampler) either returns the views or raises one ``UnreadableVideo`` naming the file
+    and nothing of it; within 10 s and 500 MB over what the process held before."""
+    moov = fuzz_mp4.find(b"moov") - 4
+    edits = data.draw(st.lists(st.tuples(st.integers(moov, len(fuzz_mp4) - 4),
+                                         st.one_of(st.sampled_from(HOSTILE_WORDS),
+                                                   st.integers(0, 2**32 - 1))),
+                               min_size=1, max_size=4))
+    blob = bytearray(fuzz_mp4)
+    for at, word in edits:
+        blob[at:at + 4] = word.to_bytes(4, "big")
+    path = tmp_path_factory.mktemp("fuzzed") / "video.mp4"
+    path.write_bytes(bytes(blob[:cut] if cut is not None else blob))
+    reader = ViewReader(num_frames=4, clip_duration=0.8, short_side=32, crop_size=32, clips=3,
+                        crops=1, sampler=sampler)
+    before = _peak_rss_reset()
+    start = time.perf_counter()
+    try:
+        views = reader(path)
+        assert views.shape == (3, 4, 3, 32, 32) and views.dtype == torch.uint8
+    except UnreadableVideo as err:
+        assert str(err).startswith(f"{path}: cannot ") and "\n" not in str(err)
+    assert time.perf_counter() - start < 10
+    assert (_status_kb("VmHWM") - before) / 1024 < 500

@@ -26,8 +26,9 @@ decoded since the keyframe it sought to, which may be fewer.
 
 Media budgets (``videotrain.data.media_budget``), as for PyAV: the scanned frame count and the
 header's frame size are checked at open, and the RGB frames of a batch before the call that
-makes them. torchcodec converts every frame to the stream's declared size, so a frame that is
-larger than its header says costs no more than the header's size.
+makes them. Frames become RGB inside torchcodec's C++, so a frame larger than its header says
+cannot be checked before its conversion here (PyAV checks each one); the cap on FFmpeg's single
+allocations (64 MiB), set on the FFmpeg torchcodec loads too, still bounds each of its planes.
 
 Not readable here, unlike PyAV: raw elementary streams (``.h264`` without a container), which
 the exact scan cannot seek back through; they fail as a ``BadVideo`` like a corrupt file.

@@ -26,7 +26,7 @@ from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 from torch import nn
 
 from videotrain.data.annotations import VideoIndex
-from videotrain.data.dataset import VideoClipDataset
+from videotrain.data.dataset import BadVideo, VideoClipDataset
 from videotrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, clips_to_device, eval_transform
 from videotrain.engine.precision import Precision
 from videotrain.metrics.accuracy import aggregate_views
@@ -86,11 +86,30 @@ def list_videos(path: Path) -> list[Path]:
     return found
 
 
+class UnreadableVideo(BadVideo, ValueError):
+    """A video ``predict`` cannot read: a user error (one ``error:`` line, exit status 2), whose
+    message names the file escaped and says why in the decoder's own words, never the file's."""
+
+
+def _why(err: BadVideo, path: str) -> str:
+    """What went wrong, without the file's name as FFmpeg echoes it (raw) nor anything else
+    the message of the cause carries beyond its fixed text: ``cannot open (InvalidDataError:
+    Invalid data found when processing input)``."""
+    message = str(err)
+    step = message[len(path) + 2:].partition(" (")[0] if message.startswith(f"{path}: ") else ""
+    cause = err.__cause__
+    if cause is None:
+        return shown(message[len(path) + 2:] if step else message, 200)
+    text = getattr(cause, "strerror", None) or str(cause)  # OSError / FFmpegError: no filename
+    return f"{step or 'cannot read'} ({type(cause).__name__}: {shown(str(text), 400)})"
+
+
 class ViewReader:
     """Decodes one file into the evaluation's views ``(clips * crops, T, C, H, W)``, through the
     evaluation dataset's own decoding, clip sampling and transform (``decoder``, ``sampler``:
-    the run's ``data.decoder``, ``data.sampler``). Raises ``BadVideo`` (naming the file) for a
-    missing, empty or corrupt video."""
+    the run's ``data.decoder``, ``data.sampler``), within its media budgets
+    (``videotrain.data.media_budget``). Raises ``UnreadableVideo`` (naming the file, escaped)
+    for a missing, empty, corrupt or over-budget video."""
 
     def __init__(self, num_frames: int, clip_duration: float, short_side: int, crop_size: int,
                  clips: int, crops: int, decoder: str = "pyav", sampler: str = "random") -> None:
@@ -100,7 +119,10 @@ class ViewReader:
             train=False, num_clips=clips, decoder=decoder, sampler=sampler)
 
     def __call__(self, path: Path) -> torch.Tensor:
-        return self.dataset.decode_views(str(path))  # (V, T, C, H, W)
+        try:
+            return self.dataset.decode_views(str(path))  # (V, T, C, H, W)
+        except BadVideo as err:
+            raise UnreadableVideo(f"{shown(path)}: {_why(err, str(path))}") from err
 
 
 @torch.no_grad()

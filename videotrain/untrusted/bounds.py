@@ -19,7 +19,7 @@ MAX_CONFIG_DEPTH = 32
 MAX_FRAME_PIXELS = 4096 * 4096  # width x height of one frame (16.8 MP: 4K DCI fits)
 MAX_VIDEO_FRAMES = 36_000  # frames in one video: 20 minutes at 30 fps, 10 at 60
 MAX_DECODED_PIXELS = 2**35  # decoded in one read of a video: 16,000 frames at 1920x1080
-MAX_DECODED_BYTES = 384 * 2**20  # held at once by one read: frames waiting + the RGB returned
+MAX_DECODED_BYTES = 320 * 2**20  # held at once by one read: frames waiting + the RGB returned
 MAX_FFMPEG_ALLOC = 64 * 2**20  # any one allocation FFmpeg makes (its index of a file's frames)
 
 # what a config read from a file that this user did not seal may set of the clip the model sees
