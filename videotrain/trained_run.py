@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
@@ -51,15 +50,26 @@ from videotrain.untrusted import (
     is_sealed_config,
     is_sealed_file,
     read_bytes,
-    read_text,
+    read_json,
     shown,
+)
+from videotrain.untrusted.bounds import (
+    ANY,
+    MAX_CLASSES,
+    MAX_NAME_CHARS,
+    MAX_RESULTS_BYTES,
+    Map,
+    Optional,
+    Seq,
+    Str,
 )
 
 log = logging.getLogger(__name__)
 
 E2E = {"_target_": "videotrain.memory.e2e.EndToEnd"}
-MAX_RESULTS_BYTES = 64 << 20  # results.json, read for its class names
-MAX_CLASSES = 1_000_000  # a head with more rows is not a video classifier's
+# results.json as this module reads it (for its class names); its size is bounded before
+# reading, its values before parsing (untrusted.bounds.read_json)
+RESULTS = Map({"class_names": Optional(Seq(Str(MAX_NAME_CHARS), MAX_CLASSES))}, extra=ANY)
 
 
 # ---------------------------------------------------------------------- the checkpoint
@@ -288,12 +298,8 @@ def class_names_of(cfg: DictConfig, run_dir: Path | None, num_classes: int,
         return list(saved)
     results = run_dir / "results.json" if run_dir is not None else None
     if results is not None and is_regular(results):
-        try:
-            found = json.loads(read_text(results, MAX_RESULTS_BYTES, "results.json"))
-        except ValueError as err:  # never echoes the file: names it and the line
-            where = f":{err.lineno}" if hasattr(err, "lineno") else ""
-            raise ValueError(f"{shown(results)}{where}: not a results.json (JSON) videotrain "
-                             "wrote") from None
+        # a regular file, bounded; an error names the file, the line or key, never the text
+        found = read_json(results, RESULTS, MAX_RESULTS_BYTES, "results.json")
         names = found.get("class_names") if isinstance(found, dict) else None
         if _names(names, num_classes):
             return list(names)

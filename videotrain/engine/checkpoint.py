@@ -53,7 +53,9 @@ LAST = "last.ckpt"
 BEST = "best.ckpt"
 FORMAT_KEY = "videotrain_format"  # in every training checkpoint; the layout's version
 FORMAT = 2  # 1: the layout before safe loading (pickled numpy RNG state), which is refused
-_STEP_FILE = re.compile(r"^step-(\d+)\.ckpt$")
+# the whole name, ASCII digits only: "$" would also match before a final newline, and "\d"
+# other scripts' digits
+_STEP_FILE = re.compile(r"step-([0-9]{1,12})\.ckpt")
 
 
 # ---------------------------------------------------------------- RNG state as plain values
@@ -156,7 +158,8 @@ def step_name(step: int) -> str:
 
 
 def step_of(path: str | Path) -> int | None:
-    found = _STEP_FILE.match(Path(path).name)
+    """The step of a step file's name (exactly ``step-<digits>.ckpt``), else None."""
+    found = _STEP_FILE.fullmatch(Path(path).name)
     return int(found.group(1)) if found else None
 
 

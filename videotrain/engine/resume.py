@@ -17,16 +17,26 @@ even under ``force``: training on would teach its head rows other classes.
 is one (guarded), ``force`` resumes whatever differs (but never mid-epoch under another world
 size, see ``world_size_problem``), ``false`` starts over (the previous checkpoints are set aside,
 not loaded).
+
+A checkpoint in the run folder may be someone else's (a shared or downloaded run), so nothing
+of it is used before it is checked: its fields' types and bounds when it is read
+(``safe_load.CHECKPOINT``), the fields resume needs all there (``refusal``), and its weights'
+and optimizer state's keys and shapes against the model being trained (``fit_problem``, as
+eval checks a checkpoint against its model): each a refusal naming the keys escaped, not a
+traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
+
+import torch
 
 from videotrain import NEUTRAL_MARK
 from videotrain.data.loaders import build_data
@@ -155,11 +165,19 @@ def world_size_problem(saved: int, current: int, consumed: int, path: str) -> st
 
 
 def refusal(blob: dict[str, Any], path: str | Path, config: dict | None, world_size: int,
-            mode: str, class_names: list[str] | None = None) -> str | None:
+            mode: str, class_names: list[str] | None = None,
+            required: tuple[str, ...] = ()) -> str | None:
     """Why the checkpoint ``blob`` (read from ``path``) may not be resumed by a run with
     ``config`` on ``world_size`` processes and the dataset's ``class_names`` under
-    ``trainer.resume=mode``; None if it may. Under ``force`` the config differences are logged
-    as a warning instead; a class-order mismatch is refused always."""
+    ``trainer.resume=mode``; None if it may. ``required``: the fields resume reads (a
+    checkpoint without one is not a training checkpoint of this layout). Under ``force`` the
+    config differences are logged as a warning instead; a class-order mismatch is refused
+    always."""
+    missing = [name for name in required if name not in blob]
+    if missing:
+        return (f"cannot resume from {path}: it has no {', '.join(shown(k) for k in missing[:10])} "
+                "(not a training checkpoint of this videotrain's layout); trainer.resume=false "
+                "starts over in this folder")
     if class_names is not None:
         layout = ((config or {}).get("data") or {}).get("layout")
         why = class_order_problem(blob, path, class_names, layout, "resume from")
@@ -199,3 +217,78 @@ def refusal(blob: dict[str, Any], path: str | Path, config: dict | None, world_s
             "Resume with the checkpoint's values, pass trainer.resume=force to continue with the "
             "new ones, or trainer.resume=false to start over in this folder (another "
             "hydra.run.dir starts a separate run).")
+
+
+# ---------------------------------------------------------------------- the weights, against the model
+_SHOW = 5  # keys named per kind of mismatch
+
+
+def _listing(kind: str, keys: list[str]) -> str:
+    """The first keys of a kind, each escaped and cut (a checkpoint's keys may be anyone's)."""
+    listed = ", ".join(shown(k) for k in keys[:_SHOW])
+    return f"{len(keys)} {kind}: {listed}" + (f", ... ({len(keys) - _SHOW} more)"
+                                              if len(keys) > _SHOW else "")
+
+
+def weights_problem(own: Mapping[str, torch.Tensor], saved: Any) -> list[str]:
+    """What keeps the state dict ``saved`` from loading strictly into a module whose state dict
+    is ``own``: missing and unexpected keys, values that are not tensors and shape mismatches,
+    each described with its first keys escaped (as ``models.weights.key_mismatches`` does for
+    eval); empty when it fits."""
+    if not isinstance(saved, Mapping):
+        return [f"not a state dict (a {type(saved).__name__})"]
+    missing = sorted(k for k in own if k not in saved)
+    unexpected = sorted(str(k) for k in saved if k not in own)
+    tensors = {k: v for k, v in saved.items() if k in own}
+    untyped = sorted(k for k, v in tensors.items() if not isinstance(v, torch.Tensor))
+    shapes = sorted(f"{shown(k)} {tuple(v.shape)} vs {tuple(own[k].shape)}"
+                    for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.shape != own[k].shape)
+    out = [_listing(kind, keys) for kind, keys in (
+        ("missing keys", missing), ("unexpected keys", unexpected), ("values not tensors", untyped))
+        if keys]
+    if shapes:  # already escaped
+        more = f", ... ({len(shapes) - _SHOW} more)" if len(shapes) > _SHOW else ""
+        out.append(f"{len(shapes)} shape mismatches (file vs model): {', '.join(shapes[:_SHOW])}{more}")
+    return out
+
+
+def optimizer_problem(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> list[str]:
+    """What keeps the optimizer state ``saved`` (checked for its layout when read) from fitting
+    ``optimizer``: other numbers of parameter groups or parameters, or a per-parameter state
+    tensor (Adam's moments, SGD's momentum) of another shape than its parameter."""
+    groups, saved_groups = optimizer.param_groups, saved["param_groups"]
+    if len(groups) != len(saved_groups) or any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups, strict=True)):
+        return ["another number of parameter groups or parameters than the optimizer has"]
+    params = dict(zip(itertools.chain.from_iterable(s["params"] for s in saved_groups),
+                      itertools.chain.from_iterable(g["params"] for g in groups), strict=True))
+    bad = []
+    for index, state in saved["state"].items():
+        param = params.get(index)
+        if param is None:
+            bad.append(f"state of parameter {index}, which no group has")
+            continue
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                bad.append(f"{shown(name)} of parameter {index} {tuple(value.shape)} vs "
+                           f"{tuple(param.shape)}")
+    return bad[:_SHOW] + ([f"... ({len(bad) - _SHOW} more)"] if len(bad) > _SHOW else [])
+
+
+def fit_problem(blob: Mapping[str, Any], path: str | Path, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, ema: torch.nn.Module | None = None) -> str | None:
+    """Why the checkpoint ``blob``'s weights (its EMA's, where ``ema`` is the run's averaged
+    model) and optimizer state do not fit the run's ``model`` and ``optimizer``, or None;
+    checked before anything is loaded into them, so a crafted checkpoint ends in this one
+    message (its keys escaped), not in a traceback that prints them raw."""
+    parts = [f"model weights: {p}" for p in weights_problem(model.state_dict(), blob["model"])]
+    if ema is not None and "ema_model" in blob:
+        parts += [f"EMA weights: {p}" for p in weights_problem(ema.state_dict(), blob["ema_model"])]
+        if "ema_updates" not in blob:
+            parts.append("EMA weights without their number of updates (ema_updates)")
+    parts += [f"optimizer state: {p}" for p in optimizer_problem(optimizer, blob["optimizer"])]
+    if not parts:
+        return None
+    return (f"cannot resume from {path}: it does not fit the model being trained "
+            f"({'; '.join(parts)}); model/backbone, model/head and the number of classes must "
+            "match the run's, or trainer.resume=false starts over in this folder")

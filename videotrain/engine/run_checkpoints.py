@@ -29,7 +29,7 @@ import torch
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.distributed import Comm
 from videotrain.engine.recipe import WeightEMA
-from videotrain.engine.resume import refusal
+from videotrain.engine.resume import fit_problem, refusal
 from videotrain.memory.base import MemoryStrategy
 from videotrain.untrusted import seal_config
 from videotrain.untrusted.files import rename
@@ -114,6 +114,11 @@ class Checkpointed:
         self.state.load_state_dict(blob)
 
 
+# what restoring reads from a checkpoint: resume refuses one without them (resume.refusal)
+RESUMED_FIELDS = ("model", "optimizer", "scheduler", "scaler", "strategy", "rng_per_rank",
+                  *(f.name for f in fields(TrainState)))
+
+
 class RunCheckpoints:
     """The checkpoints of the run in ``out_dir`` (module docstring).
 
@@ -166,7 +171,7 @@ class RunCheckpoints:
                 return None
             path, blob = found
             why = refusal(blob, path, self.config, self.comm.world_size, self.resume,
-                          class_names=self.class_names)
+                          class_names=self.class_names, required=RESUMED_FIELDS)
             if why:
                 raise ResumeRefused(why)
             loaded.append(blob)
@@ -192,6 +197,10 @@ class RunCheckpoints:
         if path is None or blob is None:
             return False
         self._blob = None  # the weights are in the model now: do not hold a second copy
+        why = fit_problem(blob, path, parts.module, parts.optimizer,
+                          parts.ema.module if parts.ema is not None else None)
+        if why:  # before anything is loaded: the keys escaped, not torch's raw error
+            raise ResumeRefused(why)
         parts.load_state_dict(blob)
         # the loaders draw worker seeds from their own generators, not the global RNG, so the
         # restored state is exactly where the uninterrupted run was at this step; each rank

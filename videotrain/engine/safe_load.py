@@ -1,15 +1,22 @@
 """Reading a checkpoint file that may come from someone else: ``load`` is
-``torch.load(weights_only=True)`` of a regular file, after checks that need no unpickling.
+``torch.load(weights_only=True)`` of a regular file, after checks that need no unpickling and
+before anything of it is used.
 
 A shared checkpoint is untrusted input (docs/cluster.md, "A shared run folder is untrusted
 input"). Before ``torch.load``: the file must be a regular file (no FIFO or device, which would
 block or never end; no symbolic link out of its folder, except that the user may name a weights
-file behind links with ``follow``), and its zip records must be stored uncompressed, as
-``torch.save`` writes them (a 3 MB file with a deflated record of 3 GiB of zeros is refused from
-the zip's directory, before anything is inflated). After it: every tensor must hold the values
-its shape claims (a stride of 0 makes 4 bytes a 10^7-class head), and the whole is bounded. A
-file that needs arbitrary unpickling is refused naming the global, read from the pickle itself
-(``pickle_globals``), on every torch. ``videotrain.engine.checkpoint`` re-exports all of it.
+file behind links with ``follow``) of at most ``MAX_CHECKPOINT_BYTES`` by its length (a sparse
+file's holes count); its zip records must be stored uncompressed, as ``torch.save`` writes them
+(a 3 MB file with a deflated record of 3 GiB of zeros is refused from the zip's directory,
+before anything is inflated); and its pickle (``data.pkl``) is bounded in bytes, and in the
+opcodes torch's unpickler would run and the memory they would build, counted from the pickle
+itself (``pickle_cost``: 40 MB of empty sets would build gigabytes). After it: the whole
+structure once (``check_tensors``: at most so many values, so deep, no container met twice, and
+every tensor holding the values its shape claims: a stride of 0 makes 4 bytes a 10^7-class
+head), then every field videotrain reads against its declared schema (``CHECKPOINT``). A file
+that needs arbitrary unpickling is refused naming the global, read from the pickle itself
+(``pickle_globals``), on every torch. ``videotrain.engine.checkpoint`` re-exports all of it;
+the bounds are ``videotrain.untrusted.bounds``'.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import struct
 import warnings
 import zipfile
 from pathlib import Path
@@ -25,10 +33,35 @@ from typing import IO, Any
 import torch
 
 from videotrain.untrusted import UnsafeFileError, open_regular, shown
-
-MAX_RECORDS = 1_000_000  # zip records (tensors) a checkpoint may hold
-MAX_NODES = 5_000_000  # values (each container once) a checkpoint may hold
-MAX_PICKLE_BYTES = 256 << 20  # the pickle read to name a refused global
+from videotrain.untrusted.bounds import (
+    ANY,
+    BOOL,
+    MAX_CHECKPOINT_BYTES,
+    MAX_CHECKPOINT_DEPTH,
+    MAX_CHECKPOINT_RECORDS,
+    MAX_CHECKPOINT_VALUES,
+    MAX_CLASSES,
+    MAX_LIST,
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    MAX_PICKLE_BYTES,
+    MAX_PICKLE_OPS,
+    MAX_STEPS,
+    MAX_UNPICKLED_BYTES,
+    BadValue,
+    Choice,
+    Either,
+    Float,
+    Instance,
+    Int,
+    Map,
+    Optional,
+    Seq,
+    Str,
+    Tree,
+    checked,
+    structure_problem,
+)
 
 
 class CheckpointError(ValueError):
@@ -84,6 +117,77 @@ def pickle_globals(data: bytes) -> list[str]:
     return found
 
 
+# ---------------------------------------------------------------------- the pickle, unread
+# What each opcode of torch's weights-only unpickler costs at most: the bytes of its argument
+# (or None: variable, read below) and the memory it builds. Every value it pushes costs a slot
+# (_SLOT: a list's pointer, or a dict's or set's entry with its growth) besides its object.
+_SLOT = 96
+_OPCODES: dict[int, tuple[int | None, int]] = {
+    **{ord(op): (0, _SLOT) for op in "N\x88\x89)"},  # None, True, False, (): shared objects
+    ord("]"): (0, 56 + _SLOT), ord("}"): (0, 64 + _SLOT), 0x8F: (0, 216 + _SLOT),  # [] {} set()
+    ord("("): (0, 64), ord("t"): (0, 40 + _SLOT),  # a mark (a new stack list); a tuple of it
+    0x85: (0, 48 + _SLOT), 0x86: (0, 56 + _SLOT), 0x87: (0, 64 + _SLOT),  # TUPLE1-3
+    ord("a"): (0, 0), ord("e"): (0, 0), ord("s"): (0, 0), ord("u"): (0, 0),  # slots counted
+    ord("b"): (0, 0),  # BUILD: a state already counted, copied in
+    ord("K"): (1, _SLOT), ord("M"): (2, 32 + _SLOT), ord("J"): (4, 32 + _SLOT),  # ints
+    ord("G"): (8, 24 + _SLOT),  # a float
+    ord("h"): (1, _SLOT), ord("j"): (4, _SLOT), ord("q"): (1, 100), ord("r"): (4, 100),  # memo
+    ord("R"): (0, 1024), 0x81: (0, 1024), ord("Q"): (0, 256),  # a call: a tensor, a storage
+    ord("X"): (None, 80 + _SLOT), ord("U"): (None, 64 + _SLOT), 0x8A: (None, 40 + _SLOT),
+    ord("c"): (None, _SLOT), 0x80: (1, 0),  # GLOBAL, PROTO
+}
+_STOP = ord(".")
+
+
+def pickle_cost(data: bytes, max_ops: int = MAX_PICKLE_OPS) -> tuple[int, int]:
+    """``(opcodes, bytes)``: how many opcodes torch's weights-only unpickler would run on
+    ``data`` (one pickle or several in a row, as the legacy format has) and at most how much
+    memory they would build, read from the opcodes without building anything. Counting stops
+    past ``max_ops``, at the end, or at an opcode that unpickler refuses (it stops there too)."""
+    ops = cost = pos = 0
+    end = len(data)
+    table = _OPCODES
+    while pos < end and ops <= max_ops:
+        op = data[pos]
+        if op == _STOP:
+            pos += 1
+            if pos < end and data[pos] != 0x80:  # what follows is no further pickle
+                break
+            continue
+        entry = table.get(op)
+        if entry is None:
+            break
+        size, built = entry
+        ops += 1
+        pos += 1
+        if size is None:  # an argument of its own length
+            if op == ord("X"):
+                (size,) = struct.unpack_from("<I", data, pos) if pos + 4 <= end else (0,)
+                built += 4 * size  # UTF-8 text, at worst four bytes a character in a str
+                size += 4
+            elif op == ord("c"):
+                second = data.find(b"\n", data.find(b"\n", pos) + 1)
+                size = (second if second >= 0 else end) + 1 - pos
+            else:  # SHORT_BINSTRING, LONG1: a one-byte length
+                size = (data[pos] if pos < end else 0) + 1
+                built += size
+        cost += built
+        pos += size
+    return ops, cost
+
+
+def _check_pickle(data: bytes, path: Path, name: str) -> None:
+    """Refuse a pickle whose unpickling would run more than ``MAX_PICKLE_OPS`` opcodes or build
+    more than ``MAX_UNPICKLED_BYTES`` (:func:`pickle_cost`), before torch's unpickler runs."""
+    ops, cost = pickle_cost(data)
+    if ops > MAX_PICKLE_OPS or cost > MAX_UNPICKLED_BYTES:
+        what = (f"more than {MAX_PICKLE_OPS} opcodes" if ops > MAX_PICKLE_OPS else
+                f"values of about {cost >> 20} MB, more than the {MAX_UNPICKLED_BYTES >> 20} MB")
+        raise UnsafeCheckpointError(
+            f"{shown(path)}: its pickle ({shown(name)}, {len(data)} bytes) would build {what} a "
+            "checkpoint's pickle may; refusing it before unpickling anything")
+
+
 def _pickle_bytes(f: IO[bytes]) -> bytes:
     """The pickle of a checkpoint file (``*/data.pkl`` of the zip, else the file), bounded."""
     f.seek(0)
@@ -114,13 +218,14 @@ def _unpickling_reason(err: Exception, f: IO[bytes]) -> str:
 
 
 def _open_checkpoint(path: Path, follow: bool = False) -> IO[bytes]:
-    """``path`` opened if it is a regular file; ``last.ckpt``, a symbolic link to a step file
-    beside it, is followed to that file, and no other link is (nor a FIFO or device).
-    ``follow``: a weights file the user names (``model.init_from``), which may sit behind links
-    (a model cache); it must still be a regular file."""
+    """``path`` opened if it is a regular file of at most ``MAX_CHECKPOINT_BYTES`` (its
+    length: a sparse file counts whole); ``last.ckpt``, a symbolic link to a step file beside
+    it, is followed to that file, and no other link is (nor a FIFO or device). ``follow``: a
+    weights file the user names (``model.init_from``), which may sit behind links (a model
+    cache); it must still be a regular file."""
     if follow:
         try:
-            return open_regular(path, what="checkpoint", follow=True)
+            return open_regular(path, MAX_CHECKPOINT_BYTES, what="checkpoint", follow=True)
         except UnsafeFileError as err:
             raise UnsafeCheckpointError(str(err)) from None
     if path.is_symlink():
@@ -132,88 +237,179 @@ def _open_checkpoint(path: Path, follow: bool = False) -> IO[bytes]:
                 "If you trust it, pass the file it names as checkpoint=")
         path = path.with_name(target)
     try:
-        return open_regular(path, what="checkpoint")
+        return open_regular(path, MAX_CHECKPOINT_BYTES, what="checkpoint")
     except UnsafeFileError as err:
         raise UnsafeCheckpointError(str(err)) from None
 
 
-def _check_records(f: IO[bytes], path: Path) -> None:
-    """Refuse a zip checkpoint whose records would inflate: ``torch.save`` stores every record
-    uncompressed, so a compressed one (a small file that inflates to gigabytes) is refused
-    before ``torch.load`` inflates it."""
+_STORAGE_RECORD = re.compile(r"/data/[0-9]+\Z")  # a tensor's bytes: read as much as it claims
+
+
+def _check_records(f: IO[bytes], path: Path, follow: bool = False) -> None:
+    """Refuse a checkpoint whose records would inflate or whose pickle is too costly, before
+    ``torch.load`` reads any: ``torch.save`` stores every record uncompressed, so a compressed
+    one (a small file that inflates to gigabytes) is refused; a record that is not a tensor's
+    bytes may have at most ``MAX_PICKLE_BYTES``, and every pickle record is :func:`_check_pickle`'d.
+    A file that is not a zip (a plain pickle, or torch's legacy format) is one pickle of at most
+    ``MAX_PICKLE_BYTES``; a weights file the user names (``follow``) may be larger."""
     f.seek(0)
     if not zipfile.is_zipfile(f):
+        f.seek(0)
+        if follow:
+            return
+        data = f.read(MAX_PICKLE_BYTES + 1)
+        if len(data) > MAX_PICKLE_BYTES:
+            raise UnsafeCheckpointError(
+                f"{shown(path)} is not a zip (torch.save's format since torch 1.6) and larger than "
+                f"the {MAX_PICKLE_BYTES} bytes such a file may have; refusing it unread")
+        _check_pickle(data, path, path.name)
         f.seek(0)
         return
     f.seek(0)
     try:
         with zipfile.ZipFile(f) as z:
             infos = z.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as err:
+            if len(infos) > MAX_CHECKPOINT_RECORDS:
+                raise UnsafeCheckpointError(f"{shown(path)} holds {len(infos)} records, more than "
+                                            f"the {MAX_CHECKPOINT_RECORDS} a checkpoint may hold")
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED or info.file_size > info.compress_size:
+                    raise UnsafeCheckpointError(
+                        f"{shown(path)}: record {shown(info.filename)} is compressed "
+                        f"({info.compress_size} bytes inflate to {info.file_size}); torch.save "
+                        "stores records uncompressed, and videotrain does not inflate a "
+                        "checkpoint's records")
+                if info.file_size > MAX_PICKLE_BYTES and not _STORAGE_RECORD.search(info.filename):
+                    raise UnsafeCheckpointError(
+                        f"{shown(path)}: record {shown(info.filename)} is {info.file_size} bytes, "
+                        f"more than the {MAX_PICKLE_BYTES} bytes a record other than a tensor's "
+                        "may have; refusing it unread")
+            for info in infos:
+                if info.filename.endswith(".pkl"):
+                    _check_pickle(z.read(info), path, info.filename)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        if isinstance(err, CheckpointError):
+            raise
         raise CorruptCheckpointError(f"{shown(path)} is truncated or corrupt (a bad zip: "
                                      f"{shown(str(err))})", "a bad zip") from None
-    if len(infos) > MAX_RECORDS:
-        raise UnsafeCheckpointError(f"{shown(path)} holds {len(infos)} records, more than the "
-                                    f"{MAX_RECORDS} a checkpoint may hold")
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size > info.compress_size:
-            raise UnsafeCheckpointError(
-                f"{shown(path)}: record {shown(info.filename)} is compressed ({info.compress_size} "
-                f"bytes inflate to {info.file_size}); torch.save stores records uncompressed, and "
-                "videotrain does not inflate a checkpoint's records")
     f.seek(0)
 
 
-def check_tensors(obj: Any, path: Path, max_nodes: int = MAX_NODES) -> None:
-    """Walk what a checkpoint loaded (each container once, at most ``max_nodes`` values: shared
-    references are bounded where they are expanded, e.g. ``untrusted.plain_tree_problem`` for a
-    stored config) and refuse a tensor that claims more memory than it stores: a
-    stride of 0 in a dimension of size > 1 (4 bytes on disk read as a 10^7-class head), or an
-    extent past its storage."""
-    stack: list[tuple[Any, str]] = [(obj, "")]
-    seen: set[int] = set()  # a container or tensor met again (a pickle's shared reference)
-    visits = 0
-    while stack:
-        node, where = stack.pop()
-        if isinstance(node, (dict, list, tuple, torch.Tensor)):
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-        visits += 1
-        if visits > max_nodes:
-            raise UnsafeCheckpointError(f"{shown(path)} holds more than {max_nodes} values (or "
-                                        "shared references that expand to as many); refusing it")
-        if isinstance(node, torch.Tensor):
-            if node.layout != torch.strided:
-                raise UnsafeCheckpointError(f"{shown(path)}: tensor {shown(where)} is not a dense "
-                                            "tensor; checkpoints hold dense tensors only")
-            extent = node.storage_offset() + sum((n - 1) * s for n, s in zip(node.shape, node.stride(), strict=True)
-                                                 if n > 0) + 1
-            zero = any(s == 0 and n > 1 for n, s in zip(node.shape, node.stride(), strict=True))
-            stored = node.untyped_storage().nbytes() // max(node.element_size(), 1)
-            if node.numel() and (zero or extent > stored):
-                raise UnsafeCheckpointError(
-                    f"{shown(path)}: tensor {shown(where)} of shape {tuple(node.shape)} is stored "
-                    f"in {stored} values (stride {tuple(node.stride())}); a checkpoint's tensors "
-                    "store every value they hold")
-        elif isinstance(node, dict):
-            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in node.items())
-        elif isinstance(node, (list, tuple)):
-            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node))
+# ---------------------------------------------------------------------- what was loaded
+def _tensor_problem(node: Any) -> str | None:
+    """Why a tensor that ``torch.load`` built may not be used: not dense, or it claims more
+    values than its storage holds (a stride of 0 in a dimension of size > 1, or an extent
+    past its storage)."""
+    if not isinstance(node, torch.Tensor):
+        return None
+    if node.layout != torch.strided:
+        return "a tensor that is not dense; checkpoints hold dense tensors only"
+    extent = node.storage_offset() + sum((n - 1) * s for n, s in zip(node.shape, node.stride(), strict=True)
+                                         if n > 0) + 1
+    zero = any(s == 0 and n > 1 for n, s in zip(node.shape, node.stride(), strict=True))
+    stored = node.untyped_storage().nbytes() // max(node.element_size(), 1)
+    if node.numel() and (zero or extent > stored):
+        return (f"a tensor of shape {tuple(node.shape)} stored in {stored} values (stride "
+                f"{tuple(node.stride())}); a checkpoint's tensors store every value they hold")
+    return None
+
+
+def check_tensors(obj: Any, path: Path, max_nodes: int = MAX_CHECKPOINT_VALUES) -> None:
+    """Walk what a checkpoint loaded once (``untrusted.bounds.structure_problem``: at most
+    ``max_nodes`` values, ``MAX_CHECKPOINT_DEPTH`` deep, no container met twice: a pickle's
+    shared references would expand to gigabytes where the values are copied or compared) and
+    refuse a tensor that claims more memory than it stores (:func:`_tensor_problem`)."""
+    problem = structure_problem(obj, max_nodes, MAX_CHECKPOINT_DEPTH, _tensor_problem)
+    if problem:
+        raise UnsafeCheckpointError(f"{shown(Path(path))}: {problem}; refusing it")
+
+
+# ---------------------------------------------------------------------- the fields read
+def _rng_tensor(numel: int | None, dtype: torch.dtype, lo: int | None = None,
+                hi: int | None = None) -> Instance:
+    def fits(t: torch.Tensor) -> bool:
+        if t.dtype != dtype or t.dim() != 1 or (numel is not None and t.numel() != numel):
+            return False
+        return lo is None or not t.numel() or bool(t.min() >= lo and t.max() <= hi)
+    return Instance(torch.Tensor, f"a 1-d {dtype} tensor" + (f" of {numel} values" if numel else ""),
+                    fits)
+
+
+_TENSOR = Instance(torch.Tensor, "a tensor")
+_WEIGHTS = Map(extra=_TENSOR, keys=Str(MAX_NAME_CHARS), max_len=MAX_CHECKPOINT_RECORDS)
+_NUMBERS = Seq(Float(0.0), MAX_LIST)
+_GROUPS = 100_000  # an optimizer's parameter groups, a scheduler's learning rates
+_RNG = Map({
+    "python": Map({"version": Int(0, 100), "state": _rng_tensor(625, torch.int64, 0, 2**32 - 1),
+                   "gauss_next": Optional(Float(finite=False))},
+                  required=("version", "state", "gauss_next")),
+    "numpy": Map({"kind": Choice("MT19937"), "keys": _rng_tensor(624, torch.int64),
+                  "pos": Int(0, 624), "has_gauss": Int(0, 1),
+                  "cached_gaussian": Float(finite=False)},
+                 required=("kind", "keys", "pos", "has_gauss", "cached_gaussian")),
+    "torch": _rng_tensor(torch.get_rng_state().numel(), torch.uint8),
+    "cuda": Seq(_rng_tensor(None, torch.uint8), 4096),
+}, required=("python", "numpy", "torch"))
+
+# Every field of a videotrain checkpoint that videotrain reads (engine/run_checkpoints.py's
+# TrainState and Checkpointed, trained_run, class_order, finetune), as it stores them; a field
+# is checked where present (a plain state dict has none of them). Other keys (a plain state
+# dict's tensors) are bounded by the structure walk and checked by their readers (the model's
+# keys and shapes: models/weights.key_mismatches, engine/resume.weights_problem).
+CHECKPOINT = Map({
+    "videotrain_format": Int(0, 1000),
+    "model": _WEIGHTS, "ema_model": _WEIGHTS, "ema_updates": Int(0, MAX_STEPS),
+    "optimizer": Map({"state": Map(extra=Map(extra=ANY), keys=Int(0, MAX_CHECKPOINT_RECORDS),
+                                   max_len=MAX_CHECKPOINT_RECORDS),
+                      "param_groups": Seq(Map({"params": Seq(Int(0, MAX_CHECKPOINT_RECORDS),
+                                                             MAX_CHECKPOINT_RECORDS)},
+                                              required=("params",), extra=ANY), _GROUPS)},
+                     required=("state", "param_groups"), extra=ANY),
+    "scheduler": Map({"base_lrs": Seq(Float(), _GROUPS), "_last_lr": Seq(Float(), _GROUPS),
+                      "last_epoch": Int(-1, MAX_STEPS), "_step_count": Int(0, MAX_STEPS),
+                      "lr_lambdas": Seq(Optional(Map(extra=ANY)), _GROUPS)},
+                     extra=Optional(Either(Float(finite=False), BOOL))),
+    "scaler": Map(extra=Float(finite=False)),
+    "strategy": Map(extra=ANY),
+    "step": Int(0, MAX_STEPS), "epoch": Int(0, MAX_STEPS), "consumed": Int(0, MAX_STEPS),
+    "total_steps": Int(0, MAX_STEPS), "val_step": Int(-1, MAX_STEPS),
+    "best_step": Int(-1, MAX_STEPS), "best_top1": Float(-1.0, 100.0),
+    "skipped": Seq(Str(MAX_PATH_CHARS), MAX_LIST),
+    "step_times": _NUMBERS, "data_waits": _NUMBERS, "peaks": _NUMBERS,
+    "last_val": Map(extra=Optional(Float(finite=False)), max_len=10_000),
+    "rng_per_rank": Seq(_RNG, 1 << 16, min_len=1), "world_size": Int(1, 1 << 16),
+    "config": Optional(Tree()), "config_seal": Optional(Str(256)),
+    "class_names": Optional(Seq(Str(MAX_NAME_CHARS), MAX_CLASSES)),
+}, extra=ANY, max_len=MAX_CHECKPOINT_VALUES)
+
+
+def checked_fields(blob: Any, path: str | Path) -> Any:
+    """``blob`` (walked by :func:`check_tensors` already) if every field videotrain reads has
+    its declared type and bound (:data:`CHECKPOINT`), else ``CheckpointError`` naming the file
+    and the key, never the value."""
+    if not isinstance(blob, dict):
+        return blob  # a bare tensor or list: its reader says what it expected
+    try:
+        return checked(blob, CHECKPOINT, shown(Path(path)), max_nodes=None)
+    except BadValue as err:
+        raise CheckpointError(f"{err}; not a checkpoint videotrain wrote, refusing it") from None
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu", follow: bool = False) -> Any:
     """The one way videotrain reads a checkpoint: ``torch.load(weights_only=True)`` of a
-    regular file (``_open_checkpoint``: no FIFO, device, or link out of its folder) whose zip
-    records are stored uncompressed (``_check_records``), then ``check_tensors``.
+    regular file (``_open_checkpoint``: no FIFO, device, or link out of its folder; bounded by
+    its length) whose zip records are stored uncompressed and whose pickle is bounded
+    (``_check_records``), then ``check_tensors`` and, for a checkpoint (not a weights file the
+    user names with ``follow``), ``checked_fields``.
 
     Raises ``UnsafeCheckpointError`` for a file that needs arbitrary unpickling (nothing in it
-    runs, and the global refused is named) or that fails those checks, and
-    ``CorruptCheckpointError`` for a truncated or unreadable one; both name the file.
+    runs, and the global refused is named) or that fails those checks, ``CheckpointError`` for
+    a field out of its schema, and ``CorruptCheckpointError`` for a truncated or unreadable one;
+    all name the file.
     """
     path = Path(path)
     with _open_checkpoint(path, follow) as f:
-        _check_records(f, path)
+        _check_records(f, path, follow)
         try:
             with warnings.catch_warnings():  # torch's note on plain pickle files, refused anyway
                 warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -229,4 +425,4 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", follow: boo
             raise CorruptCheckpointError(f"{shown(path)} is truncated or corrupt ({first})",
                                          first) from err
     check_tensors(blob, path)
-    return blob
+    return blob if follow else checked_fields(blob, path)

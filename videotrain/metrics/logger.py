@@ -16,7 +16,8 @@ from typing import Any
 
 from videotrain import NEUTRAL
 from videotrain.untrusted import open_append, read_text, write_text
-from videotrain.untrusted.files import make_dirs
+from videotrain.untrusted.bounds import ANY, MAX_METRICS_BYTES, MAX_STEPS, Int, Map, read_jsonl
+from videotrain.untrusted.files import atomic_writer, make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class LoggerSettings:
 
     # where a run logs changes nothing it computes: resume-neutral
     wandb: WandbSettings = field(default_factory=WandbSettings, metadata=NEUTRAL)
-MAX_METRICS_BYTES = 1 << 30  # metrics.jsonl read back on resume: at most 1 GiB
+# a metrics.jsonl line as resume reads it back: its step (bytes and lines are bounded first)
+METRICS_ROW = Map({"step": Int(0, MAX_STEPS)}, required=("step",), extra=ANY)
 
 
 def _clean(value: Any) -> Any:
@@ -94,22 +96,13 @@ class MetricsLogger:
         """Drop lines with ``step > step`` (written after the checkpoint we resume from)."""
         if not self.enabled or not self.path.exists():
             return
-        kept = []
-        text = read_text(self.path, MAX_METRICS_BYTES, "metrics.jsonl")  # a regular file only
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-                row_step = row.get("step", 0) if isinstance(row, dict) else None
-            except ValueError:
-                row_step = None
-            if not isinstance(row_step, int):  # never echoed: the file may be someone else's
-                raise ValueError(f"{self.path}:{lineno}: expected a JSON object with an integer "
-                                 "'step' (a metrics.jsonl line)")
-            if row_step <= step:
-                kept.append(line)
-        write_text(self.path, "".join(ln + "\n" for ln in kept), root=self.out_dir)
+        # a regular file, its bytes and lines bounded before a line is parsed, each line's step
+        # checked; the kept lines streamed into the new file (the old one stays on an error)
+        rows = read_jsonl(self.path, METRICS_ROW, MAX_METRICS_BYTES, what="metrics.jsonl")
+        with atomic_writer(self.path, self.out_dir) as out:
+            for _, line, row in rows:
+                if row["step"] <= step:
+                    out.write(line + b"\n")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:

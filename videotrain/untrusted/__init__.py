@@ -16,7 +16,11 @@ from videotrain.untrusted.bounds import (
     FILE_DATA_BOUNDS,
     MAX_CONFIG_DEPTH,
     MAX_CONFIG_NODES,
+    BadValue,
+    checked,
     plain_tree_problem,
+    read_json,
+    read_jsonl,
 )
 from videotrain.untrusted.files import (
     UnsafeFileError,
@@ -47,6 +51,7 @@ from videotrain.untrusted.run_folder import (
 from videotrain.untrusted.text import NAME_CHARS, PATH_CHARS, SHOWN_CHARS, quoted, shown, shown_name
 
 __all__ = [
+    "BadValue", "checked", "read_json", "read_jsonl",
     "FILE_DATA_BOUNDS", "NAME_CHARS", "canonical_json", "is_sealed", "is_sealed_config",
     "is_sealed_file", "seal", "seal_config", "shown_name", "write_seal",
     "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES", "MAX_RUN_FOLDER_ENTRIES", "PATH_CHARS", "SHOWN_CHARS",
