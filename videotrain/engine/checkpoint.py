@@ -11,7 +11,8 @@ Files in ``RUN/checkpoints/`` (``CheckpointDir``):
 
 A save writes the step file atomically (temporary file in the same folder, fsync, rename), then
 re-points ``last.ckpt`` (a new link renamed over the old one), then deletes step files beyond
-the newest K. A crash at any moment leaves complete files only, and ``last.ckpt`` names a
+the newest K; all of it through ``videotrain.untrusted.files`` below the run folder, so no link
+(a ``checkpoints`` folder linked to another run's) is followed. A crash at any moment leaves complete files only, and ``last.ckpt`` names a
 complete file. Resume lists the step files (their names sort by step: no file is opened to find
 the newest) and loads the newest; a truncated or corrupt one is set aside (renamed
 ``*.corrupt``) with a warning and the previous one is used.

@@ -10,7 +10,9 @@
   component is opened with ``O_NOFOLLOW`` and created with ``mkdir`` where missing, so no
   folder link is followed; the file is a new one (``O_EXCL | O_NOFOLLOW``, a random name in that
   folder) renamed over the name, so a link, hard link or FIFO there is replaced, never written
-  through; an append goes only to a regular file with one link.
+  through; an append goes only to a regular file with one link; :func:`point` (``last.ckpt``,
+  ``best.ckpt``), :func:`rename`, :func:`remove` and :func:`list_folder` work on names in folders
+  opened the same way, never on what a link points to.
 
 Without ``root`` the folder is the user's own path (a command-line ``--out``): followed as given,
 created where missing; the file itself is still never written through a link.
