@@ -23,6 +23,10 @@ The refusal (:class:`RefusedConfig`, a ``ValueError``) ends a command through
 on with a run one trusts: ``run_config=false`` and the model's config groups on the command
 line, so the model is rebuilt from the shipped configs and only the checkpoint's weights
 (read with ``torch.load(weights_only=True)``) are loaded. See docs/cluster.md.
+
+A checked config that this user did not seal (``videotrain.untrusted.own``) describes the model
+only: :func:`model_part` takes from it what defines the trained model (:data:`MODEL_KEYS`, the
+clip within ``untrusted.FILE_DATA_BOUNDS``) and everything else from the command line.
 """
 
 from __future__ import annotations
@@ -429,13 +433,14 @@ def model_part(base: DictConfig, composed: DictConfig, overrides: list[str], sou
             raise RefusedConfig(
                 f"{source}: this user did not seal it (someone else's run, or one from before "
                 "runs were sealed), so it chooses no dataset, and this command line's dataset "
-                f"differs from the run's in {_keys(differ)}: pass the dataset to "
+                f"differs from the run's in {listed_keys(differ)}: pass the dataset to "
                 "evaluate on the command line (data=... data.root=... and those keys; the run's "
                 ".hydra/overrides.yaml lists what it trained with), see "
                 "docs/cluster.md#configs-read-from-files")
     return out, unused
 
 
-def _keys(keys: list[str], limit: int = 10) -> str:
+def listed_keys(keys: list[str], limit: int = 10) -> str:
+    """The first ``limit`` of ``keys`` (config keys, escaped), and how many more."""
     more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(shown(k) for k in keys[:limit]) + more

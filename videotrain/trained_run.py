@@ -37,7 +37,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from videotrain.build import build_model, resolve_device
-from videotrain.config_files import MAX_CONFIG_BYTES, checked_config, model_part, parse_config_bytes
+from videotrain.config_files import (
+    MAX_CONFIG_BYTES,
+    checked_config,
+    listed_keys,
+    model_part,
+    parse_config_bytes,
+)
 from videotrain.data.loaders import READER_OPTIONS, read_index, resolve_root
 from videotrain.engine import checkpoint as ckpt
 from videotrain.engine.class_order import saved_class_names
@@ -171,14 +177,8 @@ def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()
     log.info("%s is not sealed by you (someone else's run, or one from before runs were "
              "sealed): the model from it, all else from this command line%s "
              "(docs/cluster.md#configs-read-from-files)", source,
-             f"; not used: {_listed(unused)}" if unused else "")
+             f"; not used: {listed_keys(unused, 12)}" if unused else "")
     return apply_overrides(mine, cfg, [], keep), run_dir  # mine has the overrides already
-
-
-def _listed(keys: list[str], limit: int = 12) -> str:
-    """The first ``limit`` of ``keys`` (config keys, escaped), and how many more."""
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(shown(k) for k in keys[:limit]) + more
 
 
 def apply_overrides(base: DictConfig, composed: DictConfig, overrides: list[str],
