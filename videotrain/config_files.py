@@ -377,9 +377,13 @@ def _given(key: str, given: set[str]) -> bool:
     return any(".".join(parts[:i]) in given for i in range(1, len(parts) + 1))
 
 
+FREE_FORM = ("data.hflip_label_map", "model.backbone.kwargs")  # keys of the file's choosing
+
+
 def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> value of every leaf of a plain config tree (lists are values)."""
-    if isinstance(node, dict):
+    """Dotted key -> value of every leaf of a plain config tree (lists, and the mappings whose
+    keys are the file's own text, :data:`FREE_FORM`, are values: their keys are never named)."""
+    if isinstance(node, dict) and prefix not in FREE_FORM:
         out: dict[str, Any] = {}
         for key, value in node.items():
             out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
