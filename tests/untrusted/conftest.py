@@ -376,12 +376,12 @@ class Workspace:
         return self.run_call(entry_target(name, [str(a) for a in args]), cwd, env)
 
     def run_call(self, target: Callable[[], object], cwd: Path | None = None,
-                 env: dict[str, str] | None = None) -> Outcome:
+                 env: dict[str, str] | None = None, wall_s: float = WALL_S) -> Outcome:
         """``target()`` in a child as this workspace's user: for an entry point whose writer
         is tested without its measurement (the bench's report, the benchmarks' tables)."""
         self.hand_over()
         self._before = snapshot(self.victim)
-        ran = run_child(target, self.uid, cwd or self.work, env or self.env())
+        ran = run_child(target, self.uid, cwd or self.work, env or self.env(), wall_s)
         return Outcome(ran, self)
 
 
@@ -396,7 +396,7 @@ class Outcome:
         Returns the error line ('' when it succeeded)."""
         r, ws = self.ran, self.ws
         tail = r.text[-3000:]
-        assert not r.killed, f"still running after {WALL_S} s (killed): {tail}"
+        assert not r.killed, f"still running after {r.wall_s:.0f} s (killed): {tail}"
         assert "Traceback (most recent call last)" not in r.err, tail
         refused = r.code == 2 and len(r.errors) == 1
         succeeded = r.code == 0 and not r.errors
