@@ -22,83 +22,178 @@ overrides (the tasks of the accuracy sweep, ``benchmarks/conf/sweep/accuracy.yam
 std over seeds with the paired difference to e2e, and per row the mean difference over every pair
 with its 95% Student-t interval. Several folders are read as one sweep (an equal-time sweep
 beside the equal-step one whose e2e it is paired with); ``--out`` writes the summary elsewhere.
+
+A sweep folder may be someone else's (docs/cluster.md, "A shared run folder is untrusted
+input"), so it is read as data only and bounded: each folder is checked
+(``untrusted.check_run_folder``: no link out of it, no FIFO or device, a folder it cannot list
+refused) and walked without following a link; every job file is read as a regular file of
+bounded size (``untrusted.files``), the YAML without tags, anchors or aliases and its nesting
+counted before anything is built (``untrusted.bounds.load_yaml_data``), ``results.json`` by
+``read_json`` against the fields this script uses (``RESULTS``). A job file that fails is not
+an error of the sweep: the job is listed as failed with the reason (the file named, never its
+text). Every text taken from a job (its folder name, strategy, overrides) is escaped and cut
+(``untrusted.shown``), ``|`` included, so no cell breaks the table or the terminal; the
+summary is written through the one writer (``write_bytes``: a link at ``summary.md`` or
+``summary.png`` is replaced, never written through). A folder that cannot be checked, listed
+or written ends the script with one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import io
 import math
+import os
 import re
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from videotrain.untrusted import check_run_folder, shown, write_bytes, write_text
+from videotrain.untrusted.bounds import (
+    ANY,
+    MAX_CONFIG_BYTES,
+    MAX_OVERRIDES_BYTES,
+    MAX_RESULTS_BYTES,
+    MAX_STEPS,
+    MAX_SWEEP_DEPTH,
+    MAX_SWEEP_ENTRIES,
+    BadValue,
+    Float,
+    Map,
+    Optional,
+    Seq,
+    Str,
+    checked,
+    load_yaml_data,
+    read_json,
+)
+from videotrain.untrusted.files import read_text
 
 # Overrides shown in their own columns or averaged over, never used to split lines.
 OWN_COLUMNS = {"memory", "memory.keep_ratio", "memory.granularity", "seed", "memory.seed", "row"}
 TARGETS = {"EndToEnd": "e2e", "StochasticBackprop": "sbp", "FrameDropout": "frame_dropout",
            "Recompute": "recompute", "AutoStrategy": "auto"}
+CELL_CHARS = 120  # a text cell (a job's name, its overrides) is cut to this many characters
+
+# what this script reads of a job's files (any other key is ignored, bounded by the reader)
+_NUMBER = Optional(Float(finite=False))
+_TEXT = Optional(Str(256))
+_MEMORY = Optional(Map({"strategy": _TEXT, "granularity": _TEXT, "keep_ratio": _NUMBER,
+                        "_target_": _TEXT}, extra=ANY))
+RESULTS = Map({"val_top1": _NUMBER, "val_top5": _NUMBER, "train_peak_mem_mb": _NUMBER,
+               "step_time_s": _NUMBER, "clips_per_s": _NUMBER, "val_loss": _NUMBER,
+               "epochs": Optional(Float(0, MAX_STEPS)), "memory_strategy": _TEXT,
+               "memory": _MEMORY, "param_digests": Optional(Seq(Str(256), 100_000))}, extra=ANY)
+OVERRIDES = Optional(Seq(Str(4096), 10_000))  # Hydra's list of key=value strings
+JOB_CONFIG = Optional(Map({"memory": _MEMORY}, extra=ANY))
+
+
+class JobFileError(ValueError):
+    """A job's file that cannot be read as what this script expects (the job is failed)."""
+
+
+def _read_yaml(path: Path, limit: int) -> Any:
+    """A job's YAML file as plain data (bounded, no tags, anchors or aliases); None if absent;
+    :class:`JobFileError` naming the file otherwise."""
+    try:
+        return load_yaml_data(read_text(path, limit, path.name), shown(path))
+    except FileNotFoundError:
+        return None
+    except ValueError as err:  # UnsafeFileError, BadValue: the file named, never its text
+        raise JobFileError(str(err)) from None
+    except OSError as err:
+        raise JobFileError(f"{shown(path)} cannot be read ({err.strerror})") from None
 
 
 def _parse_value(text: str) -> Any:
+    """An override's value as YAML would type it (``0.5`` a number), else the text itself."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return load_yaml_data(text, "an override's value")
+    except (BadValue, RecursionError):
         return text
 
 
 def read_overrides(job: Path) -> dict[str, Any]:
     """``.hydra/overrides.yaml`` (a list of ``key=value``) -> ``{key: value}``."""
     path = job / ".hydra" / "overrides.yaml"
-    if not path.is_file():
-        return {}
+    items = _read_yaml(path, MAX_OVERRIDES_BYTES)
+    try:
+        checked(items, OVERRIDES, shown(path))
+    except BadValue as err:
+        raise JobFileError(str(err)) from None
     out: dict[str, Any] = {}
-    for item in yaml.safe_load(path.read_text()) or []:
-        key, _, value = str(item).partition("=")
+    for item in items or []:
+        key, _, value = item.partition("=")
         out[key.lstrip("+~")] = _parse_value(value)
     return out
 
 
 def _read_memory_config(job: Path) -> dict[str, Any]:
     path = job / ".hydra" / "config.yaml"
-    if not path.is_file():
-        return {}
     try:
-        return (yaml.safe_load(path.read_text()) or {}).get("memory") or {}
-    except yaml.YAMLError:
-        return {}
+        config = checked(_read_yaml(path, MAX_CONFIG_BYTES), JOB_CONFIG, shown(path))
+    except (JobFileError, BadValue):
+        return {}  # only a fallback for the strategy's name and keep ratio
+    return (config or {}).get("memory") or {}
 
 
 def _job_order(job: Path) -> tuple[int, str]:
-    m = re.match(r"(\d+)", job.name)
+    m = re.match(r"([0-9]{1,18})", job.name)
     return (int(m.group(1)) if m else sys.maxsize, str(job))
 
 
 def find_jobs(root: Path) -> list[Path]:
-    """Job folders under ``root``: those holding ``.hydra/overrides.yaml`` or ``results.json``."""
-    jobs = {p.parent.parent for p in root.rglob(".hydra/overrides.yaml")}
-    jobs |= {p.parent for p in root.rglob("results.json")}
+    """Job folders under ``root``: those holding ``.hydra/overrides.yaml`` or ``results.json``,
+    found without following a link (at most ``MAX_SWEEP_ENTRIES`` entries, ``MAX_SWEEP_DEPTH``
+    folders deep; past either, ``BadValue``). A folder that cannot be listed raises
+    (``PermissionError``): no job is passed over unseen."""
+    jobs: set[Path] = set()
+    stack, seen = [(root, 0)], 0
+    while stack:
+        here, depth = stack.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                seen += 1
+                if seen > MAX_SWEEP_ENTRIES:
+                    raise BadValue(f"{shown(root)}: more than {MAX_SWEEP_ENTRIES} entries; not "
+                                   "read further")
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name == ".hydra":
+                        if os.path.lexists(os.path.join(entry.path, "overrides.yaml")):
+                            jobs.add(here)
+                    elif depth >= MAX_SWEEP_DEPTH:
+                        raise BadValue(f"{shown(root)}: folders nested more than {MAX_SWEEP_DEPTH} "
+                                       "deep; not read further")
+                    else:
+                        stack.append((Path(entry.path), depth + 1))
+                elif entry.name == "results.json":
+                    jobs.add(here)
     return sorted(jobs, key=_job_order)
 
 
 def load_job(job: Path, root: Path) -> dict[str, Any]:
-    overrides = read_overrides(job)
+    """One job's row: what its files say, or failed with the reason (a file named, escaped)."""
+    errors: list[str] = []
+    overrides: dict[str, Any] = {}
+    try:
+        overrides = read_overrides(job)
+    except JobFileError as err:
+        errors.append(f"unreadable .hydra/overrides.yaml: {err}")
     results_path = job / "results.json"
     results: dict[str, Any] = {}
-    error = None
-    if results_path.is_file():
-        try:
-            results = json.loads(results_path.read_text())
-        except json.JSONDecodeError as exc:
-            error = f"unreadable results.json: {exc}"
-    else:
-        error = "no results.json"
-    memory = results.get("memory") if isinstance(results.get("memory"), dict) else {}
+    try:
+        results = read_json(results_path, RESULTS, MAX_RESULTS_BYTES, "results.json")
+    except FileNotFoundError:
+        errors.append("no results.json")
+    except ValueError as err:  # UnsafeFileError, BadValue: never the file's text
+        errors.append(f"unreadable results.json: {err}")
+    except OSError as err:
+        errors.append(f"unreadable results.json ({err.strerror})")
+    memory = results.get("memory") or {}
     config = _read_memory_config(job)
-    target = str(config.get("_target_", "")).rsplit(".", 1)[-1]
+    target = str(config.get("_target_") or "").rsplit(".", 1)[-1]
     strategy = (results.get("memory_strategy") or memory.get("strategy") or overrides.get("memory")
                 or TARGETS.get(target) or "unknown")
     keep = overrides.get("memory.keep_ratio", memory.get("keep_ratio", config.get("keep_ratio")))
@@ -108,9 +203,10 @@ def load_job(job: Path, root: Path) -> dict[str, Any]:
                                 memory.get("granularity", config.get("granularity")))
     return {
         "job": str(job.relative_to(root)) if job != root else ".",
-        "strategy": strategy,
-        "granularity": granularity,
-        "keep_ratio": float(keep) if isinstance(keep, int | float) else None,
+        "strategy": str(strategy),
+        "granularity": None if granularity is None else str(granularity),
+        "keep_ratio": float(keep) if isinstance(keep, int | float) and not isinstance(keep, bool)
+        else None,
         "val_top1": results.get("val_top1"),
         "val_top5": results.get("val_top5"),
         "train_peak_mem_mb": results.get("train_peak_mem_mb"),
@@ -121,9 +217,15 @@ def load_job(job: Path, root: Path) -> dict[str, Any]:
         "param_digests": results.get("param_digests"),
         "row": overrides.get("row"),
         "overrides": overrides,
-        "status": "ok" if error is None else "failed",
-        "error": error,
+        "status": "failed" if errors else "ok",
+        "error": "; ".join(errors) or None,
     }
+
+
+def text_cell(value: Any, limit: int = CELL_CHARS) -> str:
+    """Text taken from a job as a table cell and a terminal line: escaped and cut
+    (``untrusted.shown``: no newline, control character or escape), and no ``|``."""
+    return shown(value if isinstance(value, str) else str(value), limit).replace("|", "\\|")
 
 
 def varying_keys(jobs: list[dict[str, Any]]) -> list[str]:
@@ -148,12 +250,13 @@ def sort_key(job: dict[str, Any]) -> tuple:
 
 
 def _fmt(value: Any, spec: str) -> str:
+    """A number of a job's (checked by ``RESULTS``) formatted, or "–"."""
     if value is None:
         return "–"
     try:
         return format(value, spec)
     except (TypeError, ValueError):
-        return str(value)
+        return text_cell(value)
 
 
 def markdown(jobs: list[dict[str, Any]]) -> str:
@@ -162,21 +265,29 @@ def markdown(jobs: list[dict[str, Any]]) -> str:
             "step s", "clips/s", "epochs", "status"] + (["varying overrides"] if split_by else [])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for j in sorted(jobs, key=sort_key):
-        cells = [j["job"], j["strategy"], j["granularity"] or "–", _fmt(j["keep_ratio"], ".2f"),
-                 _fmt(j["val_top1"], ".3f"), _fmt(j["val_top5"], ".3f"),
-                 _fmt(j["train_peak_mem_mb"], ".1f"), _fmt(j["step_time_s"], ".3f"),
-                 _fmt(j["clips_per_s"], ".2f"), _fmt(j["epochs"], ""),
-                 j["status"] + (f" ({j['error']})" if j["error"] else "")]
+        cells = [text_cell(j["job"]), text_cell(j["strategy"]), text_cell(j["granularity"] or "–"),
+                 _fmt(j["keep_ratio"], ".2f"), _fmt(j["val_top1"], ".3f"),
+                 _fmt(j["val_top5"], ".3f"), _fmt(j["train_peak_mem_mb"], ".1f"),
+                 _fmt(j["step_time_s"], ".3f"), _fmt(j["clips_per_s"], ".2f"),
+                 _fmt(j["epochs"], ""),
+                 j["status"] + (f" ({text_cell(j['error'], 400)})" if j["error"] else "")]
         if split_by:
-            cells.append(", ".join(f"{k}={j['overrides'][k]}" for k in split_by
-                                   if k in j["overrides"]) or "–")
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            cells.append(text_cell(", ".join(f"{k}={j['overrides'][k]}" for k in split_by
+                                        if k in j["overrides"]) or "–", 300))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(jobs: list[dict[str, Any]], path: Path, title: str = "") -> None:
+def _label(text: str) -> str:
+    """Text from a job as matplotlib draws it: escaped and cut, no ``$`` (mathtext)."""
+    return shown(text, 80).replace("$", r"\$")
+
+
+def plot(jobs: list[dict[str, Any]], path: Path, title: str = "",
+         root: Path | None = None) -> None:
     """Val top-1 and peak memory against keep ratio, one line per strategy (mean over jobs
-    at the same keep ratio, every job as a dot)."""
+    at the same keep ratio, every job as a dot), drawn into memory and written to ``path``
+    through the one writer (below ``root``, no link followed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,7 +308,7 @@ def plot(jobs: list[dict[str, Any]], path: Path, title: str = "") -> None:
             keeps = sorted({k for k, _ in pts})
             means = [statistics.mean(v for k, v in pts if k == x) for x in keeps]
             ax.plot(keeps, means, marker="*" if label.startswith("e2e") else "o", color=color,
-                    markersize=11 if label.startswith("e2e") else 6, label=label)
+                    markersize=11 if label.startswith("e2e") else 6, label=_label(label))
             if len(pts) > len(keeps):
                 ax.scatter(*zip(*pts, strict=True), color=color, alpha=0.35, s=14)
     for ax, ylabel in zip(axes, ("val top-1", "peak training memory (MB)"), strict=True):
@@ -208,11 +319,13 @@ def plot(jobs: list[dict[str, Any]], path: Path, title: str = "") -> None:
     if lines:
         axes[0].legend(fontsize=8, loc="best")
     failed = sum(j["status"] != "ok" for j in jobs)
-    fig.suptitle((title + " · " if title else "") + f"{len(jobs)} jobs"
+    fig.suptitle((_label(title) + " · " if title else "") + f"{len(jobs)} jobs"
                  + (f", {failed} failed" if failed else ""), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_bytes(path, png.getvalue(), root)
 
 
 # two-sided 95% Student-t quantiles by degrees of freedom (above 60: the normal's 1.96;
@@ -293,7 +406,8 @@ def paired_markdown(summary: dict[str, Any], metric: str, scale: float, fmt: str
 
     groups = list(dict.fromkeys(g["group"] for g in summary["per_group"]))
     by = {(g["row"], g["group"]): g for g in summary["per_group"]}
-    lines = [f"| row ({metric}) | " + " | ".join(groups) + " | mean | Δ to e2e (95% CI) |",
+    lines = [f"| row ({metric}) | " + " | ".join(text_cell(g) for g in groups)
+             + " | mean | Δ to e2e (95% CI) |",
              "|---|" + "---|" * len(groups) + "---|---|"]
     for o in summary["overall"]:
         cells = []
@@ -308,7 +422,7 @@ def paired_markdown(summary: dict[str, Any], metric: str, scale: float, fmt: str
         else:
             diff = f"{delta(o['diff'], o['diff_ci95'])} (n={o['pairs']})" + (
                 "; weights identical to e2e" if o["weights_equal_e2e"] else "")
-        lines.append(f"| {o['row']} | " + " | ".join(cells) + f" | {o['mean']:.3f} | {diff} |")
+        lines.append(f"| {text_cell(o['row'])} | " + " | ".join(cells) + f" | {o['mean']:.3f} | {diff} |")
     return "\n".join(lines) + "\n"
 
 
@@ -328,24 +442,28 @@ def paired_section(jobs: list[dict[str, Any]]) -> str:
 def summarize(roots: str | Path | list[str | Path],
               out: str | Path | None = None) -> tuple[list[dict[str, Any]], str]:
     """Write ``summary.md`` and ``summary.png`` into ``out`` (default: the first folder); returns
-    (jobs, the markdown). Several folders are summarized as one sweep."""
+    (jobs, the markdown). Several folders are summarized as one sweep. Each folder is checked
+    (``check_run_folder``) before it is read, and ``out`` before anything is written there."""
     roots = [Path(r) for r in (roots if isinstance(roots, list) else [roots])]
     jobs = []
     for root in roots:
-        if not root.is_dir():
-            raise FileNotFoundError(f"{root} is not a directory")
+        if not root.is_dir() or root.is_symlink():
+            raise FileNotFoundError(f"{shown(root)} is not a directory")
+        check_run_folder(root, "read from")
         found = [load_job(j, root) for j in find_jobs(root)]
         if not found:
-            raise FileNotFoundError(f"no jobs (.hydra/overrides.yaml or results.json) under {root}")
+            raise FileNotFoundError(f"no jobs (.hydra/overrides.yaml or results.json) under "
+                                    f"{shown(root)}")
         if len(roots) > 1:
             for j in found:
                 j["job"] = f"{root.name}/{j['job']}"
         jobs += found
     table = markdown(jobs) + paired_section(jobs)
     dest = Path(out) if out is not None else roots[0]
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "summary.md").write_text(f"# sweep summary: {', '.join(map(str, roots))}\n\n{table}")
-    plot(jobs, dest / "summary.png", title=", ".join(map(str, roots)))
+    check_run_folder(dest, "write into")
+    names = ", ".join(shown(r) for r in roots)
+    write_text(dest / "summary.md", f"# sweep summary: {names}\n\n{table}", root=dest)
+    plot(jobs, dest / "summary.png", title=", ".join(map(str, roots)), root=dest)
     return jobs, table
 
 
@@ -357,11 +475,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         jobs, table = summarize(args.multirun_dir, args.out)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # a folder refused, unlistable or unwritable
+        text = str(exc) if isinstance(exc, ValueError | FileNotFoundError) else \
+            f"{type(exc).__name__}: {exc.strerror or exc}" + (
+                f" ({shown(exc.filename)})" if getattr(exc, "filename", None) else "")
+        print(f"error: {shown(text, 2000)}", file=sys.stderr)
         return 2
     print(table, end="")
-    failed = [j["job"] for j in jobs if j["status"] != "ok"]
+    failed = [text_cell(j["job"]) for j in jobs if j["status"] != "ok"]
     if failed:
         print(f"{len(failed)} failed job(s): {', '.join(failed)}", file=sys.stderr)
     return 0

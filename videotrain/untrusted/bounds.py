@@ -526,12 +526,17 @@ def read_jsonl(path: str | Path, spec: Spec, limit: int = MAX_METRICS_BYTES,
             yield lineno, body, checked(value, spec, f"{where}:{lineno}", max_nodes=None)
 
 
+_PLAIN_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null",
+                                                              "seq", "map"))
+
+
 def check_yaml(text: str, where: str, max_nodes: int = MAX_CONFIG_NODES,
                max_depth: int = MAX_CONFIG_DEPTH) -> None:
     """Refuse (:class:`BadValue`, naming ``where`` and the line) YAML text that is not plain
     data of at most ``max_nodes`` values, ``max_depth`` deep, without anchors or aliases (a
     660-byte alias bomb expands to gigabytes; videotrain writes none), read from the parser's
-    events (YAML's safe loader), so nothing is composed before the check has passed."""
+    events (YAML's safe loader), so nothing is composed before the check has passed. A tag
+    other than YAML's plain types (``!!python/...``) is refused too."""
     import yaml
 
     depth = 0
@@ -544,6 +549,10 @@ def check_yaml(text: str, where: str, max_nodes: int = MAX_CONFIG_NODES,
                 raise BadValue(f"{where}:{line}: a YAML anchor or alias (&name / *name); configs "
                                "read from files may not use them (videotrain writes none), "
                                "nothing of it was composed")
+            tag = getattr(event, "tag", None)
+            if tag is not None and tag not in _PLAIN_TAGS:
+                raise BadValue(f"{where}:{line}: a YAML tag ({shown(tag, 60)}); a config read "
+                               "from a file is plain data, nothing of it was composed")
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 depth += 1
                 if depth > max_depth:
@@ -564,4 +573,10 @@ def load_yaml_data(text: str, where: str, max_nodes: int = MAX_CONFIG_NODES,
     import yaml
 
     check_yaml(text, where, max_nodes, max_depth)
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, OverflowError) as err:  # a date out of range
+        mark = getattr(err, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        raise BadValue(f"{where}{at}: cannot be read as YAML data "
+                       f"({shown(getattr(err, 'problem', None) or type(err).__name__)})") from None
