@@ -38,7 +38,7 @@ def test_the_key_lives_in_the_cache_the_data_uses(cache: Path) -> None:
 
 def test_a_seal_is_made_with_a_new_0600_key_and_verifies_its_bytes_only(cache: Path) -> None:
     seal = own.seal(b"model: {}\n")
-    key = cache / own.KEY_NAME
+    key = own.key_path()
     assert seal is not None and len(seal) == own.SEAL_CHARS and int(seal, 16) >= 0
     st_ = os.lstat(key)
     assert stat.S_ISREG(st_.st_mode) and stat.S_IMODE(st_.st_mode) == 0o600
@@ -47,7 +47,8 @@ def test_a_seal_is_made_with_a_new_0600_key_and_verifies_its_bytes_only(cache: P
     assert own.is_sealed(b"model: {}\n", seal)
     assert not own.is_sealed(b"model: {}\n ", seal)  # one byte more
     assert not own.is_sealed(b"model: {}\n", seal.upper())
-    assert [p.name for p in cache.iterdir()] == [own.KEY_NAME]  # no temporary left
+    assert [p.name for p in key.parent.iterdir()] == [own.KEY_NAME]  # no temporary left
+    assert key.parent.parent == cache
 
 
 def test_a_seal_made_under_another_key_does_not_verify(cache: Path, tmp_path: Path,
@@ -77,7 +78,7 @@ def test_a_key_file_that_is_not_private_is_not_used(problem: str, cache: Path, t
     """Whoever could write or read the key could forge seals: such a key is not used (one log
     line), seals made with it no longer verify, and none is made over it."""
     seal = own.seal(b"x")
-    key = cache / own.KEY_NAME
+    key = own.key_path()
     if problem == "mode 0644":
         key.chmod(0o644)
     elif problem == "a link to a good key":
@@ -88,7 +89,7 @@ def test_a_key_file_that_is_not_private_is_not_used(problem: str, cache: Path, t
         key.write_bytes(key.read_bytes()[:31])
     else:
         key.unlink()
-        key.mkdir()
+        key.mkdir()  # (and a claimed folder with no key in it is taken over only when stale)
     with caplog.at_level(logging.WARNING, logger=own.__name__):
         assert not own.is_sealed(b"x", seal)
         assert own.seal(b"x") is None  # nothing sealed: the run reads as someone else's
@@ -99,18 +100,18 @@ def test_a_key_file_that_is_not_private_is_not_used(problem: str, cache: Path, t
 @pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
 def test_a_key_of_another_user_is_not_used(cache: Path) -> None:
     seal = own.seal(b"x")
-    os.chown(cache / own.KEY_NAME, 65534, 65534)
+    os.chown(own.key_path(), 65534, 65534)
     assert not own.is_sealed(b"x", seal) and own.seal(b"x") is None
 
 
-def test_two_processes_making_the_key_at_once_end_with_one(cache: Path) -> None:
-    """Each writes its own temporary file and links it to the name: one wins, both use it."""
+def test_processes_making_the_key_at_once_end_with_one(cache: Path) -> None:
+    """One claims the key's folder and writes the key, the others wait for it: one key."""
     code = ("import sys; from videotrain.untrusted import own; sys.stdout.write(own.seal(b'x'))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     seals = {p.communicate(timeout=60)[0] for p in procs}
     assert len(seals) == 1 and own.is_sealed(b"x", seals.pop())
-    assert [p.name for p in cache.iterdir()] == [own.KEY_NAME]
+    assert [p.name for p in own.key_path().parent.iterdir()] == [own.KEY_NAME]
 
 
 def test_a_config_file_seal_beside_it(cache: Path, tmp_path: Path) -> None:
@@ -145,3 +146,15 @@ def test_no_random_value_passes_for_a_seal(data: bytes, forged: object) -> None:
     """Whatever a stranger writes as the seal (any text, bytes, number): False, never an error."""
     # the session's cache (conftest's isolated_env) holds this process's key
     assert own.is_sealed(data, forged) is (forged == own.seal(data))
+
+
+def test_a_claim_whose_maker_died_is_taken_over_when_stale(cache: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key's folder claimed, no key written (its maker was killed): a fresh claim waits
+    for the key; a stale one is taken over, so the user is not left without seals."""
+    own.key_path().parent.mkdir(parents=True)
+    monkeypatch.setattr(own, "KEY_WAIT_S", 0.2)
+    assert own.seal(b"x") is None  # waited, no key came
+    old = own.key_path().parent.stat().st_mtime - own.STALE_S - 1
+    os.utime(own.key_path().parent, (old, old))
+    assert own.is_sealed(b"x", own.seal(b"x"))

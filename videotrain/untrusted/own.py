@@ -5,8 +5,8 @@ inside it can be written by whoever made it, so neither the owner nor a flag say
 trainer seals what it writes instead: ``config.seal`` beside a run's ``config.yaml`` holds the
 HMAC-SHA256 of its exact bytes, and every checkpoint stores the HMAC of its stored config's
 canonical JSON (:func:`canonical_json`). The key is 32 random bytes in the user's own cache
-(``$VIDEOTRAIN_CACHE``, else ``~/.cache/videotrain``: the folder the synthetic data lives in),
-created with mode 0600 without following links. A key file that is not a regular file of this
+(``$VIDEOTRAIN_CACHE/seal/key``, else ``~/.cache/videotrain/seal/key``: beside the synthetic
+data), created with mode 0600 through the one writer, never following a link. A key file that is not a regular file of this
 user with mode 0600 and 32 bytes is not used (one log line): whoever could write it could forge
 seals. Without a usable key nothing is sealed, and every run reads as someone else's.
 """
@@ -21,17 +21,19 @@ import logging
 import os
 import secrets
 import stat
-import uuid
+import time
 from pathlib import Path
 from typing import Any
 
-from videotrain.untrusted.files import read_text, write_text
+from videotrain.untrusted.files import atomic_writer, make_new_dir, read_text, write_text
 from videotrain.untrusted.text import shown
 
 log = logging.getLogger(__name__)
 
-KEY_NAME = "seal.key"
+KEY_DIR, KEY_NAME = "seal", "key"  # the folder is claimed (mkdir) by the process that makes it
 KEY_BYTES = 32
+KEY_WAIT_S = 10.0  # how long another process's key may take to appear
+STALE_S = 60.0  # a claimed folder still without a key after this: its maker died
 SEAL_CHARS = 64  # HMAC-SHA256 as hex
 SEAL_SUFFIX = ".seal"  # config.yaml -> config.seal
 
@@ -43,7 +45,7 @@ def cache_dir() -> Path:
 
 
 def key_path() -> Path:
-    return cache_dir() / KEY_NAME
+    return cache_dir() / KEY_DIR / KEY_NAME
 
 
 def _read_key(path: Path) -> bytes | None:
@@ -78,26 +80,25 @@ def _read_key(path: Path) -> bytes | None:
         os.close(fd)
 
 
+def _stale(folder: Path) -> bool:
+    try:
+        return time.time() - os.lstat(folder).st_mtime > STALE_S
+    except OSError:
+        return False
+
+
 def _create_key(path: Path) -> None:
-    """A new key at ``path``, whole or not at all: written to a fresh 0600 file beside it and
-    hard-linked to the name (``link`` never replaces or follows what is there: a concurrent
-    process's key wins, and both then read the same one)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                 | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask
-        os.write(fd, secrets.token_bytes(KEY_BYTES))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
+    """A new key at ``path``, whole or not at all. Its folder is claimed first (``mkdir`` is
+    atomic): of processes starting at once (DDP ranks, a sweep's jobs) one writes the key
+    (``files.atomic_writer``, mode 0600) and the others wait for it, so all seal with the same
+    key; a claim whose maker died before writing is taken over after :data:`STALE_S`."""
+    if make_new_dir(path.parent) or (not os.path.lexists(path) and _stale(path.parent)):
+        with atomic_writer(path, mode=0o600, durable=True) as f:
+            f.write(secrets.token_bytes(KEY_BYTES))
+        return
+    deadline = time.monotonic() + KEY_WAIT_S
+    while not os.path.lexists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def user_key(create: bool = False) -> bytes | None:
@@ -114,6 +115,9 @@ def user_key(create: bool = False) -> bytes | None:
                         err.strerror)
             return None
         key = _read_key(path)
+        if key is None and not os.path.lexists(path):
+            log.warning("no seal key appeared in %s (another process claimed the folder and wrote "
+                        "none yet): this run is not sealed", shown(path.parent))
     return key
 
 
