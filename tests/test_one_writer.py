@@ -301,6 +301,23 @@ def test_unique_dir_passes_over_a_link_at_the_run_folders_name(tmp_path: Path,
     assert victim.unchanged()
 
 
+def test_unique_dir_follows_no_link_below_the_working_folder(
+        tmp_path: Path, victim: Victim, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """The default run folder (``outputs/DATE/TIME``, relative) is the project's: an ``outputs``
+    linked to the user's folder ends the command with one ``error:`` line, exit status 2."""
+    monkeypatch.chdir(tmp_path)
+    plant(tmp_path / "outputs", victim.folder)
+    with pytest.raises(SystemExit) as done:
+        build.unique_dir("outputs/2026-01-01/12-00-00")
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert done.value.code == 2 and len(errors) == 1 and "outputs" in errors[0]
+    assert victim.unchanged()
+    (tmp_path / "outputs").unlink()
+    assert build.unique_dir("outputs/2026-01-01/12-00-01") == "outputs/2026-01-01/12-00-01"
+    assert (tmp_path / "outputs" / "2026-01-01" / "12-00-01").is_dir()
+
+
 # ---------------------------------------------------------------------- bench and benchmarks
 def test_bench_report_replaces_links_in_the_users_out(tmp_path: Path, victim: Victim) -> None:
     out = tmp_path / "bench"

@@ -46,6 +46,7 @@ from videotrain.memory.simulate import StepMemory
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier, wants_channels_last
 from videotrain.models.weights import load_backbone_weights
+from videotrain.untrusted import UnsafeFileError
 from videotrain.untrusted.files import make_new_dir
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,31 @@ def unique_dir(path: str) -> str:
     first that this run creates itself (``os.mkdir`` is atomic: of two runs that start in the
     same second, one gets ``PATH`` and the other ``PATH-1``). Claimed once per process; under
     DDP rank 0 claims and the other ranks take its answer. A name where a link (or anything
-    else) already stands is passed over, never followed: the run folder is a real folder."""
+    else) already stands is passed over, never followed: the run folder is a real folder.
+
+    A relative ``PATH`` (the default, ``outputs/DATE/TIME``) is the project's below the working
+    folder: no link there is followed (an ``outputs`` linked elsewhere is refused, one
+    ``error:`` line, exit status 2); an absolute one is the user's own, followed as given."""
     if path not in _claimed:
+        root = None if os.path.isabs(path) else Path(os.getcwd())
+
         def claim() -> str:
             for i in itertools.count():
                 candidate = path if i == 0 else f"{path}-{i}"
-                if make_new_dir(candidate):  # the one writer; its parent is the user's own path
+                if make_new_dir(candidate, root):  # the one writer
                     return candidate
             raise AssertionError("unreachable")
 
-        _claimed[path] = distributed.from_main_process(claim)
+        try:
+            _claimed[path] = distributed.from_main_process(claim)
+        except (UnsafeFileError, OSError) as err:
+            # raised while Hydra resolves hydra.run.dir, where its callbacks and job runner
+            # would turn it into a warning or a traceback: the command ends here
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"error: hydra.run.dir: {err}; name the run folder yourself "
+                      "(hydra.run.dir=PATH, followed as given) to write elsewhere",
+                      file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     return _claimed[path]
 
 
