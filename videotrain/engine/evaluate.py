@@ -24,6 +24,7 @@ from videotrain.data.transforms import clips_to_device
 from videotrain.engine.precision import Precision
 from videotrain.metrics.accuracy import AGGREGATES, MultiViewAccuracy
 from videotrain.metrics.eval_report import write_eval_report
+from videotrain.untrusted import shown_name
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def multi_view_test(model: torch.nn.Module, data: DataBundle, bad: list[str], se
         "clip_top1": m["val_clip_top1"], "clip_top5": m["val_clip_top5"],
         "mean_class_acc": m["val_mean_class_acc"], "loss": m["val_loss"],
         "videos": m["val_videos"], "videos_listed": data.val_listed or len(index),
-        "num_classes": data.num_classes, "dropped_classes": list(data.dropped_classes),
+        "num_classes": data.num_classes, "dropped_classes": [shown_name(n) for n in data.dropped_classes],
         "skipped_videos": len(skipped), "skipped_paths": sorted(skipped), **describe,
     }
     if not writes:
@@ -135,6 +136,6 @@ def multi_view_test(model: torch.nn.Module, data: DataBundle, bad: list[str], se
              "mean class acc %.4f over %d of %d listed videos%s; written to %s", s.clips, s.crops,
              s.aggregate, summary["video_top1"], summary["video_top5"], summary["clip_top1"],
              summary["mean_class_acc"], summary["videos"], summary["videos_listed"],
-             f" (data.drop_classes: {', '.join(data.dropped_classes)})" if data.dropped_classes else "",
+             f" (data.drop_classes: {', '.join(map(shown_name, data.dropped_classes))})" if data.dropped_classes else "",
              out_dir)
     return summary

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from videotrain.untrusted import write_bytes, write_text
+from videotrain.untrusted import shown_name, write_bytes, write_text
 
 EVAL_JSON, PER_CLASS_CSV, CONFUSION_PNG = "eval.json", "per_class.csv", "confusion.png"
 # above this many classes the tick labels would overlap: the axes show indices instead
@@ -20,7 +20,9 @@ MAX_LABELLED_CLASSES = 60
 
 def per_class_rows(confusion: torch.Tensor, class_names: list[str]) -> list[dict[str, Any]]:
     """One row per class: videos, top-1 hits, accuracy, and the class it is most often taken
-    for (the largest off-diagonal count of its row)."""
+    for (the largest off-diagonal count of its row). Names (read from a dataset's files) are
+    escaped and cut (``shown_name``)."""
+    class_names = [shown_name(n) for n in class_names]
     rows = []
     for i, name in enumerate(class_names):
         row = confusion[i].clone()
@@ -46,7 +48,7 @@ def _csv_text(value: str) -> str:
     leading ``'`` when it starts with ``= + - @``, a tab or a carriage return, so that a
     spreadsheet opening ``per_class.csv`` shows it as text instead of running it as a formula
     (CSV injection, OWASP's recommendation); any other value unchanged. Only for text cells:
-    numbers are written as they are, and ``eval.json`` keeps the raw names."""
+    numbers are written as they are."""
     return f"'{value}" if value.startswith(_FORMULA_STARTS) else value
 
 
@@ -70,6 +72,7 @@ def plot_confusion(path: Path, confusion: torch.Tensor, class_names: list[str], 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    class_names = [shown_name(n) for n in class_names]
     k = len(class_names)
     norm = confusion / confusion.sum(dim=1, keepdim=True).clamp_min(1)
     side = min(max(5.0, 0.28 * k + 2.5), 40.0)
