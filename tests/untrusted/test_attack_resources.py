@@ -245,3 +245,19 @@ def test_a_large_annotation_file_is_bounded(name: str, ws: Workspace, public_dat
              f"hydra.run.dir={ws.work / 'run'}"] if name == "train" else
             eval_args(shared / "checkpoints" / "last.ckpt", ws, dataset_args(data)))
     ws.run(name, args).judge("either")
+
+
+STEP_TIMES = {"a long string": "9" * 10**6, "a huge number": 1e308, "zero": 0.0,
+              "a nested bomb": [[[[[[[[[[]]]]]]]]]] * 10}
+
+
+@pytest.mark.parametrize("value", list(STEP_TIMES))
+def test_equal_time_bounds_the_recorded_step_times(value: str, ws: Workspace) -> None:
+    """A shared sweep folder's ``step_times.json`` (reused, so nothing is measured again) whose
+    e2e time is not a positive number of seconds: refused, or measured again, within bounds."""
+    out = ws.work / "sweep"
+    out.mkdir()
+    times = {"e2e": STEP_TIMES[value], "sbp-frame-0.5": 0.1}
+    (out / "step_times.json").write_text(json.dumps({"step_s": times, "threads": 1, "steps": 1}))
+    ws.run("benchmarks.equal_time", ["--rows", "sbp-frame-0.5", "--out", out, "--measure-only",
+                                     "--steps", "1", "--warmup", "0"]).judge("either")

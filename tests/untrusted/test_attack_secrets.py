@@ -140,3 +140,33 @@ def test_class_names_are_shown_and_shipped_escaped(name: str, ws: Workspace, pub
     rewrite_checkpoint(last, last.resolve(), without_class_names)
     (shared / "results.json").unlink()
     ws.run(name, command(name, last, ws, [f"data.root={data}"], video)).judge("ok")
+
+
+# ---------------------------------------------------------------------- prepare's downloads
+def _download(ws: Workspace, rows: str) -> tuple[Path, Path]:
+    """A downloaded Kinetics folder: its release CSV (``rows`` under the header) and one video."""
+    download = ws.root / "kinetics400"
+    (download / "videos").mkdir(parents=True)
+    (download / "videos" / "aaaaaaaaaaa_000000_000010.mp4").write_bytes(b"\0" * 64)
+    (download / "train.csv").write_text("label,youtube_id,time_start,time_end,split\n" + rows)
+    return download / "train.csv", download / "videos"
+
+
+def test_prepare_shows_no_line_of_a_linked_csv(ws: Workspace) -> None:
+    """A downloaded folder whose release CSV links to the user's ``.netrc``."""
+    csv, videos = _download(ws, "")
+    csv.unlink()
+    csv.symlink_to(ws.victim / ".netrc")
+    ws.run("prepare", ["kinetics", "--csv", csv, "--videos", videos,
+                       "--out", ws.work / "prepared"]).judge("either")
+
+
+@pytest.mark.parametrize("field", ["label", "time_start"])
+def test_prepare_shows_csv_fields_escaped(field: str, ws: Workspace) -> None:
+    """A release CSV whose label (or time) holds terminal escapes and a newline."""
+    label, start = ("abseiling", "0") if field != "label" else (ESCAPED_NAME, "0")
+    if field == "time_start":
+        start = ESCAPED_NAME
+    csv, videos = _download(ws, f'"{label}\nforged",aaaaaaaaaaa,"{start}",10,train\n')
+    ws.run("prepare", ["kinetics", "--csv", csv, "--videos", videos,
+                       "--out", ws.work / "prepared"]).judge("either")
