@@ -420,6 +420,12 @@ class Outcome:
 
 # ---------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
+def entry_points() -> dict[str, EntryPoint]:
+    """``ENTRY_POINTS``, for the test that holds it to the code and the docs."""
+    return dict(ENTRY_POINTS)
+
+
+@pytest.fixture(scope="session")
 def public_root() -> Iterator[Path]:
     """A world-readable folder in ``/tmp`` for this session's workspaces."""
     root = Path(tempfile.mkdtemp(prefix="videotrain-untrusted-"))
