@@ -139,15 +139,17 @@ _OPCODES: dict[int, tuple[int | None, int]] = {
 _STOP = ord(".")
 
 
-def pickle_cost(data: bytes, max_ops: int = MAX_PICKLE_OPS) -> tuple[int, int]:
+def pickle_cost(data: bytes, max_ops: int = MAX_PICKLE_OPS,
+                max_cost: int = MAX_UNPICKLED_BYTES) -> tuple[int, int]:
     """``(opcodes, bytes)``: how many opcodes torch's weights-only unpickler would run on
     ``data`` (one pickle or several in a row, as the legacy format has) and at most how much
     memory they would build, read from the opcodes without building anything. Counting stops
-    past ``max_ops``, at the end, or at an opcode that unpickler refuses (it stops there too)."""
+    past ``max_ops`` or ``max_cost``, at the end, or at an opcode that unpickler refuses (it
+    stops there too)."""
     ops = cost = pos = 0
     end = len(data)
     table = _OPCODES
-    while pos < end and ops <= max_ops:
+    while pos < end and ops <= max_ops and cost <= max_cost:
         op = data[pos]
         if op == _STOP:
             pos += 1

@@ -311,7 +311,12 @@ class Optional(Spec):
 
     def check(self, value: Any) -> None:
         if value is not None:
-            self.spec.check(value)
+            try:
+                self.spec.check(value)
+            except _Mismatch as bad:
+                if bad.keys or bad.missing:  # below this value: that key's own expectation
+                    raise
+                raise self._fail(value) from None
 
 
 class Either(Spec):
