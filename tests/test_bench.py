@@ -448,8 +448,8 @@ def test_estimated_step_peak_within_15_percent_and_eval_within_training() -> Non
     setting (resnet18 + transformer head, 2 x 16 frames at 112 px, fp32, AdamW): every row
     within +-15%; and the validation forward (4x the clips, eval.frame_chunk=auto) never above
     the row's training step."""
-    rows = [row("resnet18", "e2e"), row("resnet18", "sbp", 0.5, "frame"),
-            row("resnet18", "sbp", 0.25, "frame"), row("resnet18", "frame_dropout", 0.5),
+    rows = [row("resnet18", "e2e"), row("resnet18", "sbp", 0.5),
+            row("resnet18", "sbp", 0.25), row("resnet18", "frame_dropout", 0.5),
             row("resnet18", "recompute", policy="sqrt"),
             {**row("resnet18", "recompute", policy="optimal"), "budget": "min"}]
     results, _, table = run_bench(rows=rows, steps=1, warmup=1, device="cpu", threads=1,
