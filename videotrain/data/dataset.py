@@ -15,7 +15,15 @@ Why a ``skipped`` field: in training a broken video is replaced by another one (
 and epoch length stay fixed), and the item reports the broken path; in evaluation it is not
 scored at all (never another video in its place), and the item carries only the path.
 Workers are separate processes, so the main process learns about bad files from the batches,
-not from shared state.
+not from shared state. A bad video's message (a ``BadVideo``, logged and shown by ``predict``)
+names the file escaped (``videotrain.untrusted.shown``: a file name may hold terminal escapes
+or newlines) and says why in the error's own fixed text, never FFmpeg's line that quotes the
+name.
+
+Why the dataset tells the decoders its transform's short side (``transforms.frame_short_side``):
+they then scale each kept frame as it becomes RGB, so one read holds frames of the output's
+size (a 1080p or 4K video's evaluation clips fit the media budgets), with the same tensors as
+the transform makes of full-size frames.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -36,6 +45,8 @@ from videotrain.data.clip_sampling import (
 )
 from videotrain.data.decode import check_decoder, open_video
 from videotrain.data.decode_torchcodec import DecoderUnavailable
+from videotrain.data.transforms import frame_short_side
+from videotrain.untrusted import shown
 
 __all__ = ["BadVideo", "SampleKey", "VideoClipDataset", "collate", "uniform_indices"]
 
@@ -48,7 +59,29 @@ class SampleKey(NamedTuple):
 
 
 class BadVideo(RuntimeError):
-    """A video that cannot be decoded into a clip."""
+    """A video that cannot be decoded into a clip. Made by :meth:`of`: ``path`` (as listed),
+    ``step`` (``cannot open`` / ``cannot decode``) and ``reason`` (the error's type and fixed
+    text, escaped), and a message of the three with the path escaped."""
+
+    path: str = ""
+    step: str = "cannot read"
+    reason: str = ""
+
+    @classmethod
+    def of(cls, path: str, step: str, err: BaseException) -> BadVideo:
+        bad = cls(f"{shown(Path(path))}: {step} ({(reason := error_text(err, path))})")
+        bad.path, bad.step, bad.reason = path, step, reason
+        return bad
+
+
+def error_text(err: BaseException, path: str) -> str:
+    """``err`` as a bad video's reason: its type and text, escaped and cut, without the file's
+    name. An OS or FFmpeg error's text is its ``strerror`` (``str`` appends the name, raw);
+    any other's has the name, where it quotes it, replaced."""
+    text = getattr(err, "strerror", None)
+    if not isinstance(text, str) or not text:
+        text = str(err).replace(repr(path), "the file").replace(path, "the file") if path else str(err)
+    return f"{type(err).__name__}: {shown(text, 400)}"
 
 
 class VideoClipDataset(torch.utils.data.Dataset):
@@ -84,6 +117,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.num_frames = num_frames
         self.clip_duration = clip_duration
         self.transform = transform  # (T, C, H, W) uint8 -> (V_crops, T, C, h, w) or (T, C, h, w)
+        self.short_side = frame_short_side(transform)  # its first step, made as frames are decoded
         self.train = train
         self.num_clips = num_clips
         self.seed = seed
@@ -108,19 +142,19 @@ class VideoClipDataset(torch.utils.data.Dataset):
         except DecoderUnavailable:
             raise  # a setup error, not a bad video
         except Exception as err:  # missing, empty, not a container, no video stream, ...
-            raise BadVideo(f"{path}: cannot open ({type(err).__name__}: {err})") from err
+            raise BadVideo.of(path, "cannot open", err) from err
         try:
             clips_per_video = 1 if self.train else self.num_clips
             if self.sampler == "segment":  # T frames spread over the whole video
                 picks = segment_indices(video.frame_count(), self.num_frames, self.train, clips_per_video)
-                clips = video.frames_at([p.tolist() for p in picks])  # each (T, H, W, C) uint8
+                clips = video.frames_at([p.tolist() for p in picks], self.short_side)  # (T, H, W, C)
             else:  # T frames of a window of clip_duration seconds
                 duration = video.duration if video.duration is not None else video.measure_duration()
                 windows = clip_windows(duration, self.clip_duration, self.train, clips_per_video)
-                clips = video.clips(windows, self.num_frames)  # each (T, H, W, C) uint8
+                clips = video.clips(windows, self.num_frames, self.short_side)  # (T, H, W, C)
             return [torch.from_numpy(c).permute(0, 3, 1, 2) for c in clips]  # (T, C, H, W)
-        except Exception as err:  # truncated stream, decoder error, no frames, ...
-            raise BadVideo(f"{path}: cannot decode ({type(err).__name__}: {err})") from err
+        except Exception as err:  # truncated stream, decoder error, no frames, over a budget, ...
+            raise BadVideo.of(path, "cannot decode", err) from err
         finally:
             video.close()
 
@@ -176,7 +210,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
                 candidate = random.Random(seed).randrange(len(self))
         raise RuntimeError(
             f"{self.index.source}: {self.max_retries + 1} videos in a row failed to decode; "
-            f"last: {skipped[-1]}"
+            f"last: {shown(Path(skipped[-1]))}"
         )
 
 

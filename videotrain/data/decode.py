@@ -15,7 +15,11 @@ has the same methods and returns the same frames; ``open_video`` picks one by na
 
 Every video is held to the media budgets (``videotrain.data.media_budget``): the header's frame
 size and frame count when it is opened, each decoded frame's size before it is kept or
-converted, and what one read decodes and holds; over one, a ``VideoTooLarge``.
+converted, and what one read decodes and holds; over one, a ``VideoTooLarge``. What a read
+holds is kept near what it returns: given the transform's short side (``short_side``), each
+kept frame is scaled to it as it becomes RGB (the transform's first step, the same kernel:
+``videotrain.data.transforms.resize_frames``), and a video whose decoded frames would not fit
+waiting in a clip window (4K) has its kept frames chosen as they arrive (``clips``).
 
 Errors are not handled here: the dataset turns any exception into a skipped ``BadVideo``.
 """
@@ -29,6 +33,7 @@ from typing import Protocol
 
 import av
 import numpy as np
+import torch
 
 from videotrain.data.clip_sampling import uniform_indices
 from videotrain.data.media_budget import (
@@ -38,31 +43,60 @@ from videotrain.data.media_budget import (
     check_frame_size,
     limit_ffmpeg_allocations,
 )
-from videotrain.untrusted.bounds import MAX_VIDEO_FRAMES
+from videotrain.data.transforms import resize_frames, resized_size
+from videotrain.untrusted.bounds import MAX_DECODED_BYTES, MAX_VIDEO_FRAMES
 
 # Seek forward (to the keyframe before a window) only when the window starts this much past
 # the last decoded frame; closer windows are reached faster by decoding on.
 SEEK_GAP_S = 1.0
+# A read whose decoded frames would take more than this share of MAX_DECODED_BYTES waiting in
+# one clip window, as the headers tell (4K at 30 fps: 72 frames of 12 MiB for a 2.1 s window),
+# chooses its kept frames as they arrive (``VideoFile._clips_as_they_come``); smaller ones keep
+# the path that needs no prediction (and decodes each window once, whatever its timestamps).
+WAITING_SHARE = 0.5
+EPS = 1e-6  # in frames: a window's end this close to a predicted frame time counts as on it
 
 
 DECODERS = ("pyav", "torchcodec")
 
 
-def _rgb(frame: av.VideoFrame) -> np.ndarray:
-    """One decoded frame as ``(H, W, 3)`` uint8 RGB. ``reformat`` then ``to_ndarray`` gives the
-    same pixels as ``to_ndarray(format="rgb24")`` in about a third of the time (PyAV 18: 0.22
-    against 0.71 ms for a 340x256 frame on this project's CPU; docs/data.md)."""
-    return frame.reformat(format="rgb24").to_ndarray()
+def _rgb(frame: av.VideoFrame, short_side: int | None = None) -> np.ndarray:
+    """One decoded frame as ``(H, W, 3)`` uint8 RGB, its short side scaled to ``short_side``
+    (None: as decoded). ``reformat`` then ``to_ndarray`` gives the same pixels as
+    ``to_ndarray(format="rgb24")`` in about a third of the time (PyAV 18: 0.22 against 0.71 ms
+    for a 340x256 frame on this project's CPU; docs/data.md)."""
+    rgb = frame.reformat(format="rgb24").to_ndarray()
+    if short_side is None:
+        return rgb
+    # (1, 3, H, W) laid out as the dataset lays out a clip's frames (channels last), so the
+    # kernel and its result are those of the transform's resize of the clip
+    small = resize_frames(torch.from_numpy(rgb[None]).permute(0, 3, 1, 2), short_side)
+    return small[0].permute(1, 2, 0).numpy()
 
 
-def _stacked(frames: Sequence[av.VideoFrame], budget: ReadBudget) -> np.ndarray:
-    """``frames`` as one uint8 ``(T, H, W, 3)`` array, its bytes counted against ``budget``
-    before it is made (each frame converted straight into it: no second copy)."""
+def out_size(width: int, height: int, short_side: int | None) -> tuple[int, int]:
+    """``(width, height)`` of a frame as a read returns it (0 stays 0: a header without one)."""
+    if short_side is None or not width or not height:
+        return int(width), int(height)
+    h, w = resized_size(int(height), int(width), short_side)
+    return w, h
+
+
+def scratch_bytes(width: int, height: int, short_side: int | None, frames: int = 1) -> int:
+    """The source-size RGB that ``frames`` frames pass through on their way to ``short_side``."""
+    return int(frames) * int(width) * int(height) * 3 if short_side is not None else 0
+
+
+def _stacked(frames: Sequence[av.VideoFrame], budget: ReadBudget,
+             short_side: int | None = None) -> np.ndarray:
+    """``frames`` as one uint8 ``(T, H, W, 3)`` array (resized to ``short_side``), its bytes
+    counted against ``budget`` before it is made (each frame converted straight into it)."""
     first = frames[0]
-    budget.convert(len(frames), first.width, first.height)
-    out = np.empty((len(frames), first.height, first.width, 3), dtype=np.uint8)
+    width, height = out_size(first.width, first.height, short_side)
+    budget.convert(len(frames), width, height, scratch_bytes(first.width, first.height, short_side))
+    out = np.empty((len(frames), height, width, 3), dtype=np.uint8)
     for k, frame in enumerate(frames):
-        out[k] = _rgb(frame)  # a frame of another size than the first is an error, as in np.stack
+        out[k] = _rgb(frame, short_side)  # another size than the first's is an error, as in np.stack
     return out
 
 
@@ -73,17 +107,21 @@ def _yuv_bytes(frame: av.VideoFrame) -> int:
 
 class ClipSource(Protocol):
     """What the dataset reads a video through (``VideoFile``, ``TorchCodecVideo``). Frames come
-    back as uint8 ``(T, H, W, 3)`` arrays; times are seconds from the stream's start."""
+    back as uint8 ``(T, H, W, 3)`` arrays, their short side scaled to ``short_side`` where one
+    is given (the transform's: ``transforms.frame_short_side``); times are seconds from the
+    stream's start."""
 
     duration: float | None  # from the headers; None until ``measure_duration``
 
     def measure_duration(self) -> float: ...
 
-    def clips(self, windows: Sequence[tuple[float, float]], num_frames: int) -> list[np.ndarray]: ...
+    def clips(self, windows: Sequence[tuple[float, float]], num_frames: int,
+              short_side: int | None = None) -> list[np.ndarray]: ...
 
     def frame_count(self) -> int: ...
 
-    def frames_at(self, indices: Sequence[Sequence[int]]) -> list[np.ndarray]: ...
+    def frames_at(self, indices: Sequence[Sequence[int]],
+                  short_side: int | None = None) -> list[np.ndarray]: ...
 
     def close(self) -> None: ...
 
@@ -107,6 +145,35 @@ def open_video(path: str, decoder: str = "pyav") -> ClipSource:
         return TorchCodecVideo(path)
     check_decoder(decoder)
     return VideoFile(path)
+
+
+class _Window:
+    """A clip window read as its frames arrive (``VideoFile._clips_as_they_come``): ``count``,
+    the frames the rate predicts in it; ``picks``, which of them are kept (ordinal in the
+    window -> places in the clip); ``seen``, the frames in it so far."""
+
+    def __init__(self, i: int, end: float, count: int, num_frames: int) -> None:
+        self.i, self.end, self.count, self.seen = i, end, count, 0
+        self.picks: dict[int, list[int]] = {}
+        for j, k in enumerate(uniform_indices(count, num_frames).tolist() if count else []):
+            self.picks.setdefault(k, []).append(j)
+        self.num_frames = num_frames
+        self.out: np.ndarray | None = None
+
+    def put(self, j: int, rgb: np.ndarray, size: tuple[int, int], budget: ReadBudget) -> None:
+        if self.out is None:  # its clip, counted before it is made
+            budget.convert(self.num_frames, *size, budget.scratch)
+            self.out = np.empty((self.num_frames, *rgb.shape), dtype=np.uint8)
+        self.out[j] = rgb  # another size than the first's is an error, as in np.stack
+
+    def complete(self) -> bool:
+        """Ended with the frames predicted (and so every kept one in its place)."""
+        return self.count > 0 and self.seen == self.count and self.out is not None
+
+    def drop(self, budget: ReadBudget) -> None:
+        if self.out is not None:
+            budget.release(self.num_frames, self.out.shape[2], self.out.shape[1])
+            self.out = None
 
 
 class VideoFile:
@@ -210,25 +277,56 @@ class VideoFile:
         self.duration = last
         return last
 
-    def clips(self, windows: Sequence[tuple[float, float]], num_frames: int) -> list[np.ndarray]:
+    def clips(self, windows: Sequence[tuple[float, float]], num_frames: int,
+              short_side: int | None = None) -> list[np.ndarray]:
         """``num_frames`` frames evenly spaced over the frames in each ``[start, end)`` window,
-        as uint8 ``(T, H, W, 3)`` arrays in the order of ``windows``.
+        as uint8 ``(T, H, W, 3)`` arrays in the order of ``windows``, each frame's short side
+        scaled to ``short_side`` as it becomes RGB (None: as decoded).
 
         A window with no frame in it (past the real end of a stream whose header overstates
         its length) falls back to the last frames decoded before it, or to the whole video.
-        The RGB frames asked for are refused before decoding when they exceed the budget;
-        the decoded frames waiting in a window are counted as they arrive.
+        The RGB frames asked for are refused before decoding when they exceed the budget.
+        Where the decoded frames of a window would not fit waiting to be chosen
+        (``WAITING_SHARE``: 4K), the kept ones are chosen as they arrive. The windows that
+        cannot settle that way (a stream that ends inside one, timestamps off the rate), and
+        every window of a smaller video, are read holding their decoded frames until they
+        end, counted as they arrive. Both ways keep the same frames.
         """
         budget = self._budget = ReadBudget()
-        budget.expect(len(windows) * num_frames, self.width, self.height,
-                      f"{len(windows)} clip(s) of {num_frames} frames")
+        width, height = out_size(self.width, self.height, short_side)
+        budget.expect(len(windows) * num_frames, width, height,
+                      f"{len(windows)} clip(s) of {num_frames} frames",
+                      scratch_bytes(self.width, self.height, short_side))
         out: list[np.ndarray | None] = [None] * len(windows)
+        order = sorted(range(len(windows)), key=lambda j: windows[j][0])
+        if self._waiting_bytes(windows, num_frames) > WAITING_SHARE * MAX_DECODED_BYTES:
+            order = self._clips_as_they_come(windows, order, num_frames, short_side, out)
+        if order:
+            self._clips_waiting(windows, order, num_frames, short_side, out)
+        return out  # type: ignore[return-value]
+
+    def _waiting_bytes(self, windows: Sequence[tuple[float, float]], num_frames: int) -> int:
+        """What the decoded frames of the longest window (and the ``num_frames`` kept before
+        it) would take waiting to be chosen, as the headers tell; 0 where they do not say."""
+        if not (windows and self.rate and self.time_base and self.width and self.height):
+            return 0
+        longest = max(end - start for start, end in windows)
+        frames = min(math.ceil(max(longest, 0.0) * self.rate), MAX_VIDEO_FRAMES) + num_frames
+        fmt = self.stream.codec_context.format
+        bits = (fmt.padded_bits_per_pixel if fmt is not None else 0) or 24
+        return frames * self.width * self.height * bits // 8
+
+    def _clips_waiting(self, windows: Sequence[tuple[float, float]], order: Sequence[int],
+                       num_frames: int, short_side: int | None, out: list) -> None:
+        """The windows ``order`` (by start) read by holding each window's decoded frames until
+        it ends, then converting the kept ones (into ``out``)."""
+        budget = self._budget
         buffer: list[tuple[float, av.VideoFrame]] = []  # decoded, at or after the last window
         before: deque[av.VideoFrame] = deque(maxlen=num_frames)  # the last ones before it
         frames = None  # (time, frame) iterator since the last seek
         last_t, exhausted = -math.inf, False
         held = 0  # bytes of the frames in buffer and before
-        for i in sorted(range(len(windows)), key=lambda j: windows[j][0]):
+        for i in order:
             start, end = windows[i]
             if frames is None or (start > last_t + SEEK_GAP_S and not exhausted):
                 frames, last_t, exhausted = self._decode_from(start), -math.inf, False
@@ -254,11 +352,66 @@ class VideoFile:
             if not inside:
                 raise ValueError(f"no frames decoded in [{start:.3f}, {end:.3f}) s")
             keep = uniform_indices(len(inside), num_frames).tolist()
-            out[i] = _stacked([inside[k] for k in keep], budget)
+            out[i] = _stacked([inside[k] for k in keep], budget, short_side)
             # the next window starts at or after this one: frames before it are not needed
             buffer = [(t, f) for t, f in buffer if t >= start]
             held = sum(_yuv_bytes(f) for _, f in buffer) + sum(_yuv_bytes(f) for f in before)
-        return out  # type: ignore[return-value]
+        budget.hold(0)
+
+    def _clips_as_they_come(self, windows: Sequence[tuple[float, float]], order: Sequence[int],
+                            num_frames: int, short_side: int | None, out: list) -> list[int]:
+        """Read the windows ``order`` (by start) holding no decoded frame: at a window's first
+        frame, the frame rate predicts how many it holds, so which ones are kept; each kept
+        one is converted as it arrives, every other dropped. A window settles (into ``out``)
+        when it ends with as many frames as predicted: then its kept frames are exactly those
+        ``_clips_waiting`` keeps. Returns those that did not settle (by start), for
+        ``_clips_waiting``: a stream that ends inside a window or before it, timestamps off the
+        rate or out of order. Seeks as ``_clips_waiting`` does."""
+        budget, step = self._budget, 1.0 / self.rate
+        pending, active, missed = deque(order), [], []
+        frames, last_t, exhausted = None, -math.inf, False
+        while pending or active:
+            if not active:  # between windows: seek as _clips_waiting does
+                start = windows[pending[0]][0]
+                if frames is None or (start > last_t + SEEK_GAP_S and not exhausted):
+                    frames, last_t, exhausted = self._decode_from(start), -math.inf, False
+            item = None if exhausted else next(frames, None)
+            if item is None or item[0] < last_t:  # the end, or timestamps out of order
+                settled = [w for w in active if item is None and w.complete()]
+                for w in settled:
+                    out[w.i] = w.out
+                for w in active:
+                    if w not in settled:
+                        missed.append(w.i)
+                        w.drop(budget)
+                missed += pending
+                break
+            t, frame = item
+            last_t = t
+            while pending and windows[pending[0]][0] <= t:  # windows this frame opens
+                i = pending.popleft()
+                count = max(math.ceil((windows[i][1] - t) / step - EPS), 0)  # grid times < end
+                active.append(_Window(i, windows[i][1], min(count, MAX_VIDEO_FRAMES + 1), num_frames))
+            rgb, still = None, []
+            for w in active:
+                if t >= w.end:  # it has ended
+                    if w.complete():
+                        out[w.i] = w.out
+                    else:
+                        missed.append(w.i)
+                        w.drop(budget)
+                    continue
+                still.append(w)
+                for j in w.picks.get(w.seen, ()):
+                    if rgb is None:
+                        size = out_size(frame.width, frame.height, short_side)
+                        budget.convert(0, 0, 0, scratch_bytes(frame.width, frame.height, short_side))
+                        rgb = _rgb(frame, short_side)
+                    w.put(j, rgb, size, budget)
+                w.seen += 1
+            active = still
+        budget.convert(0, 0, 0)  # no frame on its way any more
+        return sorted(missed, key=lambda j: windows[j][0])
 
     def frame_count(self) -> int:
         """The number of frames, counted from the packets (demuxed, not decoded): the header's
@@ -277,30 +430,37 @@ class VideoFile:
             self._at_start = False  # the demuxer is at the end: the next decode reopens
         return self._count
 
-    def frames_at(self, indices: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    def frames_at(self, indices: Sequence[Sequence[int]],
+                  short_side: int | None = None) -> list[np.ndarray]:
         """The frames at each list of (presentation-order) ``indices``, as uint8 ``(T, H, W, 3)``
-        arrays: one pass from the start that stops after the last index and converts only the
-        chosen frames. An index past the real end (a miscounted stream) gets the last frame."""
+        arrays (short side scaled to ``short_side``): one pass from the start that stops after
+        the last index and converts only the chosen frames. An index past the real end (a
+        miscounted stream) gets the last frame."""
         wanted = {int(i) for clip in indices for i in clip}
         last_needed = max(wanted)
         total = sum(len(clip) for clip in indices)
         budget = self._budget = ReadBudget()  # the distinct frames kept, then the clips made
-        budget.expect(len(wanted) + total, self.width, self.height,
-                      f"{len(indices)} clip(s) of {total // max(len(indices), 1)} frames")
+        budget.expect(len(wanted) + total, *out_size(self.width, self.height, short_side),
+                      f"{len(indices)} clip(s) of {total // max(len(indices), 1)} frames",
+                      scratch_bytes(self.width, self.height, short_side))
+
+        def convert(frame: av.VideoFrame) -> np.ndarray:
+            budget.convert(1, *out_size(frame.width, frame.height, short_side),
+                           scratch_bytes(frame.width, frame.height, short_side))
+            return _rgb(frame, short_side)  # (h, w, 3)
+
         kept: dict[int, np.ndarray] = {}
         last: tuple[int, av.VideoFrame] | None = None
         for ordinal, (_, frame) in enumerate(self._decode_from(0.0)):
             if ordinal in wanted:
-                budget.convert(1, frame.width, frame.height)
-                kept[ordinal] = _rgb(frame)  # (H, W, 3)
+                kept[ordinal] = convert(frame)
             last = ordinal, frame
             if ordinal >= last_needed:
                 break
         if last is None:
             raise ValueError("no frames decoded")
         if last[0] < last_needed and last[0] not in kept:  # the stream ended early
-            budget.convert(1, last[1].width, last[1].height)
-            kept[last[0]] = _rgb(last[1])
+            kept[last[0]] = convert(last[1])
         h, w = next(iter(kept.values())).shape[:2]
         budget.convert(total, w, h)
         return [np.stack([kept[min(int(i), last[0])] for i in clip]) for clip in indices]

@@ -29,6 +29,11 @@ header's frame size are checked at open, and the RGB frames of a batch before th
 makes them. Frames become RGB inside torchcodec's C++, so a frame larger than its header says
 cannot be checked before its conversion here (PyAV checks each one); the cap on FFmpeg's single
 allocations (64 MiB), set on the FFmpeg torchcodec loads too, still bounds each of its planes.
+Given the transform's short side, the kept frames are fetched in batches of at most
+``BATCH_BYTES`` at the source's size, each scaled to it at once (``transforms.resize_frames``,
+as PyAV's are): a read holds frames of the output's size. The exact path's window
+(``get_frames_played_in_range``) comes whole at the source's size, and is refused over the
+budget (a variable-rate 4K video: read it with PyAV, or resize it).
 
 Not readable here, unlike PyAV: raw elementary streams (``.h264`` without a container), which
 the exact scan cannot seek back through; they fail as a ``BadVideo`` like a corrupt file.
@@ -47,12 +52,14 @@ import numpy as np
 import torch
 
 from videotrain.data.clip_sampling import uniform_indices
+from videotrain.data.decode import out_size, scratch_bytes
 from videotrain.data.media_budget import (
     ReadBudget,
     check_frame_count,
     check_frame_size,
     limit_ffmpeg_allocations,
 )
+from videotrain.data.transforms import resize_frames
 
 INSTALL_HINT = (
     'data.decoder=torchcodec needs the optional torchcodec extra (pip install -e ".[torchcodec]") '
@@ -67,6 +74,9 @@ RATE_TOLERANCE = 0.01  # relative: the header's frame rate against the scanned a
 # Where a constant-rate stream's timestamps lie, in seconds: exactly on the grid (0: MP4, AVI)
 # or on it rounded to whole milliseconds (Matroska/WebM's default timestamp unit).
 LATTICES = (0.0, 1e-3)
+# Source-size RGB one get_frames_at call returns when its frames are resized after it (4K: two
+# frames a call, 1080p: ten); without a short side the batch is what the read returns anyway.
+BATCH_BYTES = 64 * 2**20
 
 _CPP_PREFIX = re.compile(r"^[\w:]+, \S+\.(?:cpp|h):\d+, ")  # "Fn, /src/File.cpp:41, message"
 
@@ -139,23 +149,37 @@ class TorchCodecVideo:
     def frame_count(self) -> int:
         return self.num_frames
 
-    def _decode(self, indices: Sequence[int]) -> tuple[dict[int, np.ndarray], dict[int, float]]:
-        """Each distinct index's frame ``(H, W, 3)`` and timestamp, from one batch call."""
+    def _decode(self, indices: Sequence[int], short_side: int | None = None,
+                ) -> tuple[dict[int, np.ndarray], dict[int, float]]:
+        """Each distinct index's frame ``(H, W, 3)`` (short side scaled to ``short_side``) and
+        timestamp, from one batch call, or from batches of ``BATCH_BYTES`` each resized."""
         unique = sorted({int(i) for i in indices})
         if not unique:
             return {}, {}
-        ReadBudget().expect(len(unique) + len(indices), self.width, self.height,
-                            f"{len(unique)} distinct frames")  # the batch, then the clips
-        batch = self.decoder.get_frames_at(unique)
-        data = batch.data.numpy()  # (n, H, W, 3) uint8
-        pts = batch.pts_seconds.tolist()
-        return ({i: data[k] for k, i in enumerate(unique)},
-                {i: float(pts[k]) for k, i in enumerate(unique)})
+        frame_bytes = max(scratch_bytes(self.width, self.height, short_side), 1)
+        per = len(unique) if short_side is None else max(BATCH_BYTES // frame_bytes, 1)
+        ReadBudget().expect(len(unique) + len(indices), *out_size(self.width, self.height, short_side),
+                            f"{len(unique)} distinct frames",  # the frames, then the clips
+                            scratch_bytes(self.width, self.height, short_side, min(per, len(unique))))
+        frames: dict[int, np.ndarray] = {}
+        times: dict[int, float] = {}
+        for lo in range(0, len(unique), per):
+            chunk = unique[lo:lo + per]
+            batch = self.decoder.get_frames_at(chunk)
+            data = batch.data  # (n, H, W, 3) uint8
+            if short_side is not None:  # (n, 3, H, W) channels last, as the dataset lays clips out
+                data = resize_frames(data.permute(0, 3, 1, 2), short_side).permute(0, 2, 3, 1)
+            data = data.numpy()
+            pts = batch.pts_seconds.tolist()
+            frames.update((i, data[k]) for k, i in enumerate(chunk))
+            times.update((i, float(pts[k])) for k, i in enumerate(chunk))
+        return frames, times
 
-    def frames_at(self, indices: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    def frames_at(self, indices: Sequence[Sequence[int]],
+                  short_side: int | None = None) -> list[np.ndarray]:
         """The frames at each list of indices, as uint8 ``(T, H, W, 3)`` arrays."""
         clips = [[min(int(i), self.num_frames - 1) for i in clip] for clip in indices]
-        frames, _ = self._decode([i for clip in clips for i in clip])
+        frames, _ = self._decode([i for clip in clips for i in clip], short_side)
         return [np.stack([frames[i] for i in clip]) for clip in clips]
 
     def _time_of(self, i: int, quantum: float) -> float:
@@ -184,8 +208,10 @@ class TorchCodecVideo:
             inside = range(max(lo - num_frames, 0), lo) or range(lo, min(lo + 1, self.num_frames))
         return [inside[k] for k in uniform_indices(len(inside), num_frames).tolist()]
 
-    def _exact_window(self, start: float, end: float, num_frames: int) -> np.ndarray:
-        """The window's frames found by timestamp (a variable-frame-rate stream)."""
+    def _exact_window(self, start: float, end: float, num_frames: int,
+                      short_side: int | None = None) -> np.ndarray:
+        """The window's frames found by timestamp (a variable-frame-rate stream), the kept
+        ones scaled to ``short_side``."""
         lo = max(start + self.start, self.first)
         hi = min(end + self.start, self.end)
         if lo < hi:
@@ -201,15 +227,20 @@ class TorchCodecVideo:
             t = pts - self.start  # it starts with the frame on screen at ``lo``: keep those from it
             frames = frames[(t >= start - TIME_EPS) & (t < end - TIME_EPS)]  # (n', H, W, 3)
             if len(frames):
-                return frames[uniform_indices(len(frames), num_frames)].numpy()
-        return self.frames_at([self._window_indices(start, end, num_frames)])[0]
+                kept = frames[uniform_indices(len(frames), num_frames)]  # (T, H, W, 3)
+                if short_side is not None:
+                    kept = resize_frames(kept.permute(0, 3, 1, 2), short_side).permute(0, 2, 3, 1)
+                return kept.numpy()
+        return self.frames_at([self._window_indices(start, end, num_frames)], short_side)[0]
 
-    def clips(self, windows: Sequence[tuple[float, float]], num_frames: int) -> list[np.ndarray]:
+    def clips(self, windows: Sequence[tuple[float, float]], num_frames: int,
+              short_side: int | None = None) -> list[np.ndarray]:
         """``num_frames`` frames evenly spaced over the frames in each ``[start, end)`` window,
-        as uint8 ``(T, H, W, 3)`` arrays in the order of ``windows``."""
+        as uint8 ``(T, H, W, 3)`` arrays in the order of ``windows``, short side scaled to
+        ``short_side`` (None: as decoded)."""
         picks = [{q: self._window_indices(s, e, num_frames, q) for q in self.lattices}
                  for s, e in windows]  # per window, the kept frames on each possible lattice
-        frames, pts = self._decode([i for p in picks for pick in p.values() for i in pick])
+        frames, pts = self._decode([i for p in picks for pick in p.values() for i in pick], short_side)
         self.lattices = tuple(q for q in self.lattices  # those the decoded timestamps lie on
                               if all(abs(t - self._time_of(i, q)) <= TIME_EPS for i, t in pts.items()))
         out = []
@@ -218,7 +249,7 @@ class TorchCodecVideo:
             if len(choices) == 1:
                 out.append(np.stack([frames[i] for i in choices.pop()]))
             else:  # off every lattice (variable rate), or they disagree on this window (rare)
-                out.append(self._exact_window(s, e, num_frames))
+                out.append(self._exact_window(s, e, num_frames, short_side))
         return out
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ are ``videotrain.untrusted.bounds``' ``MAX_*`` constants; the decoders check the
 
 * the header's frame size and frame count, when the file is opened (before anything is decoded);
 * every decoded frame's size before it is converted to RGB (a header may lie);
-* what one read of the video (``clips``, ``frames_at``, ``measure_duration``) decodes and holds;
+* what one read of the video (``clips``, ``frames_at``, ``measure_duration``) decodes and holds:
+  the frames it returns at the size they are returned (the decoders resize each frame to the
+  transform's short side as it becomes RGB), the decoded frames waiting to be chosen;
 * every single allocation FFmpeg makes (``av_max_alloc``), which bounds what ``av.open`` itself
   builds from a header, before any of the checks above can run.
 
@@ -63,12 +65,15 @@ def check_frame_count(frames: float, source: str) -> None:
 class ReadBudget:
     """The pixels one read of a video decodes and the bytes it holds, refused past
     ``MAX_DECODED_PIXELS`` and ``MAX_DECODED_BYTES``. ``held``: decoded frames waiting to be
-    chosen (YUV); ``rgb``: the RGB frames made for this read (returned, or kept to be)."""
+    chosen (YUV); ``rgb``: the RGB frames made for this read (returned, or kept to be), at the
+    size they are returned (the transform's short side, where the decoder resizes them);
+    ``scratch``: source-size RGB frames on their way to that size (one frame, or one batch)."""
 
     def __init__(self) -> None:
         self.pixels = 0
         self.held = 0
         self.rgb = 0
+        self.scratch = 0
 
     def decoded(self, width: int, height: int) -> None:
         """One frame decoded: its size checked before it is converted or kept."""
@@ -78,10 +83,11 @@ class ReadBudget:
             raise VideoTooLarge(f"one read decodes more than {MAX_DECODED_PIXELS / 1e9:.1f} "
                                 f"gigapixels (the budget); {RESIZE_HINT}, or shorten them")
 
-    def expect(self, frames: int, width: int, height: int, what: str) -> None:
-        """Refuse, before decoding, a read whose RGB frames alone would exceed the budget
-        (``width``/``height`` from the header; 0 when it has none: checked when made)."""
-        need = int(frames) * int(width) * int(height) * 3
+    def expect(self, frames: int, width: int, height: int, what: str, scratch: int = 0) -> None:
+        """Refuse, before decoding, a read whose RGB frames alone would exceed the budget:
+        ``frames`` of ``width`` x ``height`` (as returned; from the header, 0 when it has none:
+        checked when made) and ``scratch`` bytes of source-size frames being resized."""
+        need = int(frames) * int(width) * int(height) * 3 + int(scratch)
         if need > MAX_DECODED_BYTES:
             raise VideoTooLarge(f"{what} at {int(width)}x{int(height)} take {_mib(need)} as RGB, "
                                 f"over the budget of {_mib(MAX_DECODED_BYTES)} per video; lower "
@@ -92,15 +98,22 @@ class ReadBudget:
         self.held = int(held_bytes)
         self._check()
 
-    def convert(self, frames: int, width: int, height: int) -> None:
-        """``frames`` RGB frames of ``width`` x ``height`` are about to be made."""
+    def convert(self, frames: int, width: int, height: int, scratch: int = 0) -> None:
+        """``frames`` RGB frames of ``width`` x ``height`` are about to be made, through
+        ``scratch`` bytes of source-size RGB (freed once they are made: the next call's)."""
         self.rgb += int(frames) * int(width) * int(height) * 3
+        self.scratch = int(scratch)
         self._check()
 
+    def release(self, frames: int, width: int, height: int) -> None:
+        """RGB frames made for this read and dropped (a clip read again another way)."""
+        self.rgb -= int(frames) * int(width) * int(height) * 3
+
     def _check(self) -> None:
-        if self.held + self.rgb > MAX_DECODED_BYTES:
-            raise VideoTooLarge(f"its frames take {_mib(self.held + self.rgb)} (decoded ones "
-                                f"waiting to be chosen: {_mib(self.held)}, RGB: {_mib(self.rgb)}), "
+        total = self.held + self.rgb + self.scratch
+        if total > MAX_DECODED_BYTES:
+            raise VideoTooLarge(f"its frames take {_mib(total)} (decoded ones waiting to be "
+                                f"chosen: {_mib(self.held)}, RGB: {_mib(self.rgb + self.scratch)}), "
                                 f"over the budget of {_mib(MAX_DECODED_BYTES)} per video (frames "
                                 f"too large or too many in one clip's time); {RESIZE_HINT}")
 

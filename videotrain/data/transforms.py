@@ -7,6 +7,13 @@ one sample. Scaling to [0, 1] and normalizing with mean/std happen on the traini
 (:func:`clips_to_device`), not in the loader's workers: a uint8 batch is a quarter of the float
 one through the workers' shared memory, the pinned copy and the host-to-device copy, and on a
 GPU the normalization is one elementwise kernel instead of two float passes per clip on a CPU.
+
+The first step of both transforms, the short side scaled to ``data.short_side``, is also made
+by the decoders, one frame at a time as it becomes RGB (:func:`frame_short_side`,
+:func:`resize_frames`): one read of a 1080p or 4K video then holds frames of the output's
+size, not the source's (docs/data.md, "Media budgets"). The transform's own step is then a
+no-op (torchvision returns a frame already at its size as it is), and a frame resized alone is
+the same frame resized in its clip, bit for bit (tests/data/test_transforms.py).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from functools import lru_cache
 
 import torch
 from torchvision import tv_tensors
-from torchvision.transforms import v2
+from torchvision.transforms import InterpolationMode, v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -41,7 +48,7 @@ def train_transform(
     erased box holds the mean pixel (:data:`MEAN_PIXEL`), which normalizes to about 0.
     """
     steps: list[v2.Transform] = [
-        v2.Resize(short_side, antialias=True),
+        short_side_resize(short_side),
         v2.RandomResizedCrop(crop_size, scale=tuple(scale), antialias=True),
     ]
     if hflip:
@@ -88,7 +95,47 @@ def eval_transform(short_side: int, crop_size: int, num_crops: int = 1) -> v2.Co
     """Short-side scale, ``num_crops`` spatial crops -> uint8 (crops, T, C, s, s)."""
     if crop_size > short_side:
         raise ValueError(f"data.crop_size={crop_size} exceeds data.short_side={short_side}")
-    return v2.Compose([v2.Resize(short_side, antialias=True), SpatialCrops(crop_size, num_crops)])
+    return v2.Compose([short_side_resize(short_side), SpatialCrops(crop_size, num_crops)])
+
+
+def short_side_resize(short_side: int) -> v2.Resize:
+    """The first step of :func:`train_transform` and :func:`eval_transform`: the short side
+    scaled to ``short_side`` (bilinear, antialiased), the other in proportion."""
+    return v2.Resize(short_side, antialias=True)
+
+
+def frame_short_side(transform: object) -> int | None:
+    """The short side ``transform`` first scales every frame to, when its first step is
+    :func:`short_side_resize`'s (the transforms of this module); else None.
+
+    The dataset hands it to the decoders, which then make that step per frame as it becomes
+    RGB (:func:`resize_frames`). Any other transform (a custom callable, another first step)
+    gets its frames at the source's size, as before."""
+    steps = list(transform.transforms) if isinstance(transform, v2.Compose) else [transform]
+    steps = [s for s in steps if not (isinstance(s, v2.Lambda) and s.lambd is _as_video)]
+    first = steps[0] if steps else None
+    if (type(first) is v2.Resize and first.size is not None and len(first.size) == 1
+            and first.max_size is None and first.antialias is True
+            and getattr(first.interpolation, "value", first.interpolation) == "bilinear"):
+        return int(first.size[0])
+    return None
+
+
+def resized_size(height: int, width: int, short_side: int) -> tuple[int, int]:
+    """``(height, width)`` of a ``height x width`` frame once :func:`short_side_resize` has
+    scaled it (torchvision's rule: the long side rounded down)."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(short_side * long / short)
+    return (new_long, short_side) if width <= height else (short_side, new_long)
+
+
+def resize_frames(frames: torch.Tensor, short_side: int) -> torch.Tensor:
+    """uint8 frames ``(N, C, H, W)`` scaled as :func:`short_side_resize` scales a clip: the
+    same torchvision kernel, which resizes each frame on its own, so that frames resized one
+    by one as they are decoded equal the clip resized whole. Frames at the size already are
+    returned as they are."""
+    return v2.functional.resize(frames, [short_side], interpolation=InterpolationMode.BILINEAR,
+                                antialias=True)
 
 
 @lru_cache(maxsize=8)

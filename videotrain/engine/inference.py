@@ -88,28 +88,18 @@ def list_videos(path: Path) -> list[Path]:
 
 class UnreadableVideo(BadVideo, ValueError):
     """A video ``predict`` cannot read: a user error (one ``error:`` line, exit status 2), whose
-    message names the file escaped and says why in the decoder's own words, never the file's."""
-
-
-def _why(err: BadVideo, path: str) -> str:
-    """What went wrong, without the file's name as FFmpeg echoes it (raw) nor anything else
-    the message of the cause carries beyond its fixed text: ``cannot open (InvalidDataError:
-    Invalid data found when processing input)``."""
-    message = str(err)
-    step = message[len(path) + 2:].partition(" (")[0] if message.startswith(f"{path}: ") else ""
-    cause = err.__cause__
-    if cause is None:
-        return shown(message[len(path) + 2:] if step else message, 200)
-    text = getattr(cause, "strerror", None) or str(cause)  # OSError / FFmpegError: no filename
-    return f"{step or 'cannot read'} ({type(cause).__name__}: {shown(str(text), 400)})"
+    message names the file escaped and says why in the decoder's own words, never the file's
+    (the ``BadVideo``'s step and reason: ``cannot open (InvalidDataError: Invalid data found
+    when processing input)``)."""
 
 
 class ViewReader:
     """Decodes one file into the evaluation's views ``(clips * crops, T, C, H, W)``, through the
     evaluation dataset's own decoding, clip sampling and transform (``decoder``, ``sampler``:
     the run's ``data.decoder``, ``data.sampler``), within its media budgets
-    (``videotrain.data.media_budget``). Raises ``UnreadableVideo`` (naming the file, escaped)
-    for a missing, empty, corrupt or over-budget video."""
+    (``videotrain.data.media_budget``): its frames are scaled to ``short_side`` as they are
+    decoded, so a 1080p or 4K video's views fit them. Raises ``UnreadableVideo`` (naming the
+    file, escaped) for a missing, empty, corrupt or over-budget video."""
 
     def __init__(self, num_frames: int, clip_duration: float, short_side: int, crop_size: int,
                  clips: int, crops: int, decoder: str = "pyav", sampler: str = "random") -> None:
@@ -122,7 +112,8 @@ class ViewReader:
         try:
             return self.dataset.decode_views(str(path))  # (V, T, C, H, W)
         except BadVideo as err:
-            raise UnreadableVideo(f"{shown(path)}: {_why(err, str(path))}") from err
+            why = err.reason or shown(str(err), 200)  # a BadVideo not made by BadVideo.of
+            raise UnreadableVideo(f"{shown(path)}: {err.step} ({why})") from err
 
 
 @torch.no_grad()
