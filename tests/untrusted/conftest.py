@@ -46,9 +46,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-SECRET-d41d8cd9"  # in the victim's files and the environment; never shown
+# four lines each, as many as the tiny runs have classes: read as a class list, they would be
+# the class names predict prints
 KEY_TEXT = ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA" + SECRET
-            + "\n-----END OPENSSH PRIVATE KEY-----\n")
-NETRC_TEXT = f"machine example.org login me password {SECRET}\n"
+            + "\nQyNTUxOQAAACBmaW5nZXJwcmludAAAAA\n-----END OPENSSH PRIVATE KEY-----\n")
+NETRC_TEXT = "".join(f"machine host{i}.example.org login me password {SECRET}\n" for i in range(4))
 AUTHORIZED = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIMine me@laptop\n"
 TIME_S = 10  # CPU seconds a case may take (the issue's bound)
 WALL_S = 40  # wall-clock seconds before a case is killed: a hang (two cores, shared)
@@ -310,7 +312,8 @@ def files_holding(folder: Path, needle: bytes, skip: tuple[Path, ...] = ()) -> l
     """Regular files under ``folder`` (outside ``skip``) whose bytes contain ``needle``."""
     found = []
     for path in _tree(folder):
-        if any(path == s or s in path.parents for s in skip) or not path.is_file() or path.is_symlink():
+        if (any(path == s or s in path.parents for s in skip) or not path.is_file()
+                or path.is_symlink()):
             continue
         st = path.stat()
         if st.st_size > 256 << 20 or st.st_blocks * 512 < st.st_size // 2:
@@ -350,7 +353,13 @@ class Workspace:
 
     @property
     def uid(self) -> int | None:
+        """The user id the child switches to (None: it runs as this process's user)."""
         return NOBODY if self.user == "nobody" else None
+
+    @property
+    def privileged(self) -> bool:
+        """Root: reads and lists what its owner's mode bits forbid."""
+        return self.user == "root"
 
     def env(self, **extra: str) -> dict[str, str]:
         keep = {k: v for k, v in os.environ.items()
@@ -414,7 +423,8 @@ class Outcome:
         changed = sorted(k for k in after.keys() | ws._before.keys()
                          if after.get(k) != ws._before.get(k))
         assert not changed, f"files outside the run changed: {changed[:5]}"
-        assert files_holding(ws.root, SECRET.encode(), (ws.victim,)) == [], "a file holds the secret"
+        held = files_holding(ws.root, SECRET.encode(), (ws.victim,))
+        assert not held, f"a file holds the secret: {held}"
         return line
 
 

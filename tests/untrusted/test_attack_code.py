@@ -71,7 +71,8 @@ def test_a_run_config_runs_nothing(name: str, how: str, ws: Workspace, shared: P
                                    public_data: Path) -> None:
     """``config.yaml`` of a shared run carrying a payload: nothing of it runs or resolves."""
     edit_config(shared, lambda c: CONFIG_PAYLOADS[how](c, ws))
-    ws.run(name, command(name, shared / "checkpoints" / "last.ckpt", ws, public_data)).judge("either")
+    last = shared / "checkpoints" / "last.ckpt"
+    ws.run(name, command(name, last, ws, public_data)).judge("either")
 
 
 @pytest.mark.parametrize("name", ["eval", "predict", "export"])

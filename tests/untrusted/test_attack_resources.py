@@ -108,7 +108,8 @@ def test_resume_bounds_every_checkpoint_field(bomb: str, ws: Workspace, shared: 
                                               train_args) -> None:
     """A newer step file whose non-config field is a bomb: resume refuses it (or sets it aside
     and resumes from the step before) within the bounds."""
-    step = CHECKPOINT_BOMBS[bomb](shared / "checkpoints" / "step-00000001.ckpt", _newer_step(shared))
+    step = CHECKPOINT_BOMBS[bomb](shared / "checkpoints" / "step-00000001.ckpt",
+                                  _newer_step(shared))
     assert step.stat().st_size < 128 << 20
     ws.run("resume", resume_args(train_args, shared)).judge("either")
 
@@ -201,10 +202,11 @@ def test_a_metrics_file_of_newlines_is_bounded(ws: Workspace, shared: Path, trai
     ws.run("resume", resume_args(train_args, shared)).judge("either")
 
 
+ALIAS_BOMB = "- &a [x, x, x, x, x, x, x, x, x]\n" + "".join(  # 9^9 leaves in 300 bytes
+    f"- &{c} [" + ", ".join([f"*{p}"] * 9) + "]\n"
+    for p, c in zip("abcdefgh", "bcdefghi", strict=True))
 SWEEP_BOMBS = {
-    "an alias bomb in overrides.yaml": (".hydra/overrides.yaml", "- &a [x, x, x, x, x, x, x, x, x]\n"
-                                        + "".join(f"- &{c} [" + ", ".join([f"*{p}"] * 9) + "]\n"
-                                                  for p, c in zip("abcdefgh", "bcdefghi", strict=True))),
+    "an alias bomb in overrides.yaml": (".hydra/overrides.yaml", ALIAS_BOMB),
     "deep nesting in overrides.yaml": (".hydra/overrides.yaml", "[" * DEEP + "]" * DEEP + "\n"),
     "deep nesting in results.json": ("results.json", "[" * DEEP + "]" * DEEP),
     "a 40 MB results.json": ("results.json", "[" + "{}," * 13_000_000 + "{}]"),

@@ -40,7 +40,8 @@ def command(train_args) -> list[str]:
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the suite disables it
     return {**env, "HOME": str(tmp), "WANDB_DIR": str(tmp / "wandb-cache"),
-            "WANDB_CACHE_DIR": str(tmp / "wandb-cache"), "WANDB_CONFIG_DIR": str(tmp / "wandb-config")}
+            "WANDB_CACHE_DIR": str(tmp / "wandb-cache"),
+            "WANDB_CONFIG_DIR": str(tmp / "wandb-config")}
 
 
 def _run(command: list[str], run: Path, tmp: Path) -> subprocess.CompletedProcess:

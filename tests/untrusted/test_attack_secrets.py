@@ -23,7 +23,8 @@ from videotrain.engine import checkpoint as ckpt
 if TYPE_CHECKING:
     from conftest import Workspace
 
-ESCAPED_NAME = "\x1b[2J\x1b]52;c;ZWNobyBvd25lZA==\x07cleared"  # clears the screen, sets the clipboard
+# clears the screen, sets the clipboard (OSC 52)
+ESCAPED_NAME = "\x1b[2J\x1b]52;c;ZWNobyBvd25lZA==\x07cleared"
 
 
 def rewrite_checkpoint(src: Path, dst: Path, edit: Callable[[dict], None]) -> Path:
@@ -116,7 +117,8 @@ def test_train_hint_shows_class_names_escaped(ws: Workspace, public_data: Path,
     one ``error:`` line with the ``data.drop_classes`` hint, the name escaped."""
     data = escaped_dataset(ws, public_data, "train")
     ws.run("train", [*train_args(trainer__max_steps=1), f"data.root={data}",
-                     "data.max_bad_fraction=0.5", f"hydra.run.dir={ws.work / 'run'}"]).judge("refused", "data.drop_classes")
+                     "data.max_bad_fraction=0.5", f"hydra.run.dir={ws.work / 'run'}"]
+           ).judge("refused", "data.drop_classes")
 
 
 def test_eval_hint_shows_class_names_escaped(ws: Workspace, public_data: Path, shared: Path,
