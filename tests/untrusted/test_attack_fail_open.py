@@ -36,10 +36,13 @@ def other_run(ws: Workspace, stranger_run: Path) -> Path:
 @pytest.mark.parametrize("where", [".", "checkpoints"])
 def test_resume_refuses_a_folder_it_cannot_list(where: str, ws: Workspace, shared: Path,
                                                 train_args) -> None:
-    """The shared run folder (or its ``checkpoints``) of mode 0333, holding the log linked to
-    ``authorized_keys`` and a step file linked to ``.bashrc``: refused, nothing appended."""
-    _link(shared / "videotrain.log", ws.victim / ".ssh/authorized_keys")
-    _link(shared / "checkpoints" / "step-00000002.ckpt", ws.victim / ".bashrc")
+    """The shared run folder of mode 0333 holding the log linked to ``authorized_keys`` (or
+    its ``checkpoints`` folder of mode 0333 holding the next step file linked to ``.bashrc``):
+    refused, nothing appended or replaced."""
+    if where == ".":
+        _link(shared / "videotrain.log", ws.victim / ".ssh/authorized_keys")
+    else:
+        _link(shared / "checkpoints" / "step-00000002.ckpt", ws.victim / ".bashrc")
     os.chmod(shared / where, UNLISTABLE)
     ws.run("resume", [*train_args(trainer__max_steps=2),
                       f"hydra.run.dir={shared}"]).judge("refused")
