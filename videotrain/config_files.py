@@ -315,6 +315,8 @@ def load_yaml(text: str, source: str) -> Any:
         data = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else {}
     except BadValue as err:
         raise RefusedConfig(str(err)) from None
+    except AssertionError:  # OmegaConf.create of a document that is one scalar
+        raise RefusedConfig(f"{source}: not a config (a YAML scalar, not a mapping)") from None
     except OmegaConfBaseException as err:
         raise RefusedConfig(f"{source}: not a config of plain values "
                             f"({shown(str(err).splitlines()[0])})") from None

@@ -397,6 +397,12 @@ def checked_fields(blob: Any, path: str | Path) -> Any:
         raise CheckpointError(f"{err}; not a checkpoint videotrain wrote, refusing it") from None
 
 
+# what torch.load raises on a truncated file, and its weights-only unpickler on opcodes that do
+# not make a pickle (an empty stack popped, a memo key never put, a short argument)
+_BROKEN = (RuntimeError, EOFError, ValueError, IndexError, KeyError, TypeError, AttributeError,
+           AssertionError, OverflowError, struct.error)
+
+
 def load(path: str | Path, map_location: str | torch.device = "cpu", follow: bool = False) -> Any:
     """The one way videotrain reads a checkpoint: ``torch.load(weights_only=True)`` of a
     regular file (``_open_checkpoint``: no FIFO, device, or link out of its folder; bounded by
@@ -422,7 +428,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", follow: boo
                 f"({_unpickling_reason(err, f)}); refusing to load it. videotrain reads "
                 "checkpoints with torch.load(weights_only=True): tensors and plain Python values "
                 "only") from None
-        except (RuntimeError, EOFError, ValueError) as err:  # what torch raises on a cut-off file
+        except _BROKEN as err:  # what torch raises on a cut-off or broken file
             first = shown(str(err).split(". ")[0].strip() or type(err).__name__)
             raise CorruptCheckpointError(f"{shown(path)} is truncated or corrupt ({first})",
                                          first) from err

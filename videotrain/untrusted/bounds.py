@@ -544,27 +544,41 @@ def check_yaml(text: str, where: str, max_nodes: int = MAX_CONFIG_NODES,
     other than YAML's plain types (``!!python/...``) is refused too."""
     import yaml
 
-    depth = 0
+    # per open collection: is it a mapping, and is its next node a key (keys are not values)
+    open_: list[list[bool]] = []
+    values = 0
     try:
-        for count, event in enumerate(yaml.parse(text, Loader=yaml.SafeLoader)):
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
             line = event.start_mark.line + 1 if event.start_mark else "?"
-            if count > 4 * max_nodes:  # a key and a value are one event each
-                raise BadValue(f"{where}: more than {max_nodes} values; a config has a few hundred")
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
                 raise BadValue(f"{where}:{line}: a YAML anchor or alias (&name / *name); configs "
                                "read from files may not use them (videotrain writes none), "
                                "nothing of it was composed")
             tag = getattr(event, "tag", None)
             if tag is not None and tag not in _PLAIN_TAGS:
-                raise BadValue(f"{where}:{line}: a YAML tag ({shown(tag, 60)}); a config read "
-                               "from a file is plain data, nothing of it was composed")
-            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-                depth += 1
-                if depth > max_depth:
+                raise BadValue(f"{where}:{line}: cannot be read as a YAML config (a YAML tag, "
+                               f"{shown(tag, 60)}: a config read from a file is plain data); "
+                               "nothing of it was composed")
+            if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                open_.pop()
+                continue
+            if not isinstance(event, yaml.NodeEvent):  # stream and document events
+                continue
+            top = open_[-1] if open_ else None
+            if top is not None and top[0]:
+                is_key, top[1] = top[1], not top[1]
+            else:
+                is_key = False
+            if not is_key:
+                values += 1
+                if values > max_nodes:
+                    raise BadValue(f"{where}:{line}: more than {max_nodes} values; a config has "
+                                   "a few hundred")
+            if isinstance(event, yaml.CollectionStartEvent):
+                open_.append([isinstance(event, yaml.MappingStartEvent), True])
+                if len(open_) > max_depth:
                     raise BadValue(f"{where}:{line}: nested more than {max_depth} levels deep; "
                                    "nothing of it was composed")
-            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-                depth -= 1
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f":{mark.line + 1}" if mark is not None else ""
