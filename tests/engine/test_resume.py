@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -293,3 +294,97 @@ def test_keys_of_another_version_are_warned_about(run_dir: Path, run_overrides, 
     assert results["steps"] == 4
     assert f"not compared with {path}: keys set in only one of the two configs" in caplog.text
     assert f"  optim.lr_scaling: (not set) -> {lr_scaling}" in caplog.text
+
+
+# ---------------------------------------------------------------------- a crafted newer checkpoint
+def _newer(run_dir: Path, edit) -> Path:
+    """``step-00000009.ckpt``: the run's last checkpoint, edited, as the newest step file (a
+    shared run folder's, which resume reads first)."""
+    blob = ckpt.load(run_dir / "checkpoints" / "step-00000004.ckpt")
+    edit(blob)
+    path = run_dir / "checkpoints" / "step-00000009.ckpt"
+    torch.save(blob, path)
+    return path
+
+
+def _one_line(message: str) -> str:
+    assert "\n" not in message and "\x1b" not in message and "\x07" not in message
+    return message
+
+
+ESCAPES = "evil\x1b]0;owned\x07\nkey"
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda b: b["model"].update({ESCAPES: torch.zeros(1)}),
+     "model weights: 1 unexpected keys: 'evil\\x1b]0;owned\\x07\\nkey'"),
+    (lambda b: b["model"].pop(next(iter(b["model"]))), "model weights: 1 missing keys: "),
+    (lambda b: b["model"].update({k: torch.zeros(3, 1) for k in list(b["model"])[:1]}),
+     "model weights: 1 shape mismatches (file vs model): "),
+    (lambda b: b["optimizer"]["state"][0].update(exp_avg=torch.zeros(7)),
+     "optimizer state: exp_avg of parameter 0 (7,) vs "),
+    (lambda b: b["optimizer"]["param_groups"].pop(),
+     "optimizer state: another number of parameter groups"),
+])
+def test_weights_that_do_not_fit_the_model_are_refused_naming_the_keys(
+        run_dir: Path, run_overrides, compose_cfg, edit, says: str) -> None:
+    """Resume checks the checkpoint's weights and optimizer state against the model being
+    trained before loading anything (as eval does): one refusal naming the keys escaped, not
+    torch's traceback with the keys raw."""
+    newer = _newer(run_dir, edit)
+    with pytest.raises(ResumeRefused) as refused:
+        run.train(compose_cfg(run_overrides(**BASE)), run_dir)
+    message = _one_line(str(refused.value))
+    assert message.startswith(f"cannot resume from {newer}: it does not fit the model being trained")
+    assert says in message, message
+
+
+def test_a_checkpoint_without_a_field_resume_reads_is_refused(run_dir: Path, run_overrides,
+                                                               compose_cfg) -> None:
+    newer = _newer(run_dir, lambda b: b.pop("best_step"))
+    with pytest.raises(ResumeRefused, match=f"cannot resume from {newer}: it has no best_step"):
+        run.train(compose_cfg(run_overrides(**BASE)), run_dir)
+
+
+def _shared_bomb() -> list:
+    node: list = ["x"] * 9
+    for _ in range(7):
+        node = [node] * 9  # 9^8 leaves in a few KB: the pickle's memo
+    return node
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda b: b.update(last_val={"val_top1": _shared_bomb()}),
+     "a shared reference at last_val.val_top1"),
+    (lambda b: b.update(peaks=["9" * 10**6]), "peaks[0] must be a finite number"),
+    (lambda b: b.update(step="4"), "step must be an integer from 0 to"),
+    (lambda b: b["rng_per_rank"][0].update(torch=torch.zeros(3, dtype=torch.uint8)),
+     "rng_per_rank[0].torch must be a 1-d torch.uint8 tensor of"),
+])
+def test_a_field_out_of_its_schema_is_refused_before_use(run_dir: Path, run_overrides,
+                                                         compose_cfg, edit, says: str) -> None:
+    """Every field resume reads is checked when the checkpoint is read (``safe_load``): a
+    stored-results bomb (8.8 GB when compared), a long string where a number is expected, an
+    RNG state torch would reject with a traceback; the file named, the value never."""
+    newer = _newer(run_dir, edit)
+    start = time.monotonic()
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        run.train(compose_cfg(run_overrides(**BASE)), run_dir)
+    assert time.monotonic() - start < 30
+    message = _one_line(str(refused.value))
+    assert message.startswith(str(newer)) and says in message and "9" * 200 not in message, message
+
+
+def test_a_step_file_named_with_a_newline_is_not_resumed(run_dir: Path, run_overrides,
+                                                         compose_cfg, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """``step-00000009.ckpt\\n`` (``$`` matched before a final newline): not a step file, so
+    not loaded; the run resumes from its own newest one."""
+    marker = tmp_path / "created-by-unpickling"
+    odd = run_dir / "checkpoints" / "step-00000009.ckpt\n"
+    torch.save({"videotrain_format": 2, "model": {}, "x": CreatesAFile(marker)}, odd)
+    with caplog.at_level(logging.INFO):
+        results = run.train(compose_cfg(run_overrides(**BASE)), run_dir)
+    newest = run_dir / "checkpoints" / "step-00000004.ckpt"
+    assert f"resumed from {newest} at step 4" in caplog.text and results["steps"] == 4
+    assert odd.exists() and not marker.exists()

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,68 @@ def test_paired_summary_against_e2e_of_the_same_seed(tmp_path: Path, summarize_s
     assert "weights identical" not in cell and top1["e2e"].rstrip().endswith("reference |")
     loss = paired.split("\n\n")[3]
     assert "| sbp-at-time |" in loss and "-0.500 ± 0.000 (n=6)" in loss
+
+
+# ---------------------------------------------------------------------- a shared sweep folder
+ALIAS_BOMB = ("- &a [x, x, x, x, x, x, x, x, x]\n"
+              + "".join(f"- &{c} [" + ", ".join([f"*{p}"] * 9) + "]\n"
+                        for p, c in zip("abcdefgh", "bcdefghi", strict=True)))
+
+
+@pytest.mark.parametrize(("rel", "text", "says"), [
+    (".hydra/overrides.yaml", ALIAS_BOMB, "unreadable .hydra/overrides.yaml: "),
+    (".hydra/overrides.yaml", "- !!python/object/apply:os.system ['true']\n", "a YAML tag"),
+    (".hydra/overrides.yaml", "[" * 100_000, "nested more than 32 levels deep"),
+    ("results.json", "[" * 100_000 + "]" * 100_000, "unreadable results.json: "),
+    ("results.json", json.dumps({"val_top1": "9" * 10**6}), "val_top1 must be null or a number"),
+    ("results.json", "[" + "{}," * 3_000_000 + "{}]", "more than 2000000 values"),
+])
+def test_a_bad_job_file_fails_that_job_alone(sweep: Path, summarize_sweep, rel: str, text: str,
+                                             says: str) -> None:
+    """A shared sweep's job file that is a bomb (an alias bomb of 660 bytes, deep nesting, a
+    long string where a number goes, 3 million values): that job is listed as failed, naming
+    the file and why, never its text; the others are summarized; all within seconds."""
+    job = sweep / "0_memory=e2e"
+    (job / rel).write_text(text)
+    start = time.monotonic()
+    jobs, table = summarize_sweep.summarize(sweep)
+    assert time.monotonic() - start < 10
+    bad = next(j for j in jobs if j["job"] == job.name)
+    assert bad["status"] == "failed" and says in bad["error"], bad["error"]
+    assert "9" * 200 not in table and "*a" not in table
+    assert [r[10].split(" ")[0] for r in table_rows(table)].count("ok") == 1  # the sbp job
+
+
+def test_text_from_a_job_cannot_break_the_table(sweep: Path, summarize_sweep) -> None:
+    """A job's folder name and its results' strategy holding newlines, ``|`` and terminal
+    escapes: one escaped line per job, in the file and what is printed."""
+    forged = "x\n| forged | row |\x1b]0;owned\x07"
+    (sweep / "0_memory=e2e").rename(sweep / f"0_{forged.replace('/', '_')}")
+    job = sweep / "1_memory=sbp,memory.keep_ratio=0.5"
+    results = json.loads((job / "results.json").read_text())
+    (job / "results.json").write_text(json.dumps({**results, "memory_strategy": forged}))
+    _, table = summarize_sweep.summarize(sweep)
+    for text in (table, (sweep / "summary.md").read_text()):
+        assert "\x1b" not in text and "\x07" not in text
+        assert not any(ln.lstrip().startswith("| forged") for ln in text.splitlines())
+    assert len(table_rows(table)) == 3
+
+
+@pytest.mark.parametrize("where", ["sweep", "out"])
+def test_a_link_in_the_folder_written_is_refused(tmp_path: Path, sweep: Path, where: str) -> None:
+    """``summary.md`` planted as a link to a file outside (a ``.pth`` in site-packages runs at
+    the next Python start): refused with one error line, the file behind it unchanged."""
+    outside = tmp_path / "site-packages" / "evil.pth"
+    outside.parent.mkdir()
+    outside.write_text("# the user's file\n")
+    folder = sweep if where == "sweep" else tmp_path / "report"
+    folder.mkdir(exist_ok=True)
+    (folder / "summary.md").symlink_to(outside)
+    args = [str(sweep)] + (["--out", str(folder)] if where == "out" else [])
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=120)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr
+    assert "summary.md" in errors[0] and "symbolic link" in errors[0]
+    assert outside.read_text() == "# the user's file\n" and (folder / "summary.md").is_symlink()
+
