@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 from videotrain.untrusted import read_bytes, shown
+from videotrain.untrusted.bounds import MAX_ANNOTATION_BYTES
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".webm", ".mov")
 SPLITS = ("train", "val")
@@ -47,7 +48,6 @@ class VideoIndex:
 _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
               (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
 BOM = "\ufeff"
-MAX_ANNOTATION_BYTES = 256 << 20  # the largest official list (Kinetics-700 train) is ~30 MB
 
 
 def read_text(path: str | Path) -> str:

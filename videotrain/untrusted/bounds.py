@@ -33,6 +33,7 @@ MAX_CONFIG_NODES = 20_000  # a run's resolved config has a few hundred
 MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml is a few KB (and YAML parses ~1 MB/s)
 MAX_OVERRIDES_BYTES = 256 << 10  # .hydra/overrides.yaml: a list of key=value lines
+MAX_ANNOTATION_BYTES = 256 << 20  # the largest official list (Kinetics-700 train) is ~30 MB
 
 # results.json (class names, a sweep job's figures) and metrics.jsonl (read back on resume: a
 # row of ~250 bytes every trainer.log_every_n_steps, 10 by default, so five million steps fit;
