@@ -317,7 +317,7 @@ def test_sizes_are_bounded_before_reading(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "says"), [
-    ("peaks", ["9" * 100_000], "peaks[0] must be a finite number of at least 0.0"),
+    ("peaks", ["9" * 100_000], "peaks[0] must be a finite number of at least 0.0, not a string"),
     ("step", SECRET, "step must be an integer from 0 to"),
     ("class_names", [SECRET * 100], "class_names[0] must be a string of at most 1024 characters"),
     ("last_val", {"val_top1": [SECRET]}, "last_val.val_top1 must be null or a number"),

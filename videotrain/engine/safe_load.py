@@ -339,7 +339,7 @@ def _rng_tensor(numel: int | None, dtype: torch.dtype, lo: int | None = None,
 
 _TENSOR = Instance(torch.Tensor, "a tensor")
 _WEIGHTS = Map(extra=_TENSOR, keys=Str(MAX_NAME_CHARS), max_len=MAX_CHECKPOINT_RECORDS)
-_NUMBERS = Seq(Float(0.0), MAX_LIST)
+_SECONDS = Seq(Float(), MAX_LIST)  # per step (a difference of two clocks may dip below 0)
 _GROUPS = 100_000  # an optimizer's parameter groups, a scheduler's learning rates
 _RNG = Map({
     "python": Map({"version": Int(0, 100), "state": _rng_tensor(625, torch.int64, 0, 2**32 - 1),
@@ -377,7 +377,8 @@ CHECKPOINT = Map({
     "total_steps": Int(0, MAX_STEPS), "val_step": Int(-1, MAX_STEPS),
     "best_step": Int(-1, MAX_STEPS), "best_top1": Float(-1.0, 100.0),
     "skipped": Seq(Str(MAX_PATH_CHARS), MAX_LIST),
-    "step_times": _NUMBERS, "data_waits": _NUMBERS, "peaks": _NUMBERS,
+    "step_times": _SECONDS, "data_waits": _SECONDS,
+    "peaks": Seq(Float(0.0), MAX_LIST),  # MB per step: eval's memory budget (trained_run)
     "last_val": Map(extra=Optional(Float(finite=False)), max_len=10_000),
     "rng_per_rank": Seq(_RNG, 1 << 16, min_len=1), "world_size": Int(1, 1 << 16),
     "config": Optional(Tree()), "config_seal": Optional(Str(256)),
