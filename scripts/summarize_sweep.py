@@ -173,6 +173,17 @@ def find_jobs(root: Path) -> list[Path]:
     return sorted(jobs, key=_job_order)
 
 
+def _ratio(value: Any) -> float | None:
+    """A keep ratio as a float, if it is a finite number (an override's value may be anything)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        ratio = float(value)
+    except OverflowError:
+        return None
+    return ratio if math.isfinite(ratio) else None
+
+
 def load_job(job: Path, root: Path) -> dict[str, Any]:
     """One job's row: what its files say, or failed with the reason (a file named, escaped)."""
     errors: list[str] = []
@@ -205,8 +216,7 @@ def load_job(job: Path, root: Path) -> dict[str, Any]:
         "job": str(job.relative_to(root)) if job != root else ".",
         "strategy": str(strategy),
         "granularity": None if granularity is None else str(granularity),
-        "keep_ratio": float(keep) if isinstance(keep, int | float) and not isinstance(keep, bool)
-        else None,
+        "keep_ratio": _ratio(keep),
         "val_top1": results.get("val_top1"),
         "val_top5": results.get("val_top5"),
         "train_peak_mem_mb": results.get("train_peak_mem_mb"),

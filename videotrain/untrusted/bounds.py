@@ -248,6 +248,9 @@ class Int(Spec):
             raise self._fail(value)
 
 
+_FLOAT_MAX = 2**1023
+
+
 class Float(Spec):
     """A number (an int or a float, not a bool) in ``[lo, hi]``; finite unless ``finite`` is
     False (NaN and infinities pass then, bounds aside)."""
@@ -258,8 +261,8 @@ class Float(Spec):
         self.expected = f"a {'finite ' if finite else ''}number{_range(lo, hi)}"
 
     def check(self, value: Any) -> None:
-        if type(value) not in (int, float):
-            raise self._fail(value)
+        if type(value) not in (int, float) or (type(value) is int and abs(value) > _FLOAT_MAX):
+            raise self._fail(value)  # an int no float can hold fails where it is formatted
         if not math.isfinite(value):
             if self.finite:
                 raise self._fail(value)
