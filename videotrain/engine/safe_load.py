@@ -250,8 +250,9 @@ _STORAGE_RECORD = re.compile(r"/data/[0-9]+\Z")  # a tensor's bytes: read as muc
 def _check_records(f: IO[bytes], path: Path, follow: bool = False) -> None:
     """Refuse a checkpoint whose records would inflate or whose pickle is too costly, before
     ``torch.load`` reads any: ``torch.save`` stores every record uncompressed, so a compressed
-    one (a small file that inflates to gigabytes) is refused; a record that is not a tensor's
-    bytes may have at most ``MAX_PICKLE_BYTES``, and every pickle record is :func:`_check_pickle`'d.
+    one (a small file that inflates to gigabytes) is refused; the records that are not a
+    tensor's bytes may hold ``MAX_PICKLE_BYTES`` together, and every pickle record is
+    :func:`_check_pickle`'d.
     A file that is not a zip (a plain pickle, or torch's legacy format) is one pickle of at most
     ``MAX_PICKLE_BYTES``; a weights file the user names (``follow``) may be larger."""
     f.seek(0)
@@ -281,11 +282,11 @@ def _check_records(f: IO[bytes], path: Path, follow: bool = False) -> None:
                         f"({info.compress_size} bytes inflate to {info.file_size}); torch.save "
                         "stores records uncompressed, and videotrain does not inflate a "
                         "checkpoint's records")
-                if info.file_size > MAX_PICKLE_BYTES and not _STORAGE_RECORD.search(info.filename):
-                    raise UnsafeCheckpointError(
-                        f"{shown(path)}: record {shown(info.filename)} is {info.file_size} bytes, "
-                        f"more than the {MAX_PICKLE_BYTES} bytes a record other than a tensor's "
-                        "may have; refusing it unread")
+            other = sum(i.file_size for i in infos if not _STORAGE_RECORD.search(i.filename))
+            if other > MAX_PICKLE_BYTES:  # the pickle and torch's small records, read whole
+                raise UnsafeCheckpointError(
+                    f"{shown(path)}: its records other than tensors' hold {other} bytes, more than "
+                    f"the {MAX_PICKLE_BYTES} bytes they may; refusing it unread")
             for info in infos:
                 if info.filename.endswith(".pkl"):
                     _check_pickle(z.read(info), path, info.filename)
