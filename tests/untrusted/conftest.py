@@ -8,13 +8,15 @@ supplementary groups) for the ``nobody`` parametrization, runs the entry point a
 or ``python SCRIPT`` runs it (``runpy``, ``__name__ == "__main__"``), and is killed past
 ``WALL_S``. Judged (``Outcome.judge``): exit status 0, or 2 with exactly one ``error:`` line
 and no traceback; at most ``TIME_S`` of CPU time; at most ``GROWTH_MB`` of anonymous memory
-over what the child started with (sampled from ``/proc`` every few milliseconds; the child
+over what the child started with (``RssAnon`` sampled from ``/proc`` every few milliseconds: a
+forked child's peak RSS would count the parent's library pages it touches again; the child
 also runs under an ``RLIMIT_DATA`` well above it, so a bomb cannot take the machine); no
 marker file (no payload ran); the victim's files (``Workspace.victim``: an SSH key,
 ``authorized_keys``, ``.netrc``, ``.bashrc``, a ``site-packages``, another run) unchanged; the
 secret's bytes in no output and in no file under the workspace; no terminal escape in any
 output. A workspace lives under a world-readable folder in ``/tmp`` (pytest's own is mode
-0700) and is handed to the user before a case runs, as a download would be.
+0700) and is handed to the user before a case runs, as a download would be. Where the tests
+do not run as root, the ``root`` cases skip (saying so) and the others run as that user.
 """
 
 from __future__ import annotations
