@@ -28,7 +28,7 @@ input"), so it is read as data only and bounded: each folder is checked
 (``untrusted.check_run_folder``: no link out of it, no FIFO or device, a folder it cannot list
 refused) and walked without following a link; every job file is read as a regular file of
 bounded size (``untrusted.files``), the YAML without tags, anchors or aliases and its nesting
-counted before anything is built (``untrusted.bounds.load_yaml_data``), ``results.json`` by
+counted before anything is built (``untrusted.formats.load_yaml_data``), ``results.json`` by
 ``read_json`` against the fields this script uses (``RESULTS``). A job file that fails is not
 an error of the sweep: the job is listed as failed with the reason (the file named, never its
 text). Every text taken from a job (its folder name, strategy, overrides) is escaped and cut
@@ -66,10 +66,9 @@ from videotrain.untrusted.bounds import (
     Seq,
     Str,
     checked,
-    load_yaml_data,
-    read_json,
 )
 from videotrain.untrusted.files import read_text
+from videotrain.untrusted.formats import load_yaml_data, read_json
 
 # Overrides shown in their own columns or averaged over, never used to split lines.
 OWN_COLUMNS = {"memory", "memory.keep_ratio", "memory.granularity", "seed", "memory.seed", "row"}

@@ -47,7 +47,8 @@ from videotrain import schema
 from videotrain.build import CONFIG_DIR
 from videotrain.data.loaders import READER_OPTIONS
 from videotrain.untrusted import FILE_DATA_BOUNDS, plain_tree_problem, read_bytes, shown
-from videotrain.untrusted.bounds import MAX_CONFIG_BYTES, BadValue, check_yaml
+from videotrain.untrusted.bounds import MAX_CONFIG_BYTES, BadValue
+from videotrain.untrusted.formats import check_yaml
 
 TRUSTED_RUN_HINT = (
     "If you trust this run, rebuild the model from this command line's config groups and load "
@@ -306,7 +307,7 @@ def checked_config(data: Mapping[str, Any] | DictConfig, source: str,
 def load_yaml(text: str, source: str) -> Any:
     """``text`` parsed as plain YAML data (YAML's safe loader: no Python tags), refusing
     anchors and aliases, more values than a config has and deep nesting before anything is
-    composed (``untrusted.bounds.check_yaml``: a 2 KB alias bomb expands to gigabytes, and
+    composed (``untrusted.formats.check_yaml``: a 2 KB alias bomb expands to gigabytes, and
     nesting ends in a ``RecursionError``; videotrain writes neither). An error names the file,
     the line and the problem, never the text."""
     try:

@@ -40,13 +40,15 @@ from videotrain.untrusted.bounds import (
     Optional,
     Seq,
     Str,
-    check_yaml,
     checked,
+    structure_problem,
+)
+from videotrain.untrusted.formats import (
+    check_yaml,
     load_yaml_data,
     parse_json,
     read_json,
     read_jsonl,
-    structure_problem,
 )
 
 SECRET = "SECRET-TEXT-4f1c"  # planted in values; never in an error

@@ -38,9 +38,8 @@ from videotrain.untrusted.bounds import (
     MAX_RESULTS_BYTES,
     BadValue,
     checked,
-    load_yaml_data,
-    read_json,
 )
+from videotrain.untrusted.formats import load_yaml_data, read_json
 
 MARK = "PLANTED-7e3a"  # in the generated text; never in an error message
 GROWTH_MB = 500

@@ -16,8 +16,9 @@ from typing import Any
 
 from videotrain import NEUTRAL
 from videotrain.untrusted import open_append, read_text, write_text
-from videotrain.untrusted.bounds import ANY, MAX_METRICS_BYTES, MAX_STEPS, Int, Map, read_jsonl
+from videotrain.untrusted.bounds import ANY, MAX_METRICS_BYTES, MAX_STEPS, Int, Map
 from videotrain.untrusted.files import atomic_writer, make_dirs
+from videotrain.untrusted.formats import read_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,6 @@ from videotrain.untrusted.bounds import (
     BadValue,
     checked,
     plain_tree_problem,
-    read_json,
-    read_jsonl,
 )
 from videotrain.untrusted.files import (
     UnsafeFileError,
@@ -32,6 +30,7 @@ from videotrain.untrusted.files import (
     write_bytes,
     write_text,
 )
+from videotrain.untrusted.formats import read_json, read_jsonl
 from videotrain.untrusted.own import (
     canonical_json,
     is_sealed,
