@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 E2E = {"_target_": "videotrain.memory.e2e.EndToEnd"}
 # results.json as this module reads it (for its class names); its size is bounded before
-# reading, its values before parsing (untrusted.bounds.read_json)
+# reading, its values before parsing (untrusted.formats.read_json)
 RESULTS = Map({"class_names": Optional(Seq(Str(MAX_NAME_CHARS), MAX_CLASSES))}, extra=ANY)
 
 
