@@ -33,11 +33,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from videotrain.untrusted import shown
-from videotrain.untrusted.files import read_text, write_text
+from videotrain.untrusted import BadValue, read_json
+from videotrain.untrusted.bounds import ANY, MAX_KEY_CHARS, Float, Map, Str
+from videotrain.untrusted.files import write_text
 
 CONF = Path(__file__).resolve().parent / "conf"
 RECORD_BYTES = 1 << 20  # step_times.json: a few rows' seconds
+# what step_times.json may record of a step: positive seconds, at most an hour (a recorded
+# time is divided by and multiplied into step counts, so a huge or tiny one overflows them)
+STEP_SECONDS = Float(1e-6, 3600.0)
+RECORD = Map({"step_s": Map(extra=STEP_SECONDS, keys=Str(MAX_KEY_CHARS), max_len=1000)},
+             extra=ANY)  # the rest (threads, steps, overrides) is written for the reader only
 SWEEP = "+sweep=accuracy"
 CLASSES = 4  # every temporal task's classes
 
@@ -134,14 +140,11 @@ def step_times(out: Path, rows: list[str], extra: list[str], threads: int, steps
     """The step times of ``rows`` and e2e: those kept in ``out/step_times.json``, the missing ones
     measured beside e2e now (scaled to the kept e2e's time) and kept."""
     record = out / "step_times.json"
-    # read as the one reader reads: a regular file (a link there is refused), of bounded size
-    kept = (json.loads(read_text(record, RECORD_BYTES, "step_times.json"))
+    # read as the one reader reads: a regular file (a link there is refused), of bounded size,
+    # counted before it is parsed, and each time checked (BadValue names the file and key)
+    kept = (read_json(record, RECORD, RECORD_BYTES, "step_times.json")
             if os.path.lexists(record) else {})
-    known = kept.get("step_s", {}) if isinstance(kept, dict) else None
-    if not isinstance(known, dict) or not all(
-            isinstance(k, str) and type(v) in (int, float) and v > 0 for k, v in known.items()):
-        raise ValueError(f"{shown(record)}: step_s is not a mapping of row names to seconds; "
-                         "delete the file to measure again")
+    known = kept.get("step_s", {})
     missing = [r for r in rows if r not in known]
     if missing or "e2e" not in known:
         new = measure_step_times(["e2e", *missing], extra, threads, steps, warmup)
@@ -189,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         per_epoch, steps = e2e_steps(single)
         sized = at_time_steps({r: times[r] for r in ("e2e", *rows)}, steps)
         names = [write_row(out, r, n, per_epoch) for r, n in sized.items()]
-    except (ValueError, OSError) as err:  # UnsafeFileError and JSONDecodeError are ValueErrors
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # UnsafeFileError and BadValue are ValueErrors
+        hint = "; delete it to measure again" if isinstance(err, BadValue) else ""
+        print(f"error: {err}{hint}", file=sys.stderr)
         return 2
     for r, n in sized.items():
         print(f"{r}: {times[r]:.3f} s a step against e2e's {times['e2e']:.3f} s: {n} steps "

@@ -126,6 +126,25 @@ def test_bad_arguments_are_one_error_line(capsys: pytest.CaptureFixture[str]) ->
     assert err.startswith("error: --steps 0 / --warmup 5:") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("e2e", [1e308, 0.0, -1.0, "1.0", True, float("nan"), 10**400])
+def test_kept_step_times_out_of_bounds_are_one_error_line(
+        e2e: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A recorded step time that is no positive number of seconds within the bound (one that
+    would overflow the step count, divide by zero or be a string) is refused naming the file
+    and the key, before anything is measured or written."""
+    record = tmp_path / "step_times.json"
+    text = json.dumps({"step_s": {"e2e": 1.0, "sbp-frame-0.5": 0.5}}).replace("1.0", (
+        str(e2e) if isinstance(e2e, int) and not isinstance(e2e, bool) else json.dumps(e2e)))
+    record.write_text(text)
+    assert equal_time.main(["--rows", "sbp-frame-0.5", "--out", str(tmp_path),
+                            "--measure-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {record}") and "step_s.e2e" in err and err.count("\n") == 1
+    assert "delete it to measure again" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_times.json"]
+    assert record.read_text() == text
+
+
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
