@@ -369,10 +369,11 @@ class VideoFile:
         rate or out of order. Seeks as ``_clips_waiting`` does."""
         budget, step = self._budget, 1.0 / self.rate
         pending, active, missed = deque(order), [], []
-        frames, last_t, exhausted = None, -math.inf, False
+        frames, last_t, exhausted, decided = None, -math.inf, False, None
         while pending or active:
-            if not active:  # between windows: seek as _clips_waiting does
-                start = windows[pending[0]][0]
+            if not active and pending[0] != decided:  # the next window: seek as _clips_waiting
+                decided = pending[0]  # does, once for each window it reaches
+                start = windows[decided][0]
                 if frames is None or (start > last_t + SEEK_GAP_S and not exhausted):
                     frames, last_t, exhausted = self._decode_from(start), -math.inf, False
             item = None if exhausted else next(frames, None)
