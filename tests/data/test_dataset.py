@@ -1,4 +1,5 @@
-"""The map-style clip dataset, transforms, the resumable sampler, and ``build_data``."""
+"""The map-style clip dataset, transforms, the resumable sampler, and ``build_data``. Frames
+resized as they are decoded (to the transform's short side) give the items of before."""
 
 from __future__ import annotations
 
@@ -6,11 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from ordinary_media import write_videos
+from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
-from videotrain.data.annotations import kinetics_index
+from videotrain.data import dataset, decode, media_budget
+from videotrain.data.annotations import VideoIndex, kinetics_index
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
+from videotrain.data.decode import VideoFile
 from videotrain.data.loaders import ResumableSampler, build_data
-from videotrain.data.transforms import SpatialCrops, eval_transform, train_transform
+from videotrain.data.transforms import (
+    SpatialCrops,
+    eval_transform,
+    frame_short_side,
+    train_transform,
+)
+from videotrain.untrusted.bounds import MAX_DECODED_BYTES
 
 T, CROP = 4, 32
 CLIP_SECONDS = 0.8  # 8 frames at 10 fps: the whole synthetic video
@@ -262,3 +273,55 @@ def test_loaders_keep_workers_and_pin_memory(tiny_root: Path) -> None:
         assert loader.timeout == 30
     data, _ = _build(tiny_root, worker_timeout=30)  # no workers: nothing to time out
     assert not data.train.persistent_workers and data.train.timeout == 0
+
+
+# ------------------------------------------ frames resized as they are decoded: the same items
+SIZES = {"1080p": (1920, 1080), "small": (320, 240), "at_target": (170, 128),
+         "portrait": (240, 320), "upscaled": (100, 80)}
+
+
+@pytest.fixture(scope="module")
+def ordinary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_videos(tmp_path_factory.mktemp("ordinary"),
+                        {name: (w, h, 3.0) for name, (w, h) in SIZES.items()})
+
+
+def _items(path: Path, train: bool, sampler: str, decoder: str, whole_frames: bool,
+           monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """An item's views of ``path`` at the defaults (8 frames, stride 8, 30 fps, short side 128,
+    crop 112), 2 clips; ``whole_frames``: as before, the transform resizing full-size clips."""
+    monkeypatch.setattr(dataset, "frame_short_side",
+                        (lambda t: None) if whole_frames else frame_short_side)
+    for module in (media_budget, decode):  # full-size frames at 1080p need more than the budget
+        monkeypatch.setattr(module, "MAX_DECODED_BYTES", 2**31 if whole_frames else MAX_DECODED_BYTES)
+    transform = (train_transform(128, 112, (0.25, 1.0), hflip=True, randaugment=(2, 9))
+                 if train else eval_transform(128, 112, 3))
+    ds = VideoClipDataset(VideoIndex(LabeledVideoPaths([(str(path), 0)]), ["a"], "t"),
+                          8, 8 * 8 / 30, transform, train=train, num_clips=2, decoder=decoder,
+                          sampler=sampler)
+    assert ds.short_side == (None if whole_frames else 128)
+    return ds[SampleKey(0, 3)]["video"]
+
+
+@pytest.mark.parametrize("decoder", ["pyav", "torchcodec"])
+@pytest.mark.parametrize("sampler", ["random", "segment"])
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("size", list(SIZES))
+def test_items_are_those_of_full_size_frames(size: str, train: bool, sampler: str, decoder: str,
+                                             ordinary: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                             request: pytest.FixtureRequest) -> None:
+    """The decoders scale each kept frame to the transform's short side as it becomes RGB;
+    the items (evaluation's views, training's augmented clip) are the ones the transform made
+    of full-size frames, bit for bit, at 1080p, smaller, at the target already, portrait and
+    upscaled, with either sampler and decoder."""
+    if decoder == "torchcodec":
+        request.getfixturevalue("torchcodec")  # skips where it cannot run
+    arrived = []  # reads whose kept frames were chosen as they arrived (1080p's windows)
+    real = VideoFile._clips_as_they_come
+    monkeypatch.setattr(VideoFile, "_clips_as_they_come",
+                        lambda self, *a: arrived.append(a) or real(self, *a))
+    resized = _items(ordinary[size], train, sampler, decoder, False, monkeypatch)
+    assert bool(arrived) == (size == "1080p" and sampler == "random" and decoder == "pyav")
+    whole = _items(ordinary[size], train, sampler, decoder, True, monkeypatch)
+    assert resized.shape == whole.shape == ((8, 3, 112, 112) if train else (6, 8, 3, 112, 112))
+    assert torch.equal(resized, whole)
