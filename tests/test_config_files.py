@@ -164,8 +164,8 @@ def _edit(config: dict, key: str, value: object) -> dict:
     ("data.root", "${oc.env:HOME}", "data.root is an interpolation (${oc.env:HOME})"),
     ("model.head.hidden_dm", 8, "unknown config key model.head.hidden_dm; did you mean "
                                 "model.head.hidden_dim?"),
-    ("trainer.max_epochs", "many", "trainer.max_epochs: Value 'many' of type 'str' could not be "
-                                   "converted to Integer"),
+    # the key and the kind of value, never the file's text ('many')
+    ("trainer.max_epochs", "many", "trainer.max_epochs: a str that the schema does not accept there"),
     ("sneaky", 1, "unknown config key sneaky"),
     ("memory", "e2e", "memory must be a mapping (the memory config group), got a str"),
 ])
@@ -174,6 +174,7 @@ def test_refused_naming_the_key(plain_config: dict, key: str, value: object, mes
         checked_config(_edit(plain_config, key, value), "RUN/config.yaml")
     text = str(err.value)
     assert text.startswith("RUN/config.yaml: ") and message in text, text
+    assert not isinstance(value, str) or repr(value) not in text  # a value is never shown
     assert "run_config=false" in text and "\n" not in text  # one line, with the way to go on
     assert isinstance(err.value, ValueError)  # clean_errors: exit status 2
 

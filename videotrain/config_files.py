@@ -272,9 +272,13 @@ def _check_schema(cfg: DictConfig, source: str, config_dir: str) -> None:
     try:
         schema.check_keys(OmegaConf.merge(template, cfg))
     except OmegaConfBaseException as err:
-        where = f"{err.full_key}: " if getattr(err, "full_key", None) else ""
-        raise _refuse(cfg, source, f"does not fit videotrain's config schema: {shown(where, 200)}"
-                      f"{shown(str(err).splitlines()[0], 200)}", config_dir) from None
+        # OmegaConf's message quotes the value: the file's text never reaches an error, so say
+        # the key, the kind of value and what refused it instead
+        where = shown(err.full_key, 200) if getattr(err, "full_key", None) else "a value"
+        kind = type(getattr(err, "value", None)).__name__
+        raise _refuse(cfg, source, f"does not fit videotrain's config schema: {where}: a {kind} "
+                      f"that the schema does not accept there ({type(err).__name__})",
+                      config_dir) from None
     except schema.UnknownConfigKey as err:
         raise _refuse(cfg, source, f"does not fit videotrain's config schema: {shown(str(err), 300)}",
                       config_dir) from None
