@@ -1,7 +1,9 @@
 """Broken inputs: bad videos are skipped (warned about, counted, replaced so batches stay full)
 until there are too many; broken annotation files and labels fail with file and line. Videos
 over the media budget (frame size, frame count, what one read decodes and holds) are refused
-before any frame becomes RGB, and then skipped like any bad video."""
+before any frame becomes RGB, and then skipped like any bad video; ordinary 1080p and 4K
+videos are read at the default clip settings within it. A bad video is named escaped, and
+FFmpeg's message that quotes its name is not relayed."""
 
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ordinary_media import write_videos
+from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 import videotrain.run as run
 from videotrain.data import decode, media_budget
-from videotrain.data.annotations import AnnotationError
-from videotrain.data.dataset import VideoClipDataset
+from videotrain.data.annotations import AnnotationError, VideoIndex
+from videotrain.data.dataset import SampleKey, VideoClipDataset
 from videotrain.data.decode import VideoFile
 from videotrain.data.layouts import generate
 from videotrain.data.loaders import BadDataError, build_data
@@ -33,7 +37,7 @@ from videotrain.data.media_budget import VideoTooLarge, limit_ffmpeg_allocations
 from videotrain.data.synthetic import SyntheticSpec, render_clip, write_video
 from videotrain.engine.inference import UnreadableVideo, ViewReader
 from videotrain.engine.trainer import Trainer
-from videotrain.untrusted.bounds import MAX_FRAME_PIXELS
+from videotrain.untrusted.bounds import MAX_DECODED_BYTES, MAX_FRAME_PIXELS
 
 VICTIM = "train/left_then_up/left_then_up_0001.mp4"  # a real file of the tiny dataset
 
@@ -567,3 +571,120 @@ def test_any_header_reads_or_is_one_bad_video(data: st.DataObject, sampler: str,
         assert str(err).startswith(f"{path}: cannot ") and "\n" not in str(err)
     assert time.perf_counter() - start < 10
     assert (_status_kb("VmHWM") - before) / 1024 < 500
+
+
+# ------------------------------------------------------------------- ordinary videos fit the budgets
+# What evaluation and predict read of an ordinary 1080p or 4K video at the defaults (data.num_frames
+# 8, data.sampling_rate 8 at 30 fps, short side 128, crop 112; eval.clips 10 x eval.crops 3): the
+# frames are resized as they are decoded, so the read holds frames of the output's size.
+READ_AT_THE_DEFAULTS = """
+import json, sys
+from pathlib import Path
+from videotrain.engine.inference import ViewReader
+def kb(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+video, small, decoder, sampler = sys.argv[1:5]
+reader = ViewReader(8, 8 * 8 / 30, 128, 112, 10, 3, decoder=decoder, sampler=sampler)
+reader(Path(small))  # libraries loaded on a small video: the large one is read cold
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS: the peak of the read alone
+before = kb("VmRSS")
+views = reader(Path(video))
+print(json.dumps({"shape": list(views.shape), "peak_mib": (kb("VmHWM") - before) / 1024}))
+"""
+
+
+@pytest.fixture(scope="module")
+def ordinary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_videos(tmp_path_factory.mktemp("ordinary"),
+                        {"small": (96, 64, 3.0), "1080p": (1920, 1080, 3.0)})
+
+
+def _read_at_the_defaults(video: Path, small: Path, decoder: str, sampler: str) -> dict:
+    """Predict's reader (the evaluation dataset's decoding and transform) at the defaults, in
+    a process of its own: the views' shape and the read's peak RSS."""
+    done = subprocess.run([sys.executable, "-c", READ_AT_THE_DEFAULTS, str(video), str(small),
+                           decoder, sampler], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("decoder", ["pyav", "torchcodec"])
+@pytest.mark.parametrize("sampler", ["random", "segment"])
+def test_an_ordinary_1080p_video_is_read_at_the_defaults(sampler: str, decoder: str,
+                                                         ordinary: dict[str, Path],
+                                                         request: pytest.FixtureRequest) -> None:
+    """3 s of 1080p at 30 fps, evaluated and predicted at the default clips: 30 views. Held at
+    full size, its 80 RGB frames alone took 475 MiB, over the 320 MiB budget, and were
+    refused; resized as they are decoded, the whole read peaks at a fraction of that (pyav:
+    about 20 MiB, torchcodec about 120 MiB, its decoder's own frames included)."""
+    if decoder == "torchcodec":
+        request.getfixturevalue("torchcodec")
+    read = _read_at_the_defaults(ordinary["1080p"], ordinary["small"], decoder, sampler)
+    assert read["shape"] == [30, 8, 3, 112, 112]
+    assert read["peak_mib"] < 200, read
+
+
+@pytest.mark.slow  # writing 3 s of 4K takes about 10 s, reading it 3-5 s per case
+@pytest.mark.parametrize("decoder", ["pyav", "torchcodec"])
+@pytest.mark.parametrize("sampler", ["random", "segment"])
+def test_an_ordinary_4k_video_is_read_at_the_defaults(sampler: str, decoder: str,
+                                                      ordinary: dict[str, Path], tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
+    """3 s of 3840x2160 at 30 fps: its 2.1 s windows hold 64 decoded frames of 12 MiB each,
+    which cannot wait to be chosen within the budget; the kept ones are chosen as they arrive
+    (pyav) or fetched two at a time (torchcodec), and the read stays within the budget."""
+    if decoder == "torchcodec":
+        request.getfixturevalue("torchcodec")
+    video = write_videos(tmp_path, {"4k": (3840, 2160, 3.0)})["4k"]
+    read = _read_at_the_defaults(video, ordinary["small"], decoder, sampler)
+    assert read["shape"] == [30, 8, 3, 112, 112]
+    assert read["peak_mib"] < MAX_DECODED_BYTES / 2**20, read
+
+
+# ------------------------------------------------------------------- a bad video's name in the log
+EVIL_NAME = "evil\x1b[2J\x07\nerror: forged.mp4"  # would clear the screen and forge a line, raw
+
+
+@pytest.mark.parametrize("decoder", ["pyav", "torchcodec"])
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("kind", ["text", "missing", "truncated"])
+def test_a_bad_videos_warning_names_it_escaped(kind: str, train: bool, decoder: str,
+                                               tiny_root: Path, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture,
+                                               request: pytest.FixtureRequest) -> None:
+    """A video's name comes from an annotation file or a folder someone else made: the
+    warning shows it escaped, once, and gives the error's fixed text, not FFmpeg's message
+    that quotes the name raw (``Invalid data found when processing input: '<name>'``; with
+    torchcodec, ``Could not open input file: <name> ...``, the name replaced)."""
+    if decoder == "torchcodec":
+        request.getfixturevalue("torchcodec")
+    path = tmp_path / EVIL_NAME
+    if kind == "text":
+        path.write_text("this is a text file with an .mp4 name\n")
+    elif kind == "truncated":  # an MP4 cut in half
+        data = (tiny_root / VICTIM).read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    index = VideoIndex(LabeledVideoPaths([(str(path), 0)]), ["a"], "t")
+    ds = VideoClipDataset(index, 4, 0.4, lambda clip: clip, train=train, max_retries=0,
+                          decoder=decoder)
+    with caplog.at_level(logging.WARNING, logger="videotrain.data.dataset"):
+        if train:
+            with pytest.raises(RuntimeError, match="1 videos in a row failed to decode") as err:
+                ds[SampleKey(0, 0)]
+            assert str(path) not in str(err.value) and repr(EVIL_NAME)[1:-1] in str(err.value)
+        else:
+            assert ds[SampleKey(0, 0)]["skipped"] == [str(path)]  # the path itself, for the lists
+    (record,) = caplog.records
+    line = record.getMessage()
+    assert "\x1b" not in line and "\n" not in line and "\x07" not in line
+    assert line.count(repr(EVIL_NAME)[1:-1]) == 1 and "error: forged" not in line.replace(
+        repr(EVIL_NAME)[1:-1], "")  # the name once, escaped, and nowhere else
+    if decoder == "torchcodec":
+        return  # its own wording (checked above: the name escaped, once)
+    if kind != "missing":  # a cut MP4 has lost its index (at the end): it does not open either
+        assert line.endswith("cannot open (InvalidDataError: Invalid data found when processing input)")
+    if kind == "missing":
+        assert line.endswith("cannot open (FileNotFoundError: No such file or directory)")
