@@ -145,3 +145,20 @@ def test_finding_few_videos_is_a_warning(tmp_path: Path, capsys) -> None:
     assert (f"warning: val: only 1 of the 20 listed videos (5.0%) were found; the other 19 are "
             f"in {tmp_path / 'out' / 'missing_val.csv'}") in err
     assert str(videos) in err
+
+
+@pytest.mark.parametrize("body", ["machine host login me password SECRET-1\n",
+                                  "label,youtube_id,time_start,time_end,split\n"
+                                  "abseiling,aaaaaaaaaaa,SECRET-1,10,train\n",
+                                  "label,youtube_id,time_start,time_end,split\n"
+                                  "abseiling,aaaaaaaaaaa,0,10,SECRET-1\n",
+                                  "label,youtube_id,time_start,time_end,split\n"
+                                  "SECRET-1,aaaaaaaaaaa,0,10\n"])
+def test_a_csv_error_shows_no_text_of_the_file(body: str, tmp_path: Path) -> None:
+    """The header, a time, a split, a row: the error names the file, the line and what was
+    expected, never the text (the CSV may be a link to a secret)."""
+    path = tmp_path / "train.csv"
+    path.write_text(body)
+    with pytest.raises(KineticsCsvError, match=f"{path}:[12]: ") as err:
+        read_release_csv(path)
+    assert "SECRET" not in str(err.value)

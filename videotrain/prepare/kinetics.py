@@ -30,8 +30,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from videotrain.data.annotations import VIDEO_EXTENSIONS, AnnotationError, read_text
+from videotrain.data.annotations import VIDEO_EXTENSIONS, AnnotationError, annotation_lines
 from videotrain.prepare.reencode import EncodeResult, EncodeSettings, encode_all
+from videotrain.untrusted import shown
 from videotrain.untrusted.files import make_dirs, remove, write_text
 
 SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",
@@ -46,10 +47,11 @@ FOUND_WARNING = 0.9  # a split with fewer of its videos found gets a warning
 
 
 class KineticsCsvError(ValueError):
-    """A release CSV this converter cannot read; the message names the file and line."""
+    """A release CSV this converter cannot read; the message names the file, the line and what
+    was expected, never the line's text (a CSV may be a link to any file of the user's)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Row:
     """One video of a release CSV."""
 
@@ -58,7 +60,15 @@ class Row:
     time_end: int
     split: str  # train | val | test
     label: str | None  # None: the split has no labels
-    raw: dict = field(compare=False, hash=False)  # the CSV row as read
+    # the CSV row as read: its values, and its file's header (one tuple shared by all its rows:
+    # a dict per row made 545,000 rows cost twice the memory)
+    values: tuple[str, ...] = field(compare=False, hash=False)
+    fields: tuple[str, ...] = field(compare=False, hash=False)
+
+    @property
+    def raw(self) -> dict[str, str]:
+        """The CSV row as read, by column name."""
+        return dict(zip(self.fields, self.values, strict=True))
 
     @property
     def stem(self) -> str:
@@ -66,11 +76,11 @@ class Row:
         return f"{self.youtube_id}_{self.time_start:06d}_{self.time_end:06d}"
 
 
-def _seconds(value: str, where: str) -> int:
+def _seconds(value: str, where: str, column: str) -> int:
     try:
         return int(float(value))
-    except ValueError:
-        raise KineticsCsvError(f"{where}: time {value!r} is not a number") from None
+    except (ValueError, OverflowError):  # by column: the value itself is never shown
+        raise KineticsCsvError(f"{where}: {column} is not a number of seconds") from None
 
 
 def split_of(value: str | None, csv_path: Path, where: str) -> str:
@@ -78,49 +88,57 @@ def split_of(value: str | None, csv_path: Path, where: str) -> str:
     (``validate.csv`` -> ``val``)."""
     name = (value or "").strip().lower() or csv_path.stem.lower()
     if name not in SPLIT_NAMES:
-        raise KineticsCsvError(f"{where}: split {name!r} is not one of "
-                               f"{', '.join(sorted(set(SPLIT_NAMES)))}")
+        raise KineticsCsvError(f"{where}: the split ({'its split column' if value else 'the file name'})"
+                               f" is not one of {', '.join(sorted(set(SPLIT_NAMES)))}")
     return SPLIT_NAMES[name]
 
 
 def read_release_csv(path: str | Path) -> list[Row]:
     """Rows of an official release CSV (quoted labels with commas and spaces are fine; a row
     with more or fewer fields than the header, as an unquoted comma in a label makes, is an
-    error naming its line). A train or val row must have a label."""
+    error naming its line). A train or val row must have a label. Read a line at a time within
+    the annotation bounds (``annotations.annotation_lines``: size, lines, line length)."""
     path = Path(path)
+    lines = annotation_lines(path)  # the BOM of a CSV re-saved by Excel is not part of 'label'
+    reader = csv.reader(f"{line}\n" for _, line in lines)  # a quoted label keeps its newline
     try:
-        text = read_text(path)  # the BOM of a CSV re-saved by Excel is not part of 'label'
-    except AnnotationError as err:
+        fields = tuple(c.strip() for c in next(reader, []))
+        missing = [c for c in REQUIRED if c not in fields]
+        if missing:  # by the columns expected: the header's own text is never shown
+            raise KineticsCsvError(
+                f"{shown(path)}:{reader.line_num}: the header (of {len(fields)} columns) lacks "
+                f"{', '.join(missing)} (expected label,youtube_id,time_start,time_end,split)")
+        at = {name: fields.index(name) for name in (*REQUIRED, "label", "split") if name in fields}
+        rows, name = [], shown(path)
+        for values in reader:
+            where = f"{name}:{reader.line_num}"
+            row = tuple(map(str.strip, values))
+            if not any(row):
+                continue
+            if len(row) != len(fields):
+                raise KineticsCsvError(
+                    f"{where}: {len(row)} fields, expected {len(fields)} as in the header; a "
+                    "label with a comma must be quoted (\"riding, mountain bike\")")
+            if not row[at["youtube_id"]]:
+                raise KineticsCsvError(f"{where}: empty youtube_id")
+            split = split_of(row[at["split"]] if "split" in at else None, path, where)
+            label = (row[at["label"]] if "label" in at else "") or None
+            if label is None and split != "test":
+                raise KineticsCsvError(
+                    f"{where}: a {split} row without a label" if "label" in at else
+                    f"{shown(path)}: the {split} split has no label column; only a test split "
+                    "may come without labels")
+            rows.append(Row(row[at["youtube_id"]],
+                            _seconds(row[at["time_start"]], where, "time_start"),
+                            _seconds(row[at["time_end"]], where, "time_end"), split, label,
+                            row, fields))
+    except AnnotationError as err:  # a bound, a BOM, bytes that are not UTF-8
         raise KineticsCsvError(str(err)) from None
-    reader = csv.reader(io.StringIO(text, newline=""))
-    fields = [c.strip() for c in next(reader, [])]
-    missing = [c for c in REQUIRED if c not in fields]
-    if missing:
-        raise KineticsCsvError(f"{path}: header {fields} lacks {', '.join(missing)} (expected "
-                               "label,youtube_id,time_start,time_end,split)")
-    rows = []
-    for values in reader:
-        where = f"{path}:{reader.line_num}"
-        if not any(v.strip() for v in values):
-            continue
-        if len(values) != len(fields):
-            raise KineticsCsvError(
-                f"{where}: {len(values)} fields, expected {len(fields)} ({','.join(fields)}); a "
-                "label with a comma must be quoted (\"riding, mountain bike\")")
-        raw = dict(zip(fields, (v.strip() for v in values), strict=True))
-        if not raw["youtube_id"]:
-            raise KineticsCsvError(f"{where}: empty youtube_id")
-        split = split_of(raw.get("split"), path, where)
-        label = raw.get("label") or None
-        if label is None and split != "test":
-            raise KineticsCsvError(
-                f"{where}: a {split} row without a label" if "label" in fields else
-                f"{path}: the {split} split has no label column (header: {','.join(fields)}); "
-                "only a test split may come without labels")
-        rows.append(Row(raw["youtube_id"], _seconds(raw["time_start"], where),
-                        _seconds(raw["time_end"], where), split, label, raw))
+    except csv.Error as err:  # e.g. a NUL byte; by line, without the text
+        raise KineticsCsvError(f"{shown(path)}:{reader.line_num}: not a CSV line "
+                               f"({type(err).__name__})") from None
     if not rows:
-        raise KineticsCsvError(f"{path}: no rows")
+        raise KineticsCsvError(f"{shown(path)}: no rows")
     return rows
 
 
@@ -194,16 +212,14 @@ def class_names(rows: Iterable[Row], out: Path) -> list[str]:
     existing = out / "classes.txt"
     if existing.is_file():
         try:
-            text = read_text(existing)
+            names = [ln.strip() for _, ln in annotation_lines(existing) if ln.strip()]
         except AnnotationError as err:
             raise KineticsCsvError(str(err)) from None
-        names = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        unknown = sorted(set(labels) - set(names))
-        if unknown:
+        unknown = set(labels) - set(names)
+        if unknown:  # counted, not named: a label is a CSV's text
             raise KineticsCsvError(
-                f"{existing} does not list {len(unknown)} label(s) of these CSVs ({unknown[:3]}"
-                f"{' ...' if len(unknown) > 3 else ''}): convert every split in one call "
-                "(--csv train.csv --csv validate.csv ...) or remove it")
+                f"{shown(existing)} does not list {len(unknown)} label(s) of these CSVs: convert "
+                "every split in one call (--csv train.csv --csv validate.csv ...) or remove it")
         return names
     return labels
 
@@ -353,9 +369,8 @@ def write_split(split: str, rows: list[Row], found: dict[Row, Path | None], inde
     summary.written.append(target.name)
     missing = own / f"missing_{split}.csv"
     if gone:
-        header = list(gone[0].raw)
         f = io.StringIO(newline="")  # built in memory, then written by the one writer
-        w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=list(gone[0].fields), extrasaction="ignore")
         w.writeheader()
         w.writerows(r.raw for r in gone)
         write_text(missing, f.getvalue(), root=own)
