@@ -177,3 +177,50 @@ def test_parse_label_csv_empty(tmp_path: Path) -> None:
 
 def test_annotation_error_is_a_value_error() -> None:
     assert issubclass(AnnotationError, ValueError)
+
+
+def test_a_list_of_too_many_lines_is_refused_before_a_line_is_parsed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lines are counted in chunks first (LF, CRLF or a CR alone), so a file of short lines
+    costs a count; the error names the file and the bound, not a line."""
+    from videotrain.data import annotations
+
+    monkeypatch.setattr(annotations, "MAX_ANNOTATION_LINES", 3)
+    path = tmp_path / "train.csv"
+    for end in ("\n", "\r\n", "\r"):
+        path.write_text(end.join(f"v/secret{i}.mp4 0" for i in range(4)) + end, newline="")
+        with pytest.raises(AnnotationError, match=f"{path}: more than 3 lines") as err:
+            annotations.parse_label_csv(path)
+        assert "secret" not in str(err.value)
+    path.write_text("v/a.mp4 0\r\rv/b.mp4 1\r", newline="")  # old Mac line ends: lines all the same
+    assert annotations.parse_label_csv(path) == [("v/a.mp4", 0), ("v/b.mp4", 1)]
+
+
+def test_a_line_over_the_bound_is_refused_unread(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from videotrain.data import annotations
+
+    monkeypatch.setattr(annotations, "MAX_ANNOTATION_LINE_CHARS", 20)
+    path = tmp_path / "train.csv"
+    path.write_text("v/a.mp4 0\n" + "v/" + "secret" * 10 + ".mp4 1\n")
+    with pytest.raises(AnnotationError, match=f"{path}:2: a line longer than 20 characters") as err:
+        annotations.parse_label_csv(path)
+    assert "secret" not in str(err.value)
+    path.write_text("v/a.mp4 0\nv/caf\xe9.mp4 1\n", encoding="latin-1")  # the byte's own line
+    with pytest.raises(AnnotationError, match=f"{path}:2: byte 0xe9 is not UTF-8"):
+        annotations.parse_label_csv(path)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": 1' + "0" * 5000 + "}",
+                                  "[" + "{}," * 400 + "{}]"])
+def test_a_hostile_class_json_is_one_error(text: str, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deep nesting, a number too long to read, more values than the bound: one
+    ``AnnotationError`` naming the file, before (or instead of) what ``json`` would build."""
+    from videotrain.data import annotations
+
+    monkeypatch.setattr(annotations, "MAX_ANNOTATION_JSON_VALUES", 500)
+    path = tmp_path / "classes.json"
+    path.write_text(text)
+    with pytest.raises(AnnotationError, match=str(path)):
+        annotations.read_class_names(path)

@@ -10,14 +10,24 @@ the shared pieces and the Kinetics-style CSV and folder-per-class readers;
 from __future__ import annotations
 
 import codecs
+import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import IO
 
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
-from videotrain.untrusted import read_bytes, shown
-from videotrain.untrusted.bounds import MAX_ANNOTATION_BYTES
+from videotrain.untrusted import open_regular, read_bytes, shown
+from videotrain.untrusted.bounds import (
+    MAX_ANNOTATION_BYTES,
+    MAX_ANNOTATION_JSON_BYTES,
+    MAX_ANNOTATION_JSON_VALUES,
+    MAX_ANNOTATION_LINE_CHARS,
+    MAX_ANNOTATION_LINES,
+)
+from videotrain.untrusted.formats import json_problem
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".webm", ".mov")
 SPLITS = ("train", "val")
@@ -50,7 +60,7 @@ _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
 BOM = "\ufeff"
 
 
-def read_text(path: str | Path) -> str:
+def read_text(path: str | Path, limit: int = MAX_ANNOTATION_BYTES) -> str:
     """The text of an annotation file, as every reader gets it: UTF-8, with or without the
     byte-order mark (BOM) that Excel puts in front of a CSV it re-saves, so that the first
     column's name or the first path is never read as ``\\ufefflabel``. A UTF-16/32 file (a BOM
@@ -58,7 +68,7 @@ def read_text(path: str | Path) -> str:
     file (files with BOMs concatenated) are errors naming the file and line, and the BOM as a
     BOM."""
     # a regular file (behind links, as datasets often are), never a FIFO or device, bounded
-    data = read_bytes(path, MAX_ANNOTATION_BYTES, "annotation file", follow=True)
+    data = read_bytes(path, limit, "annotation file", follow=True)
     for mark, encoding in _WIDE_BOMS:
         if data.startswith(mark):
             raise AnnotationError(
@@ -76,6 +86,93 @@ def read_text(path: str | Path) -> str:
         raise AnnotationError(
             f"{shown(path)}:{line}: a byte-order mark (BOM, U+FEFF) inside the file, not at its start "
             "(were files re-saved by Excel concatenated?); delete it")
+    return text
+
+
+def _count_lines(f: IO[bytes], path: str | Path) -> None:
+    """Refuse a file of more than ``MAX_ANNOTATION_LINES`` lines (LF, CRLF or CR alone), counted
+    in chunks before any line is parsed: a file of short lines costs a count, not a list."""
+    lf = cr = 0
+    while chunk := f.read(1 << 20):
+        lf, cr = lf + chunk.count(b"\n"), cr + chunk.count(b"\r")
+        if max(lf, cr) > MAX_ANNOTATION_LINES:
+            raise AnnotationError(f"{shown(path)}: more than {MAX_ANNOTATION_LINES} lines (the "
+                                  "bound of one annotation list); not read further")
+    f.seek(0)
+
+
+def _bad_byte_line(f: IO[bytes]) -> tuple[int, int]:
+    """(line, byte) of the first byte of ``f`` that is not UTF-8, read again in chunks (only for
+    the error: the text reader decodes ahead of the line it returns)."""
+    f.seek(0)
+    decoder, lines = codecs.getincrementaldecoder("utf-8")(), 0
+    while chunk := f.read(1 << 20):
+        pending = decoder.getstate()[0]
+        try:
+            decoder.decode(chunk)
+        except UnicodeDecodeError as err:
+            data = pending + chunk
+            return lines + data.count(b"\n", 0, err.start) + 1, data[err.start]
+        lines += chunk.count(b"\n")
+    return lines + 1, 0
+
+
+def annotation_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text without its line end)`` of each line of an annotation file, read
+    as :func:`read_text` reads it (UTF-8, one leading BOM dropped, the same errors), but one
+    line at a time: memory follows the rows a reader keeps, not the file. Before any line is
+    parsed the file's size and its lines are bounded (``MAX_ANNOTATION_BYTES``,
+    ``MAX_ANNOTATION_LINES``); a line of more than ``MAX_ANNOTATION_LINE_CHARS`` is refused
+    unread. Errors name the file, the line and the bound, never the text."""
+    with open_regular(path, MAX_ANNOTATION_BYTES, "annotation file", follow=True) as f:
+        _count_lines(f, path)
+        head = f.read(4)
+        for mark, encoding in _WIDE_BOMS:
+            if head.startswith(mark):
+                raise AnnotationError(
+                    f"{shown(path)}: starts with a {encoding} byte-order mark (BOM): the file is "
+                    f"{encoding} text (as Excel's 'Unicode Text' saves it); save it as UTF-8 "
+                    "(Excel: 'CSV UTF-8')")
+        f.seek(0)
+        # universal newlines: LF, CRLF and a CR alone (old Mac Excel) each end a line
+        text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="strict", newline=None)
+        lineno = 0
+        try:
+            while line := text.readline(MAX_ANNOTATION_LINE_CHARS + 1):
+                lineno += 1
+                body = line[:-1] if line.endswith("\n") else line
+                if len(body) > MAX_ANNOTATION_LINE_CHARS:
+                    raise AnnotationError(f"{shown(path)}:{lineno}: a line longer than "
+                                          f"{MAX_ANNOTATION_LINE_CHARS} characters (the bound of "
+                                          "one annotation line); not read further")
+                if BOM in body:
+                    raise AnnotationError(
+                        f"{shown(path)}:{lineno}: a byte-order mark (BOM, U+FEFF) inside the "
+                        "file, not at its start (were files re-saved by Excel concatenated?); "
+                        "delete it")
+                yield lineno, body
+        except UnicodeDecodeError:
+            text.detach()
+            line, byte = _bad_byte_line(f)
+            raise AnnotationError(
+                f"{shown(path)}:{line}: byte 0x{byte:02x} is not UTF-8 (saved as Latin-1 or "
+                "Windows-1252?); save the file as UTF-8") from None
+
+
+TOO_DEEP = "nested too deep (expected a flat list or mapping of entries)"
+
+
+def read_json_text(path: str | Path) -> str:
+    """The text of an annotation JSON (SSv2's lists, a class map), as :func:`read_text` reads
+    it, within ``MAX_ANNOTATION_JSON_BYTES``, its values counted before ``json`` parses it (a
+    few MB of ``{},`` would otherwise be gigabytes of objects). Its nesting is not walked here
+    (that doubled the cost of SSv2's train.json): ``json`` meets deep nesting as a
+    ``RecursionError``, which the readers turn into :data:`TOO_DEEP`."""
+    text = read_text(path, MAX_ANNOTATION_JSON_BYTES)
+    problem = json_problem(text, MAX_ANNOTATION_JSON_VALUES, max_depth=len(text))
+    if problem:
+        raise AnnotationError(f"{shown(path)}: {problem} (the bound of an annotation JSON); "
+                              "not read further")
     return text
 
 
@@ -110,9 +207,16 @@ def read_class_names(path: Path) -> list[str]:
     """One name per line (blank lines skip), or a JSON object ``{name: index}``."""
     if path.suffix == ".json":
         try:
-            mapping = json.loads(text := read_text(path))
+            mapping = json.loads(text := read_json_text(path))
         except json.JSONDecodeError as err:
             raise json_error(path, err, text) from None
+        except AnnotationError:
+            raise
+        except ValueError:  # an integer of more than 4300 digits
+            raise AnnotationError(f"{shown(path)}: a number too long to read (expected a JSON "
+                                  "object {class name: index})") from None
+        except RecursionError:
+            raise AnnotationError(f"{shown(path)}: {TOO_DEEP}") from None
         if not isinstance(mapping, dict):
             raise AnnotationError(f"{shown(path)}: expected a JSON object {{class name: index}}")
         by_index = {}
@@ -126,7 +230,7 @@ def read_class_names(path: Path) -> list[str]:
             raise AnnotationError(f"{shown(path)}: indices must be 0..{len(mapping) - 1}, each once")
         names = [by_index[i] for i in range(len(mapping))]
     else:
-        names = [line.strip() for line in read_text(path).splitlines() if line.strip()]
+        names = [line.strip() for _, line in annotation_lines(path) if line.strip()]
     if len(set(names)) != len(names):  # which, by position: the file's text is never echoed
         first: dict[str, int] = {}
         for k, name in enumerate(names, 1):
@@ -170,7 +274,7 @@ def parse_label_csv(path: Path) -> list[tuple[str, int]]:
     if not path.exists():
         raise FileNotFoundError(f"annotation file not found: {shown(path)}")
     items = []
-    for lineno, raw in enumerate(read_text(path).splitlines(), start=1):
+    for lineno, raw in annotation_lines(path):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue

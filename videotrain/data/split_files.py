@@ -26,9 +26,9 @@ from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 from videotrain.data.annotations import (
     AnnotationError,
     VideoIndex,
+    annotation_lines,
     check_class_count,
     check_split,
-    read_text,
     require_file,
     under,
 )
@@ -45,8 +45,9 @@ def check_fold(fold: int) -> int:
 
 
 def _lines(path: Path):
-    """(line number, stripped text) of the non-blank lines (the official files use CRLF)."""
-    for lineno, raw in enumerate(read_text(path).splitlines(), start=1):
+    """(line number, stripped text) of the non-blank lines (the official files use CRLF), read
+    one at a time within the annotation bounds (``annotations.annotation_lines``)."""
+    for lineno, raw in annotation_lines(path):
         if raw.strip():
             yield lineno, raw.strip()
 

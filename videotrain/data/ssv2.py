@@ -27,12 +27,13 @@ from typing import Any
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 from videotrain.data.annotations import (
+    TOO_DEEP,
     AnnotationError,
     VideoIndex,
     check_class_count,
     check_split,
     json_error,
-    read_text,
+    read_json_text,
     require_file,
     under,
 )
@@ -56,7 +57,7 @@ def json_array_lines(path: Path) -> list[tuple[int, Any]]:
 
     Linear in the file's size: line numbers are counted from the previous entry, not from the
     start of the file (which made the official 168,913-entry ``train.json`` take minutes)."""
-    text = read_text(path)
+    text = read_json_text(path)
     decoder = json.JSONDecoder()
     line, counted = 1, 0  # the line number at text offset `counted`
 
@@ -81,6 +82,11 @@ def json_array_lines(path: Path) -> list[tuple[int, Any]]:
             entry, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as err:
             raise _decode_error(path, err) from None
+        except ValueError:  # an integer of more than 4300 digits
+            raise AnnotationError(f"{shown(path)}:{line_at(i)}: a number too long to read "
+                                  "(expected an object with 'id' and 'template')") from None
+        except RecursionError:
+            raise AnnotationError(f"{shown(path)}:{line_at(i)}: {TOO_DEEP}") from None
         out.append((line_at(i), entry))
         i = skip(end)
         if i < len(text) and text[i] == ",":
@@ -106,8 +112,10 @@ def json_array_entries(path: Path) -> tuple[list[Any], Callable[[int], int]]:
     the file with :func:`json_array_lines` when first asked for. A file ``json.loads`` rejects
     is walked at once, so its error names the line as before."""
     try:
-        entries = json.loads(read_text(path))
-    except json.JSONDecodeError:
+        entries = json.loads(read_json_text(path))
+    except (ValueError, RecursionError) as err:  # walked for the line of the error
+        if isinstance(err, AnnotationError):
+            raise
         entries = None
     if not isinstance(entries, list):
         numbered = json_array_lines(path)  # raises the error, with its line
@@ -125,9 +133,16 @@ def json_array_entries(path: Path) -> tuple[list[Any], Callable[[int], int]]:
 def read_labels(path: Path) -> list[str]:
     """``labels.json``: template (brackets removed) -> index; returns names by index."""
     try:
-        mapping = json.loads(read_text(require_file(path, "data.labels_file")))
+        mapping = json.loads(read_json_text(require_file(path, "data.labels_file")))
     except json.JSONDecodeError as err:
         raise _decode_error(path, err) from None
+    except AnnotationError:
+        raise
+    except ValueError:  # an integer of more than 4300 digits
+        raise AnnotationError(f"{shown(path)}: a number too long to read (expected a JSON "
+                              "object {template: index})") from None
+    except RecursionError:
+        raise AnnotationError(f"{shown(path)}: {TOO_DEEP}") from None
     if not isinstance(mapping, dict) or not mapping:
         raise AnnotationError(f"{shown(path)}: expected a JSON object {{template: index}}")
     names: dict[int, str] = {}

@@ -28,6 +28,14 @@ MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml is a few KB (and YAML parses ~1 MB/s)
 MAX_OVERRIDES_BYTES = 256 << 10  # .hydra/overrides.yaml: a list of key=value lines
 MAX_ANNOTATION_BYTES = 256 << 20  # the largest official list (Kinetics-700 train) is ~30 MB
+# lines of one annotation list (Kinetics-700's train list has ~545k, Moments in Time's ~802k),
+# counted in chunks before any line is parsed, and the characters of one line (a path, a label)
+MAX_ANNOTATION_LINES = 1_000_000
+MAX_ANNOTATION_LINE_CHARS = 16 << 10
+# an annotation JSON (SSv2's train.json: ~169k entries, ~26 MB, ~3.7 million values as counted
+# on its text): its size, and its values counted before it is parsed
+MAX_ANNOTATION_JSON_BYTES = 64 << 20
+MAX_ANNOTATION_JSON_VALUES = 8_000_000
 
 # results.json (class names, a sweep job's figures) and metrics.jsonl (read back on resume: a
 # row of ~250 bytes every trainer.log_every_n_steps, 10 by default, so five million steps fit;
