@@ -27,7 +27,7 @@ MAX_CONFIG_NODES = 20_000  # a run's resolved config has a few hundred
 MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml is a few KB (and YAML parses ~1 MB/s)
 MAX_OVERRIDES_BYTES = 256 << 10  # .hydra/overrides.yaml: a list of key=value lines
-MAX_ANNOTATION_BYTES = 256 << 20  # the largest official list (Kinetics-700 train) is ~30 MB
+MAX_ANNOTATION_BYTES = 128 << 20  # the largest official list (Kinetics-700 train) is ~30 MB
 # lines of one annotation list (Kinetics-700's train list has ~545k, Moments in Time's ~802k),
 # counted in chunks before any line is parsed, and the characters of one line (a path, a label)
 MAX_ANNOTATION_LINES = 1_000_000
