@@ -42,8 +42,10 @@ from videotrain.data.media_budget import (
     check_frame_count,
     check_frame_size,
     limit_ffmpeg_allocations,
+    out_size,
+    scratch_bytes,
 )
-from videotrain.data.transforms import resize_frames, resized_size
+from videotrain.data.transforms import resize_frames
 from videotrain.untrusted.bounds import MAX_DECODED_BYTES, MAX_VIDEO_FRAMES
 
 # Seek forward (to the keyframe before a window) only when the window starts this much past
@@ -72,19 +74,6 @@ def _rgb(frame: av.VideoFrame, short_side: int | None = None) -> np.ndarray:
     # kernel and its result are those of the transform's resize of the clip
     small = resize_frames(torch.from_numpy(rgb[None]).permute(0, 3, 1, 2), short_side)
     return small[0].permute(1, 2, 0).numpy()
-
-
-def out_size(width: int, height: int, short_side: int | None) -> tuple[int, int]:
-    """``(width, height)`` of a frame as a read returns it (0 stays 0: a header without one)."""
-    if short_side is None or not width or not height:
-        return int(width), int(height)
-    h, w = resized_size(int(height), int(width), short_side)
-    return w, h
-
-
-def scratch_bytes(width: int, height: int, short_side: int | None, frames: int = 1) -> int:
-    """The source-size RGB that ``frames`` frames pass through on their way to ``short_side``."""
-    return int(frames) * int(width) * int(height) * 3 if short_side is not None else 0
 
 
 def _stacked(frames: Sequence[av.VideoFrame], budget: ReadBudget,

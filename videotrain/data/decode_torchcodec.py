@@ -52,12 +52,13 @@ import numpy as np
 import torch
 
 from videotrain.data.clip_sampling import uniform_indices
-from videotrain.data.decode import out_size, scratch_bytes
 from videotrain.data.media_budget import (
     ReadBudget,
     check_frame_count,
     check_frame_size,
     limit_ffmpeg_allocations,
+    out_size,
+    scratch_bytes,
 )
 from videotrain.data.transforms import resize_frames
 

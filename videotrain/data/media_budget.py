@@ -26,6 +26,7 @@ import glob
 import logging
 import os
 
+from videotrain.data.transforms import resized_size
 from videotrain.untrusted.bounds import (
     MAX_DECODED_BYTES,
     MAX_DECODED_PIXELS,
@@ -60,6 +61,19 @@ def check_frame_count(frames: float, source: str) -> None:
     if frames > MAX_VIDEO_FRAMES:
         raise VideoTooLarge(f"{source} {int(frames):,} frames, over the budget of "
                             f"{MAX_VIDEO_FRAMES:,} frames per video")
+
+
+def out_size(width: int, height: int, short_side: int | None) -> tuple[int, int]:
+    """``(width, height)`` of a frame as a read returns it (0 stays 0: a header without one)."""
+    if short_side is None or not width or not height:
+        return int(width), int(height)
+    h, w = resized_size(int(height), int(width), short_side)
+    return w, h
+
+
+def scratch_bytes(width: int, height: int, short_side: int | None, frames: int = 1) -> int:
+    """The source-size RGB that ``frames`` frames pass through on their way to ``short_side``."""
+    return int(frames) * int(width) * int(height) * 3 if short_side is not None else 0
 
 
 class ReadBudget:
