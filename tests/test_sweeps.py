@@ -91,8 +91,9 @@ def test_keep_ratio_sweep_then_summary(tiny_exp: Path, tmp_path: Path) -> None:
     assert summary.returncode == 0, summary.stderr
     rows = table_rows(summary.stdout)
     assert [(r[0], r[1], r[2], r[3], r[10]) for r in rows] == [
-        (EXPECTED_JOBS[0], "sbp", "frame", "0.50", "ok"),
-        (EXPECTED_JOBS[1], "sbp", "frame", "1.00", "ok")]
+        # the granularity column is for sweeps of before 0.2.0 (block SBP): empty here
+        (EXPECTED_JOBS[0], "sbp", "–", "0.50", "ok"),
+        (EXPECTED_JOBS[1], "sbp", "–", "1.00", "ok")]
     assert all(0.0 <= float(r[4]) <= 1.0 for r in rows)  # val top-1 of each job
     assert table_rows((sweep / "summary.md").read_text()) == rows
     png = sweep / "summary.png"

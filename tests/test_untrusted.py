@@ -125,6 +125,18 @@ def test_wandbs_own_links_pass_and_nothing_else_in_wandb_does(tmp_path: Path) ->
         check_run_folder(other)
 
 
+def test_a_multiruns_jobs_keep_wandbs_links_and_nothing_else(tmp_path: Path) -> None:
+    """A sweep folder (``hydra.sweep.dir``) checked as one: each job's ``wandb/`` links pass
+    (the summary script reads such folders), a link elsewhere in a job does not."""
+    sweep = tmp_path / "sweep"
+    for job in ("0_keep=0.5", "1_keep=1.0"):
+        _wandb_run_folder(sweep / job)
+    check_run_folder(sweep, "read from")
+    (sweep / "0_keep=0.5" / "debug.log").symlink_to(tmp_path / "bashrc")  # not in wandb/
+    with pytest.raises(UnsafeRunFolder, match=r"0_keep=0.5/debug.log \(a symbolic link"):
+        check_run_folder(sweep, "read from")
+
+
 @pytest.mark.parametrize("target", ["checkpoints.other", "last-but-one.ckpt"])
 def test_only_last_ckpt_may_be_a_link_and_only_to_a_file(target: str, tmp_path: Path) -> None:
     """``last.ckpt -> step-N.ckpt`` is the one link videotrain makes. A link at another name

@@ -49,14 +49,17 @@ class UnsafeRunFolder(UnsafeFileError):
 
 def _wandb_link(parts: tuple[str, ...]) -> bool:
     """``parts`` (a path inside the run folder) is a link wandb makes: ``wandb/latest-run``,
-    ``wandb/debug.log``, ``wandb/debug-internal.log`` or ``wandb/RUN/logs/debug-core.log``.
+    ``wandb/debug.log``, ``wandb/debug-internal.log`` or ``wandb/RUN/logs/debug-core.log``, in
+    the run folder's ``wandb/`` or in that of a run folder inside it (a multirun's jobs).
     videotrain never reads or writes inside ``wandb/``, and wandb replaces these links rather
     than writing through them, so whatever they point to is never opened."""
-    if len(parts) < 2 or parts[0] not in WANDB_FOLDERS:
+    at = next((i for i, part in enumerate(parts[:-1]) if part in WANDB_FOLDERS), None)
+    if at is None:
         return False
-    if len(parts) == 2:
-        return parts[1] in WANDB_TOP_LINKS
-    return len(parts) == 4 and parts[2:] == WANDB_RUN_LINK
+    tail = parts[at + 1:]
+    if len(tail) == 1:
+        return tail[0] in WANDB_TOP_LINKS
+    return len(tail) == 3 and tail[1:] == WANDB_RUN_LINK
 
 
 def _sibling_link(folder: Path, name: str) -> str | None:
