@@ -60,6 +60,7 @@ from videotrain.engine.settings import TrainerSettings
 from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.metrics.memory import StepPeakMemory, cpu_meter_reads_high, keep_freed_memory
+from videotrain.untrusted import shown
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ class Trainer:
             # the run's log (e.g. with the spawn start method), the main process's always does
             what = "not evaluated" if source == "val split" else "another clip took its place"
             for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
-                log.warning("bad video skipped (%s): %s", what, path)
+                log.warning("bad video skipped (%s): %s", what, shown(path))
             self.state.skipped.update(paths)
             if source not in self._split_paths:  # bad videos of the other split don't count
                 self._split_paths[source] = {p for p, _ in dataset.index.paths}
