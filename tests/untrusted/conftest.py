@@ -28,6 +28,7 @@ import importlib.machinery
 import io
 import json
 import logging
+import multiprocessing
 import os
 import resource
 import runpy
@@ -191,6 +192,10 @@ def _child(target: Callable[[], object], uid: int | None, cwd: Path, env: dict[s
                                       errors="backslashreplace", line_buffering=True)
         os.environ.clear()
         os.environ.update(env)
+        # a fresh process has no temporary folder yet: the forked test worker's (root's, mode
+        # 0700) would be reused by multiprocessing and tempfile, which the user cannot enter
+        tempfile.tempdir = None
+        multiprocessing.current_process()._config.pop("tempdir", None)
         if uid is not None:
             _drop_to(uid)
         os.chdir(cwd)
