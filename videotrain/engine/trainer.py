@@ -43,6 +43,7 @@ import logging
 import statistics
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -315,7 +316,7 @@ class Trainer:
             # the run's log (e.g. with the spawn start method), the main process's always does
             what = "not evaluated" if source == "val split" else "another clip took its place"
             for path in dict.fromkeys(p for p in paths if p not in self.state.skipped):
-                log.warning("bad video skipped (%s): %s", what, shown(path))
+                log.warning("bad video skipped (%s): %s", what, shown(Path(path)))
             self.state.skipped.update(paths)
             if source not in self._split_paths:  # bad videos of the other split don't count
                 self._split_paths[source] = {p for p, _ in dataset.index.paths}
