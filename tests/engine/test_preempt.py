@@ -246,7 +246,7 @@ def test_sigterm_leaves_a_checkpoint_a_log_line_exit_75_and_no_processes(
     run_dir = tmp_path / "run"
     args = run_overrides(data__num_workers=2, trainer__max_epochs=1000,
                          logger__wandb__mode="offline")
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # conftest disables wandb
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_SERVICE")}  # conftest disables wandb
     log_file = tmp_path / "output.txt"
     with log_file.open("w") as sink:
         proc = subprocess.Popen(_command(args, run_dir), cwd=tmp_path, env=env, stdout=sink,
@@ -307,7 +307,7 @@ def test_a_stopped_run_resumes_with_the_same_command_under_wandb(
     _, ref_dir, _ = reference
     run_dir = tmp_path / "run"
     args = [*run_overrides(**RUN_EXTRA, logger__wandb__mode="offline"), f"hydra.run.dir={run_dir}"]
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # conftest disables wandb
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_SERVICE")}  # conftest disables wandb
     first = subprocess.Popen([sys.executable, "-c", STOP_AFTER_FIRST_CHECKPOINT, signame, *args],
                              cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)

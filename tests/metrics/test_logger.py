@@ -44,28 +44,3 @@ def test_disabled_logger_writes_nothing(tmp_path: Path) -> None:
 def test_bad_wandb_mode_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="logger.wandb.mode"):
         MetricsLogger(tmp_path, wandb=WandbSettings(mode="sometimes"))
-
-
-def test_wandb_init_waits_while_a_killed_runs_service_holds_the_id(monkeypatch) -> None:
-    """After a SIGKILL the killed run's wandb service refuses its id as "in use" for a while:
-    the resumed run waits for it instead of failing; any other error is raised at once."""
-    from videotrain.metrics import logger as logger_mod
-
-    monkeypatch.setattr(logger_mod.time, "sleep", lambda s: None)
-    calls = []
-
-    class Wandb:
-        def init(self, **kwargs):
-            calls.append(kwargs["id"])
-            if len(calls) < 3:
-                raise RuntimeError("run ID abc is in use")
-            return "run"
-
-    assert logger_mod._init_wandb(Wandb(), {"id": "abc"}) == "run" and calls == ["abc"] * 3
-
-    class Broken:
-        def init(self, **kwargs):
-            raise RuntimeError("something else")
-
-    with pytest.raises(RuntimeError, match="something else"):
-        logger_mod._init_wandb(Broken(), {"id": "abc"})

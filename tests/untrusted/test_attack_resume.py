@@ -38,7 +38,9 @@ def command(train_args) -> list[str]:
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the suite disables it
+    # the suite disables wandb (WANDB_MODE); WANDB_SERVICE: a service an earlier test's wandb
+    # run started in this worker, whose streams outlive a killed child ("run ID in use")
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_SERVICE")}
     return {**env, "HOME": str(tmp), "WANDB_DIR": str(tmp / "wandb-cache"),
             "WANDB_CACHE_DIR": str(tmp / "wandb-cache"),
             "WANDB_CONFIG_DIR": str(tmp / "wandb-config")}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,25 +54,6 @@ def _clean(value: Any) -> Any:
     return value
 
 
-WANDB_ID_WAIT_S = 60.0  # how long a resumed run waits for a killed run's wandb service to let go
-
-
-def _init_wandb(wandb_lib: Any, kwargs: dict[str, Any]) -> Any:
-    """``wandb.init(**kwargs)``, waiting while the run id is still held: after a SIGKILL (the
-    OOM killer, a lost process) the killed run's wandb service outlives it for a while and
-    refuses the same id as "in use", so resuming with the same command at once would fail."""
-    deadline = time.monotonic() + WANDB_ID_WAIT_S
-    while True:
-        try:
-            return wandb_lib.init(**kwargs)
-        except Exception as err:  # noqa: BLE001 - wandb's ServerResponseError moves between modules
-            if "is in use" not in str(err) or time.monotonic() > deadline:
-                raise
-            log.info("wandb run %s is still held by a stopped run's service; waiting",
-                     kwargs.get("id"))
-            time.sleep(2.0)
-
-
 class MetricsLogger:
     """``metrics.jsonl`` in ``out_dir`` (on the process where ``enabled``), mirrored to wandb as
     ``wandb`` says (None: no wandb)."""
@@ -108,10 +88,10 @@ class MetricsLogger:
             write_text(id_file, run_id, root=self.out_dir)
             # wandb writes into RUN/wandb/ itself: a new run folder of its own each start, and
             # links it replaces (never writes through); run_folder.check_run_folder's rule
-            self._wandb = _init_wandb(wandb_lib, dict(
+            self._wandb = wandb_lib.init(
                 project=wandb.project, mode=wandb.mode, dir=str(self.out_dir), name=run_name,
                 id=run_id, resume="allow", config=config, reinit="finish_previous",
-            ))
+            )
 
     def truncate_after(self, step: int) -> None:
         """Drop lines with ``step > step`` (written after the checkpoint we resume from)."""
