@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 from videotrain import run
-from videotrain.engine import checkpoint as ckpt
+from videotrain.config.trained_run import apply_overrides
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.eval import evaluate_checkpoint
-from videotrain.trained_run import apply_overrides
 
 RENAME = {"left_then_down": "climb", "left_then_up": "climb_stairs"}
 SORTED = ["climb", "climb_stairs", "right_then_down", "right_then_up"]
@@ -155,7 +155,7 @@ def test_init_from_refuses_a_head_in_another_order(trained: Path, tmp_path: Path
 
 
 def test_what_an_old_checkpoint_without_class_names_reveals() -> None:
-    from videotrain.engine.class_order import class_order_problem, saved_class_names
+    from videotrain.engine.checkpoints.class_order import class_order_problem, saved_class_names
 
     hmdb = {"config": {"data": {"layout": "hmdb51"}}, "model": {}}
     assert saved_class_names(hmdb, SORTED, "hmdb51") == (LEGACY, True)
@@ -168,7 +168,7 @@ def test_what_an_old_checkpoint_without_class_names_reveals() -> None:
 
 
 def test_predict_names_a_legacy_checkpoints_classes_in_its_order(trained: Path) -> None:
-    from videotrain.trained_run import class_names_of
+    from videotrain.config.trained_run import class_names_of
 
     cfg = OmegaConf.load(trained / "config.yaml")
     blob = ckpt.load(trained / "checkpoints" / "last.ckpt")

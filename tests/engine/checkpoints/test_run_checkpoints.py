@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import videotrain.run as run
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
+from videotrain.engine.checkpoints.run import Checkpointed, RunCheckpoints, TrainState
 from videotrain.engine.distributed import Comm
-from videotrain.engine.run_checkpoints import Checkpointed, RunCheckpoints, TrainState
 from videotrain.memory.e2e import EndToEnd
 from videotrain.untrusted import UnsafeFileError
 
@@ -156,7 +156,7 @@ def test_a_checkpoint_in_the_old_hand_written_layout_resumes_exactly(
     path = resumed / "checkpoints" / "step-00000002.ckpt"
     torch.save(old, path)
     shutil.copy(ref / "metrics.jsonl", resumed / "metrics.jsonl")  # rows after step 2 are dropped
-    with caplog.at_level(logging.INFO, logger="videotrain.engine.run_checkpoints"):
+    with caplog.at_level(logging.INFO, logger="videotrain.engine.checkpoints.run"):
         results = run.train(compose_cfg(overrides), resumed)
     assert f"resumed from {path} at step 2 (epoch 0)" in caplog.text
     losses = [(r["step"], r["train_loss"]) for r in metrics_rows(resumed) if "train_loss" in r]

@@ -1,4 +1,4 @@
-"""``videotrain.simulate.config_run``: a configured run's step on fake tensors, against an
+"""``videotrain.config.estimate``: a configured run's step on fake tensors, against an
 independent count (torch's MemTracker), built as training builds it, and free of torch's
 warnings about fake tensors."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from videotrain.build import compose_cfg
-from videotrain.memory.simulate import GIB
-from videotrain.simulate.config_run import simulate_cfg
+from videotrain.config.build import compose_cfg
+from videotrain.config.estimate import simulate_cfg
+from videotrain.memory.estimate import GIB
 
 TINY = ["model/backbone=resnet10", "model/head=tconv", "data.num_frames=8", "data.crop_size=96",
         "data.batch_size=2", "data.val_batch_size=2", "trainer.precision=bf16"]
@@ -65,7 +65,7 @@ def test_simulation_reads_no_fake_tensor_data_pointer(head: str) -> None:
     """torch warns when code reads a fake tensor's data pointer (``nn.TransformerEncoder``'s
     deep copy of its layer did, under ``plan --fit`` and ``memory=auto``); as an error here."""
     cfg = compose_cfg([*TINY, f"model/head={head}", "data.num_frames=4", "data.crop_size=64"])
-    gc.disable()  # as in the simulator's processes (videotrain.memory.simulate)
+    gc.disable()  # as in the simulator's processes (videotrain.memory.estimate)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="Accessing the data pointer of FakeTensor")

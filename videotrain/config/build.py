@@ -32,7 +32,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from videotrain import schema
+from videotrain.config import schema
 from videotrain.data.loaders import BadDataError, DataBundle, build_data, check_data_values
 from videotrain.engine import distributed
 from videotrain.engine.distributed import SINGLE_PROCESS, DistContext, resolve_device  # noqa: F401 (the commands')
@@ -42,7 +42,7 @@ from videotrain.engine.precision import Precision
 from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.trainer import TrainerSettings
 from videotrain.memory.base import SelfPlanning
-from videotrain.memory.simulate import StepMemory
+from videotrain.memory.estimate import StepMemory
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier, wants_channels_last
 from videotrain.models.weights import load_backbone_weights
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 def _config_dir() -> str:
     """``configs/``: inside the installed package (a wheel carries it as ``videotrain/configs``),
     else at the top of the source tree (an editable install), where users look for it."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the package, videotrain/
     for candidate in (here / "configs", here.parent / "configs"):
         if (candidate / "config.yaml").is_file():
             return str(candidate)
@@ -350,7 +350,7 @@ def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision | 
     ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget.
 
     ``estimator(cfg, num_classes, device_type)`` makes the estimator of a ``memory:`` node's
-    step: the commands pass ``videotrain.simulate.config_run.ConfigEstimator``, which builds
+    step: the commands pass ``videotrain.config.estimate.ConfigEstimator``, which builds
     the model here through this module (so build does not import it)."""
     if not isinstance(model.strategy, SelfPlanning):
         return None

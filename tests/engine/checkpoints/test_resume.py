@@ -19,9 +19,9 @@ import torch
 
 import videotrain.run as run
 from videotrain import NEUTRAL
-from videotrain.engine import checkpoint as ckpt
-from videotrain.engine.resume import config_diff, flatten, one_sided
-from videotrain.engine.run_checkpoints import ResumeRefused
+from videotrain.engine.checkpoints import format as ckpt
+from videotrain.engine.checkpoints.resume import config_diff, flatten, one_sided
+from videotrain.engine.checkpoints.run import ResumeRefused
 from videotrain.engine.settings import resume_mode
 
 BASE = dict(trainer__max_epochs=1, trainer__checkpoint_every_n_steps=2, model__head__dropout=0.5)
@@ -67,7 +67,7 @@ def test_math_neutral_keys_are_the_marked_fields() -> None:
     trainer's are the ten it always listed, and marking a field is what makes a key neutral."""
     import dataclasses
 
-    from videotrain.engine import resume
+    from videotrain.engine.checkpoints import resume
     from videotrain.engine.trainer import TrainerSettings
 
     trainer = {k for k in resume.MATH_NEUTRAL if k.startswith("trainer.")}
@@ -94,8 +94,8 @@ def test_every_neutral_key_is_marked_where_it_is_declared() -> None:
     of the composed default config."""
     from omegaconf import OmegaConf
 
-    from videotrain.build import compose_cfg
-    from videotrain.engine import resume
+    from videotrain.config.build import compose_cfg
+    from videotrain.engine.checkpoints import resume
 
     rest = {k for k in resume.MATH_NEUTRAL if not k.startswith("trainer.")}
     assert rest == {"data.num_workers", "data.worker_timeout", "data.val_batch_size",

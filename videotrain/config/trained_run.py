@@ -5,20 +5,20 @@ its model built the same way by all three.
 
 Order, and why:
 
-1. the checkpoint, with ``torch.load(weights_only=True)`` (``videotrain.engine.checkpoint.load``)
+1. the checkpoint, with ``torch.load(weights_only=True)`` (``videotrain.engine.checkpoints.format.load``)
    before anything else: a file that needs arbitrary unpickling is refused and nothing in it runs
    (:func:`read_checkpoint`);
 2. the run's config, by one rule (:func:`run_config`): the run folder's ``config.yaml`` when the
    checkpoint sits in one (``RUN/checkpoints/x`` or ``RUN/x``), else the config stored in the
    checkpoint (every videotrain checkpoint stores it), else the command line's composed config.
-   Either file's config goes through ``videotrain.config_files.checked_config`` first (refused,
+   Either file's config goes through ``videotrain.config.files.checked_config`` first (refused,
    naming the key, before anything of it is resolved or built); the command line's overrides
    replace parts of it. Only the user's own run (its config sealed with their key,
    ``videotrain.untrusted.own``) keeps its data settings; of anyone else's config only what
    defines the model is read (``config_files.model_part``), all the rest is the command line's.
    ``run_config=false`` reads neither: the command line's config groups describe the model and
    the checkpoint supplies only the weights;
-3. the model (:func:`trained_model`): built by ``videotrain.build.build_model`` without any
+3. the model (:func:`trained_model`): built by ``videotrain.config.build.build_model`` without any
    source of initial weights (``init=False``) and as plain e2e, since the evaluation forward is
    the same under every memory strategy (no SBP / recomputation wrappers, no memory=auto
    planning); then the checkpoint's weights (its EMA's when the run kept one).
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from videotrain.build import build_model, resolve_device
-from videotrain.config_files import (
+from videotrain.config.build import build_model, resolve_device
+from videotrain.config.files import (
     MAX_CONFIG_BYTES,
     checked_config,
     listed_keys,
@@ -45,8 +45,8 @@ from videotrain.config_files import (
     parse_config_bytes,
 )
 from videotrain.data.loaders import READER_OPTIONS, read_index, resolve_root
-from videotrain.engine import checkpoint as ckpt
-from videotrain.engine.class_order import saved_class_names
+from videotrain.engine.checkpoints import format as ckpt
+from videotrain.engine.checkpoints.class_order import saved_class_names
 from videotrain.models.finetune import trained_state
 from videotrain.models.video import VideoClassifier
 from videotrain.models.weights import key_mismatches
@@ -81,7 +81,7 @@ RESULTS = Map({"class_names": Optional(Seq(Str(MAX_NAME_CHARS), MAX_CLASSES))}, 
 # ---------------------------------------------------------------------- the checkpoint
 def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict[str, Any]]:
     """``cfg.checkpoint``'s path and contents, read with ``torch.load(weights_only=True)``
-    (``videotrain.engine.checkpoint.load``): a file that needs arbitrary unpickling is refused
+    (``videotrain.engine.checkpoints.format.load``): a file that needs arbitrary unpickling is refused
     (``UnsafeCheckpointError``) and nothing in it runs. Call it before reading any data."""
     if not cfg.get("checkpoint"):
         raise ValueError("checkpoint=PATH is required (e.g. checkpoint=outputs/.../checkpoints/last.ckpt)")
@@ -141,7 +141,7 @@ def run_config(cfg: DictConfig, overrides: list[str], keep: tuple[str, ...] = ()
     config (eval, predict, export): its run folder's ``config.yaml``, else the config stored in
     the checkpoint ``state``, with the command line's ``overrides`` and the app's own nodes
     (``keep``) taken from ``cfg``. Either file's config is checked first
-    (``videotrain.config_files``: refused, naming the key, before anything of it is built or
+    (``videotrain.config.files``: refused, naming the key, before anything of it is built or
     resolved). Only a config this user sealed (``videotrain.untrusted.own``: their own run) is used whole;
     of any other only what defines the model is (``config_files.model_part``; ``scores_data``,
     eval: a dataset that differs from the run's is refused). With ``run_config=false`` neither

@@ -14,12 +14,12 @@ their parent). It refuses, with the file and the key at fault:
   any target that none of the shipped options names. The allowlist is derived by scanning the
   YAML under ``configs/`` (:func:`shipped_targets`), never kept by hand;
 * interpolations (``${...}``): videotrain writes its configs resolved, and a resolver runs code;
-* anything the strict schema of a composed config refuses (``videotrain.schema``): unknown
+* anything the strict schema of a composed config refuses (``videotrain.config.schema``): unknown
   keys, wrong types. Each group's node is checked against the schema of the shipped option it
   corresponds to (by ``_target_``, else by ``name``).
 
 The refusal (:class:`RefusedConfig`, a ``ValueError``) ends a command through
-``videotrain.build.clean_errors`` as one ``error:`` line with exit status 2, and says how to go
+``videotrain.config.build.clean_errors`` as one ``error:`` line with exit status 2, and says how to go
 on with a run one trusts: ``run_config=false`` and the model's config groups on the command
 line, so the model is rebuilt from the shipped configs and only the checkpoint's weights
 (read with ``torch.load(weights_only=True)``) are loaded. See docs/cluster.md.
@@ -43,8 +43,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from videotrain import schema
-from videotrain.build import CONFIG_DIR
+from videotrain.config import schema
+from videotrain.config.build import CONFIG_DIR
 from videotrain.data.loaders import READER_OPTIONS
 from videotrain.untrusted import FILE_DATA_BOUNDS, plain_tree_problem, read_bytes, shown
 from videotrain.untrusted.bounds import MAX_CONFIG_BYTES, BadValue
@@ -69,7 +69,7 @@ class ShippedOption:
 
     group: str                  # "model/head"
     option: str                 # "tconv"
-    schema: type | None         # the dataclass its defaults list names (videotrain.schema)
+    schema: type | None         # the dataclass its defaults list names (videotrain.config.schema)
     targets: frozenset[str]     # its _target_ as written, and the object's own dotted name
     name: str | None            # its `name:` value (data, optim, sched options have one)
 
@@ -129,7 +129,7 @@ def shipped_targets(config_dir: str = CONFIG_DIR) -> dict[str, frozenset[str]]:
 
 @functools.lru_cache(maxsize=4)
 def shipped_options(config_dir: str = CONFIG_DIR) -> tuple[ShippedOption, ...]:
-    """The options of every schema-backed group (``videotrain.schema.SCHEMAS``) under
+    """The options of every schema-backed group (``videotrain.config.schema.SCHEMAS``) under
     ``config_dir``, with the schema each one's defaults list names."""
     options = []
     for group, schemas in schema.SCHEMAS.items():

@@ -1,4 +1,4 @@
-"""Loading a trained run (``videotrain.trained_run``): the config rule (run folder, else the
+"""Loading a trained run (``videotrain.config.trained_run``): the config rule (run folder, else the
 checkpoint's stored config, else the command line), and that eval, predict and export, which all
 load through it, treat a checkpoint copied out of its run folder the same way: the same config,
 the same results, or the same ``error:`` line with exit status 2."""
@@ -19,13 +19,13 @@ from omegaconf import OmegaConf
 
 import videotrain
 import videotrain.run as run
-from videotrain.build import clean_errors, validate
-from videotrain.engine import checkpoint as ckpt
+from videotrain.config.build import clean_errors, validate
+from videotrain.config.trained_run import apply_overrides, find_run_config, load_trained, open_run
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.engine.inference import run_exported
 from videotrain.eval import run_eval
 from videotrain.export import export
 from videotrain.predict import predict
-from videotrain.trained_run import apply_overrides, find_run_config, load_trained, open_run
 from videotrain.untrusted import FILE_DATA_BOUNDS, own
 
 COMMANDS = ("eval", "predict", "export")
@@ -48,7 +48,7 @@ def _imports(module: str) -> set[str]:
 def test_the_commands_load_through_trained_run_and_not_through_each_other() -> None:
     for name in COMMANDS:
         imported = _imports(name)
-        assert "videotrain.trained_run" in imported, name
+        assert "videotrain.config.trained_run" in imported, name
         others = {f"videotrain.{o}" for o in COMMANDS if o != name}
         assert not imported & others, (name, imported & others)
     assert not _imports("trained_run") & {f"videotrain.{o}" for o in COMMANDS}
@@ -289,7 +289,7 @@ def test_someone_elses_config_gives_the_model_only(how: str, lone: dict[str, Pat
             own.seal(b"")
     overrides = [f"checkpoint={checkpoint}", "predict.topk=2"]
     composed = compose_cfg(overrides)
-    with caplog.at_level("INFO", logger="videotrain.trained_run"):
+    with caplog.at_level("INFO", logger="videotrain.config.trained_run"):
         cfg = open_run(composed, overrides).cfg
     saved = OmegaConf.load(stranger / "config.yaml")
     for key in ("model.backbone", "model.head", "data.num_frames", "data.crop_size",

@@ -11,8 +11,8 @@ What a checkpoint holds (the layout ``checkpoint.FORMAT``, flat, top-level keys)
 states (``Checkpointed``: model, optimizer, scheduler, scaler, strategy, EMA), the loop's progress
 (``TrainState``, one key per field), every rank's RNG state, the world size, the total steps, the
 resolved config and the class names. The files themselves (atomic writes, last/best links,
-pruning, corrupt-file fallback) are ``videotrain.engine.checkpoint``'s; the config guard is
-``videotrain.engine.resume``'s.
+pruning, corrupt-file fallback) are ``videotrain.engine.checkpoints.format``'s; the config guard is
+``videotrain.engine.checkpoints.resume``'s.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
+from videotrain.engine.checkpoints.resume import fit_problem, refusal
 from videotrain.engine.distributed import Comm
 from videotrain.engine.recipe import WeightEMA
-from videotrain.engine.resume import fit_problem, refusal
 from videotrain.memory.base import MemoryStrategy
 from videotrain.untrusted import seal_config
 from videotrain.untrusted.files import rename
@@ -122,7 +122,7 @@ RESUMED_FIELDS = ("model", "optimizer", "scheduler", "scaler", "strategy", "rng_
 class RunCheckpoints:
     """The checkpoints of the run in ``out_dir`` (module docstring).
 
-    ``resume`` is ``trainer.resume`` (``videotrain.engine.resume``); ``config`` the run's resolved
+    ``resume`` is ``trainer.resume`` (``videotrain.engine.checkpoints.resume``); ``config`` the run's resolved
     config as a plain dict, recorded in every checkpoint and compared on resume (without it,
     resume is not guarded); ``class_names`` the dataset's, recorded and checked likewise. Every
     method is called on every rank; rank 0 decides and writes, the others follow.

@@ -1,4 +1,4 @@
-"""Strict configs (``videotrain/schema.py``): wrong types and unknown keys fail naming the key,
+"""Strict configs (``videotrain/config/schema.py``): wrong types and unknown keys fail naming the key,
 a sweep preset without ``-m`` says so, the job is named ``videotrain``, and run folders of runs
 started in the same second do not collide."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from videotrain import build, schema
+from videotrain.config import build, schema
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_unique_dir_claims_a_fresh_folder_per_run(tmp_path: Path) -> None:
 
 def test_two_runs_started_at_once_get_two_folders(tmp_path: Path) -> None:
     base = tmp_path / "outputs" / "12-00-00"
-    code = f"from videotrain.build import unique_dir; print(unique_dir({str(base)!r}))"
+    code = f"from videotrain.config.build import unique_dir; print(unique_dir({str(base)!r}))"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
              for _ in range(4)]
     got = [p.communicate(timeout=120)[0].strip() for p in procs]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from videotrain.data.split_files import hmdb51_legacy_order
-from videotrain.engine.checkpoint import CheckpointError
+from videotrain.engine.checkpoints.format import CheckpointError
 from videotrain.untrusted import shown
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 :func:`simulate_cfg` builds the run's model as training does (``build.build_model``, no weights
 read), its optimizer and a full-size batch, and counts one training step and validation
-forward on fake tensors (:func:`videotrain.memory.simulate.simulate_step`).
+forward on fake tensors (:func:`videotrain.memory.estimate.simulate_step`).
 :func:`run_isolated` runs such simulations in fresh processes (two at a time, from a fork
 server): ``python -m videotrain.plan --fit`` estimates its rows with it, the benchmark its
 estimated column, and :class:`ConfigEstimator` is ``memory=auto``'s estimator, which the
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from videotrain.build import build_model, compose_cfg, eval_settings, optimizer_from_cfg
-from videotrain.config_files import checked_config
+from videotrain.config.build import build_model, compose_cfg, eval_settings, optimizer_from_cfg
+from videotrain.config.files import checked_config
 from videotrain.engine.precision import PRECISIONS
-from videotrain.memory.simulate import StepMemory, simulate_step
+from videotrain.memory.estimate import StepMemory, simulate_step
 from videotrain.models.video import VideoClassifier
 
 
@@ -73,7 +73,7 @@ Job = tuple[list[str] | dict[str, Any], str]  # (overrides or a resolved config,
 
 def _child(job: Job) -> dict[str, Any]:
     """Worker: one simulation in a fresh process. Automatic garbage collection stays off
-    (see ``videotrain.memory.simulate``); the process ends with the task."""
+    (see ``videotrain.memory.estimate``); the process ends with the task."""
     config, target = job
     gc.disable()
     t0 = time.perf_counter()

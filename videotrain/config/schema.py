@@ -11,7 +11,7 @@ Where a group's keys are the arguments of what it instantiates (``_target_``: ba
 memory strategies), of a function the config feeds (``build_data``, ``warmup_cosine``) or the
 fields of a settings dataclass (``TrainerSettings``, ``AdamWSettings``, ``EvalSettings``, ...),
 the schema is made from that signature, so a default is declared once, in the code, and the
-YAML holds the same value (tests/test_schema.py checks every group): the logger group's
+YAML holds the same value (tests/config/test_schema.py checks every group): the logger group's
 ``LoggerSettings`` and the root's own keys' ``RunSettings`` too. Only ``model``'s own keys (beside
 its backbone and head groups) are written out below.
 """
@@ -183,7 +183,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register() -> None:
-    """Put every schema in Hydra's ConfigStore (idempotent; importing ``videotrain.build`` does it)."""
+    """Put every schema in Hydra's ConfigStore (idempotent; importing ``videotrain.config.build`` does it)."""
     cs = ConfigStore.instance()
     cs.store(name="videotrain_schema", node=RootSchema)
     for group, schemas in SCHEMAS.items():

@@ -23,7 +23,7 @@ of that kind (RNG states as tensors and ints, the resolved config as a dict), an
 refuses anything else. A file that would need arbitrary unpickling is refused with
 ``UnsafeCheckpointError`` before any of its code runs. ``load`` and the checks it makes before
 and after ``torch.load`` (a regular file, uncompressed records, tensors that store what they
-claim) are ``videotrain.engine.safe_load``'s, re-exported here.
+claim) are ``videotrain.engine.checkpoints.safe_load``'s, re-exported here.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from videotrain.engine.safe_load import (  # noqa: F401 - re-exported: the one loader
+from videotrain.engine.checkpoints.safe_load import (  # noqa: F401 - re-exported: the one loader
     CheckpointError,
     CorruptCheckpointError,
     UnsafeCheckpointError,

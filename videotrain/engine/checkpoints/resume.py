@@ -40,7 +40,7 @@ import torch
 
 from videotrain import NEUTRAL_MARK
 from videotrain.data.loaders import build_data
-from videotrain.engine.class_order import class_order_problem
+from videotrain.engine.checkpoints.class_order import class_order_problem
 from videotrain.engine.evaluate import EvalSettings
 from videotrain.engine.settings import RunSettings, TrainerSettings
 from videotrain.metrics.logger import LoggerSettings

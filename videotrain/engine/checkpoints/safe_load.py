@@ -15,7 +15,7 @@ structure once (``check_tensors``: at most so many values, so deep, no container
 every tensor holding the values its shape claims: a stride of 0 makes 4 bytes a 10^7-class
 head), then every field videotrain reads against its declared schema (``CHECKPOINT``). A file
 that needs arbitrary unpickling is refused naming the global, read from the pickle itself
-(``pickle_globals``), on every torch. ``videotrain.engine.checkpoint`` re-exports all of it;
+(``pickle_globals``), on every torch. ``videotrain.engine.checkpoints.format`` re-exports all of it;
 the bounds are ``videotrain.untrusted.bounds``'.
 """
 

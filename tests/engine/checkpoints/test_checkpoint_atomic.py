@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.untrusted import UnsafeFileError
 
 
@@ -65,7 +65,7 @@ def test_save_atomic_replaces(tmp_path: Path) -> None:
 KILLED_WRITER = textwrap.dedent("""
     import os, signal, sys
     import torch
-    from videotrain.engine import checkpoint as ckpt
+    from videotrain.engine.checkpoints import format as ckpt
 
     folder = sys.argv[1]
     ckpts = ckpt.CheckpointDir(folder, keep_last_k=2)
@@ -209,7 +209,7 @@ def test_corrupt_newest_falls_back_with_a_warning(tmp_path: Path,
         ckpts.save(_blob(step), step)
     newest = tmp_path / "step-00000006.ckpt"
     newest.write_bytes(newest.read_bytes()[:100])  # truncated (through last.ckpt's target)
-    with caplog.at_level(logging.WARNING, logger="videotrain.engine.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="videotrain.engine.checkpoints.format"):
         path, blob = ckpts.load_newest()
     assert path.name == "step-00000004.ckpt" and blob["step"] == 4
     (message,) = [r.getMessage() for r in caplog.records]

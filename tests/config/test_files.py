@@ -1,4 +1,4 @@
-"""Configs read from files (``videotrain.config_files``): a run folder's ``config.yaml`` and the
+"""Configs read from files (``videotrain.config.files``): a run folder's ``config.yaml`` and the
 config stored in a checkpoint are checked against the strict schema and a ``_target_``
 allowlist derived from ``configs/`` before anything of them is instantiated.
 
@@ -27,8 +27,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import videotrain.run as run
-from videotrain.build import CONFIG_DIR, clean_errors, validate
-from videotrain.config_files import (
+from videotrain.config.build import CONFIG_DIR, clean_errors, validate
+from videotrain.config.files import (
     RefusedConfig,
     checked_config,
     model_part,
@@ -36,7 +36,7 @@ from videotrain.config_files import (
     shipped_options,
     shipped_targets,
 )
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.eval import run_eval
 from videotrain.export import export
 from videotrain.predict import predict
