@@ -206,29 +206,7 @@ def require_file(path: Path, key: str) -> Path:
 def read_class_names(path: Path) -> list[str]:
     """One name per line (blank lines skip), or a JSON object ``{name: index}``."""
     if path.suffix == ".json":
-        try:
-            mapping = json.loads(text := read_json_text(path))
-        except json.JSONDecodeError as err:
-            raise json_error(path, err, text) from None
-        except AnnotationError:
-            raise
-        except ValueError:  # an integer of more than 4300 digits
-            raise AnnotationError(f"{shown(path)}: a number too long to read (expected a JSON "
-                                  "object {class name: index})") from None
-        except RecursionError:
-            raise AnnotationError(f"{shown(path)}: {TOO_DEEP}") from None
-        if not isinstance(mapping, dict):
-            raise AnnotationError(f"{shown(path)}: expected a JSON object {{class name: index}}")
-        by_index = {}
-        for name, idx in mapping.items():
-            try:
-                by_index[int(idx)] = name
-            except (TypeError, ValueError):
-                raise AnnotationError(f"{shown(path)}: the index of entry {len(by_index) + 1} "
-                                      "is not an integer (expected {class name: index})") from None
-        if sorted(by_index) != list(range(len(mapping))):
-            raise AnnotationError(f"{shown(path)}: indices must be 0..{len(mapping) - 1}, each once")
-        names = [by_index[i] for i in range(len(mapping))]
+        names = names_by_index(path, "class name")
     else:
         names = [line.strip() for _, line in annotation_lines(path) if line.strip()]
     if len(set(names)) != len(names):  # which, by position: the file's text is never echoed
@@ -241,6 +219,39 @@ def read_class_names(path: Path) -> list[str]:
     if not names:
         raise AnnotationError(f"{shown(path)}: no class names")
     return names
+
+
+def names_by_index(path: Path, key: str) -> list[str]:
+    """A JSON object ``{name: index}`` (a class list, SSv2's ``labels.json``) -> the names in
+    index order; every index an integer, each of ``0..n-1`` once. Errors name the file and the
+    entry's position, never its text."""
+    expected = f"expected a JSON object {{{key}: index}}"
+    try:
+        mapping = json.loads(text := read_json_text(path))
+    except json.JSONDecodeError as err:
+        raise json_error(path, err, text) from None
+    except AnnotationError:
+        raise
+    except ValueError:  # an integer of more than 4300 digits
+        raise AnnotationError(f"{shown(path)}: a number too long to read ({expected})") from None
+    except RecursionError:
+        raise AnnotationError(f"{shown(path)}: {TOO_DEEP}") from None
+    if not isinstance(mapping, dict) or not mapping:
+        raise AnnotationError(f"{shown(path)}: {expected}")
+    names: dict[int, str] = {}
+    for name, idx in mapping.items():
+        try:
+            value = int(idx)
+        except (TypeError, ValueError):
+            raise AnnotationError(f"{shown(path)}: the index of entry {len(names) + 1} is not an "
+                                  f"integer ({expected})") from None
+        if value in names:
+            raise AnnotationError(f"{shown(path)}: index {value} is used twice (expected each "
+                                  "index once)")
+        names[value] = name
+    if sorted(names) != list(range(len(names))):
+        raise AnnotationError(f"{shown(path)}: indices must be 0..{len(names) - 1}, each once")
+    return [names[i] for i in range(len(names))]
 
 
 def json_error(path: Path, err: json.JSONDecodeError, text: str) -> AnnotationError:

@@ -33,6 +33,7 @@ from videotrain.data.annotations import (
     check_class_count,
     check_split,
     json_error,
+    names_by_index,
     read_json_text,
     require_file,
     under,
@@ -132,33 +133,7 @@ def json_array_entries(path: Path) -> tuple[list[Any], Callable[[int], int]]:
 
 def read_labels(path: Path) -> list[str]:
     """``labels.json``: template (brackets removed) -> index; returns names by index."""
-    try:
-        mapping = json.loads(read_json_text(require_file(path, "data.labels_file")))
-    except json.JSONDecodeError as err:
-        raise _decode_error(path, err) from None
-    except AnnotationError:
-        raise
-    except ValueError:  # an integer of more than 4300 digits
-        raise AnnotationError(f"{shown(path)}: a number too long to read (expected a JSON "
-                              "object {template: index})") from None
-    except RecursionError:
-        raise AnnotationError(f"{shown(path)}: {TOO_DEEP}") from None
-    if not isinstance(mapping, dict) or not mapping:
-        raise AnnotationError(f"{shown(path)}: expected a JSON object {{template: index}}")
-    names: dict[int, str] = {}
-    for name, idx in mapping.items():
-        try:
-            value = int(idx)
-        except (TypeError, ValueError):
-            raise AnnotationError(f"{shown(path)}: the index of entry {len(names) + 1} is not an "
-                                  "integer (expected {template: index})") from None
-        if value in names:
-            raise AnnotationError(f"{shown(path)}: index {value} is used twice (expected each "
-                                  "index once)")
-        names[value] = name
-    if sorted(names) != list(range(len(names))):
-        raise AnnotationError(f"{shown(path)}: indices must be 0..{len(names) - 1}")
-    return [names[i] for i in range(len(names))]
+    return names_by_index(require_file(path, "data.labels_file"), "template")
 
 
 def require_json(root: Path, rel: str, key: str) -> Path:
