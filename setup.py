@@ -2,7 +2,7 @@
 
 ``configs/`` stays at the top of the source tree, where users look for it, and the wheel
 carries it as ``videotrain/configs``, so a non-editable install has the Hydra configs too
-(``videotrain.build`` finds them in either place).
+(``videotrain.config.build`` finds them in either place).
 """
 
 from setuptools import find_packages, setup

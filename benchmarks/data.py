@@ -130,7 +130,7 @@ def run_data_bench(
     from benchmarks import clips as clip_sets
     from benchmarks import data_report as report
     from videotrain.bench.spawn import device_name, machine_info, run_child
-    from videotrain.build import compose_cfg
+    from videotrain.config.build import compose_cfg
 
     device = device_name(device)
     extra = list(extra_overrides or [])

@@ -67,7 +67,7 @@ def unavailable(spec: dict[str, Any], data_cfg: Any) -> str | None:
 def videotrain_loader(cfg, pipeline: str, num_workers: int, pin_memory: bool):
     """The loader ``python -m videotrain`` trains (``train``) or validates (``test``) with.
     Returns ``(loader, start_epoch, videos, clips_per_item)``."""
-    from videotrain.build import build_data_from_cfg
+    from videotrain.config.build import build_data_from_cfg
 
     device = torch.device("cuda" if pin_memory else "cpu")
     data, _ = build_data_from_cfg(cfg, device, num_workers=num_workers)
@@ -166,7 +166,7 @@ def measure_data(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"loader must be one of {LOADERS}, got {spec['loader']!r}")
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    from videotrain.build import compose_cfg
+    from videotrain.config.build import compose_cfg
 
     cfg = compose_cfg(spec["overrides"])
     reason = unavailable(spec, cfg.data)

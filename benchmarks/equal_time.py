@@ -74,7 +74,7 @@ def measure_step_times(rows: list[str], extra: list[str], threads: int, steps: i
     sweep trains on."""
     import torch
 
-    from videotrain.build import build_model, compose_cfg
+    from videotrain.config.build import build_model, compose_cfg
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -108,7 +108,7 @@ def measure_step_times(rows: list[str], extra: list[str], threads: int, steps: i
 
 def e2e_steps(extra: list[str]) -> tuple[int, int]:
     """(optimizer steps per epoch, total steps) of the sweep's e2e job under ``extra``."""
-    from videotrain.build import compose_cfg
+    from videotrain.config.build import compose_cfg
     from videotrain.engine.settings import TrainerSettings
     from videotrain.engine.trainer import plan_steps
 

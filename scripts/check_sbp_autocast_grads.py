@@ -21,7 +21,7 @@ import sys
 import torch
 from torch import nn
 
-from videotrain.build import build_model, compose_cfg
+from videotrain.config.build import build_model, compose_cfg
 
 _TIMM_VIT = ["model/backbone=timm", "model.backbone.name=vit_tiny_patch16_224",
              "+model.backbone.kwargs={depth: 2, embed_dim: 32, num_heads: 2}"]

@@ -20,7 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import videotrain.build
+import videotrain.config.build
 from videotrain.data.layouts import generate
 from videotrain.data.synthetic import SyntheticSpec
 
@@ -155,7 +155,7 @@ def compose_cfg() -> Callable[..., DictConfig]:
     def _compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         key = tuple(overrides)
         if key not in cache:
-            with initialize_config_dir(config_dir=videotrain.build.CONFIG_DIR, version_base="1.3"):
+            with initialize_config_dir(config_dir=videotrain.config.build.CONFIG_DIR, version_base="1.3"):
                 cache[key] = compose(config_name="config", overrides=list(key))
         return copy.deepcopy(cache[key])
 

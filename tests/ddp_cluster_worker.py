@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 import videotrain.run as run
 from videotrain.data.dataset import VideoClipDataset
 from videotrain.engine import distributed

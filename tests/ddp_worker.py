@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 import videotrain.run as run
 from videotrain.engine import distributed
 from videotrain.engine.distributed import Comm

@@ -84,7 +84,7 @@ def test_timm_rows_compose_and_build() -> None:
     """The default suite's timm rows (model/backbone=timm) compose and their models build at
     the bench's setting (not run: the suite is slow)."""
     from videotrain.bench.cli import suite_specs
-    from videotrain.build import build_model, compose_cfg
+    from videotrain.config.build import build_model, compose_cfg
 
     specs = [s for s in suite_specs("default", "cpu") if s["backbone"].startswith("timm:")]
     assert len(specs) == 6
@@ -253,7 +253,7 @@ def test_gpu_suite_rows_compose_and_build() -> None:
     bf16, cuda) composes, and its model instantiates (on the CPU, not run)."""
     from videotrain.bench.cli import auto_budget, suite_specs
     from videotrain.bench.suites import own_shape
-    from videotrain.build import build_model, compose_cfg
+    from videotrain.config.build import build_model, compose_cfg
 
     specs = suite_specs("gpu", "cuda")
     assert [s["name"] for s in specs] == GPU_NAMES

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import videotrain.run as run
-from videotrain.build import clean_errors
+from videotrain.config.build import clean_errors
 
 
 def test_end_to_end_cli_from_any_directory(run_cli, tiny_root: Path, tiny_synthetic_overrides,

@@ -13,7 +13,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 from videotrain.data.loaders import READER_OPTIONS, build_data
 from videotrain.data.transforms import clips_to_device
 from videotrain.engine.inference import ExportSettings, PredictSettings
@@ -230,7 +230,7 @@ def test_issue46_options_compose(compose_cfg) -> None:
     schema and reach the objects they configure."""
     from hydra.utils import instantiate
 
-    from videotrain.build import build_model
+    from videotrain.config.build import build_model
     from videotrain.data.loaders import DATA_VALUE_CHECKS
 
     cfg = compose_cfg()

@@ -111,7 +111,7 @@ def test_ddp_resume_and_every_strategy(run_overrides, compose_cfg, tmp_path: Pat
     base = [*run_overrides(), *DDP_RUN]
     sbp_cfg = compose_cfg([o for o in base if not o.startswith(("model/backbone=", "model.backbone."))]
                           + SBP)
-    from videotrain.engine.run_checkpoints import ResumeRefused
+    from videotrain.engine.checkpoints.run import ResumeRefused
 
     with pytest.raises(ResumeRefused, match=r"world_size \(DDP processes\): 2 -> 1"):
         run.train(sbp_cfg, tmp_path / "sbp_a")  # an epoch-end checkpoint: like a config change
@@ -201,7 +201,7 @@ def test_sync_bn_choices(compose_cfg) -> None:
     import torch
     from torch import nn
 
-    import videotrain.build as builder
+    import videotrain.config.build as builder
 
     cfg = compose_cfg(["model/backbone=resnet10", "trainer.sync_bn=true"])
     two = DistContext(rank=0, world_size=2)
@@ -217,7 +217,7 @@ def test_sync_bn_choices(compose_cfg) -> None:
 
 
 def test_device_under_ddp_names_the_key() -> None:
-    import videotrain.build as builder
+    import videotrain.config.build as builder
 
     with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
         builder.resolve_device("tpu")
@@ -278,7 +278,7 @@ def test_a_peers_data_error_stays_one_error_line(monkeypatch: pytest.MonkeyPatch
     """Rank 0 stopped in a collective because rank 1 failed on its share of the data: rank 0's
     error names rank 1's and is still a user error (one `error:` line, exit status 2); a peer's
     crash stays a RuntimeError (a traceback)."""
-    from videotrain.build import user_error
+    from videotrain.config.build import user_error
     from videotrain.engine import distributed
 
     peers = {1: "rank 1: BadDataError: train split: 3 of 8 videos are unreadable"}

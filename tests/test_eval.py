@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import videotrain.run as run
+from videotrain.config.trained_run import apply_overrides
 from videotrain.engine.evaluate import EvalSettings, evaluate
 from videotrain.engine.precision import Precision
 from videotrain.metrics.accuracy import MultiViewAccuracy
 from videotrain.metrics.eval_report import write_eval_report
-from videotrain.trained_run import apply_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CPU = torch.device("cpu")
@@ -184,8 +184,8 @@ def test_test_after_fit_matches_the_last_validation(run_overrides, compose_cfg, 
 
 def test_evaluate_checkpoint_with_the_run_config(run_overrides, compose_cfg, tmp_path: Path) -> None:
     """What the command does, in-process: the run's config.yaml, then the eval settings."""
+    from videotrain.config.trained_run import find_run_config
     from videotrain.eval import evaluate_checkpoint
-    from videotrain.trained_run import find_run_config
 
     run_dir = tmp_path / "run"
     results = run.train(compose_cfg(run_overrides(trainer__max_steps=2)), run_dir)
@@ -284,7 +284,7 @@ def test_eval_scores_only_the_videos_that_are_there(run_overrides, compose_cfg, 
     """Issue 28 item 3 for ``videotrain.eval``: a missing val video is not replaced by another
     one; eval.json counts 7 evaluated of 8 listed and the eval folder lists the missing one.
     Item 10: its data errors are one `error:` line with exit status 2."""
-    from videotrain.build import clean_errors
+    from videotrain.config.build import clean_errors
     from videotrain.eval import evaluate_checkpoint
 
     run_dir = tmp_path / "run"

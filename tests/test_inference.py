@@ -17,13 +17,13 @@ import torch
 from omegaconf import OmegaConf
 
 import videotrain.run as run
-from videotrain.build import build_model
+from videotrain.config.build import build_model
+from videotrain.config.trained_run import load_trained
 from videotrain.data.dataset import BadVideo
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.engine.inference import ExportSettings, PredictSettings, run_exported
 from videotrain.export import export
 from videotrain.predict import predict
-from videotrain.trained_run import load_trained
 from videotrain.untrusted import NAME_CHARS, shown_name
 
 CLASSES = ["right_then_down", "right_then_up", "left_then_down", "left_then_up"]

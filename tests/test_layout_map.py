@@ -17,13 +17,10 @@ MAP = Path(__file__).resolve().parent.parent / "docs" / "layout.md"
 LAYERS: list[tuple[str, ...]] = [
     ("videotrain", "untrusted"),  # the bottom: text and files from someone else
     ("data", "metrics"),  # the leaves: no other part
-    ("memory",),  # the strategies, and the step on fake tensors (memory/simulate.py)
+    ("memory",),  # the strategies, and the step on fake tensors (memory/estimate.py)
     ("engine",),  # the trainer: any nn.Module through a memory strategy
     ("models",),  # backbones, heads, VideoClassifier; weights read with engine's safe loader
-    ("schema",),  # config: every group's schema, derived from the parts' classes
-    ("build",),  # config -> objects
-    ("config_files",),  # configs read from files, checked against schema and build
-    ("trained_run", "simulate"),  # a trained run; a configured run's step simulated
+    ("config",),  # the config layer: schema, build, configs from files, trained runs, estimates
     ("run", "eval", "predict", "export", "plan", "prepare"),  # the commands
     ("__main__", "bench"),  # python -m videotrain (train: run), the cost benchmark
 ]
@@ -112,7 +109,7 @@ def test_the_map_lists_the_layers_in_this_order() -> None:
 
 def test_build_does_not_import_the_config_simulator_and_commands_share_one_loader() -> None:
     edges = _edges()
-    assert ("build", "simulate.config_run") not in edges
+    assert ("config.build", "config.estimate") not in edges
     for cmd in COMMANDS:
-        assert (cmd, "trained_run") in edges
+        assert (cmd, "config.trained_run") in edges
         assert not [b for a, b in edges if a == cmd and b in COMMANDS], f"{cmd} imports another command"

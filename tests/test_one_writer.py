@@ -19,8 +19,8 @@ from torch import nn
 
 from benchmarks import equal_time
 from benchmarks.clips import clip_set, probe, write_clip
-from videotrain import build
 from videotrain.bench import report
+from videotrain.config import build
 from videotrain.data.layouts import generate
 from videotrain.data.loaders import read_index
 from videotrain.data.preflight import preflight, report_bad

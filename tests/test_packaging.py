@@ -46,7 +46,7 @@ def test_wheel_carries_configs_and_runs_without_the_source_tree(tmp_path: Path) 
     site = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    run = subprocess.run([sys.executable, "-c", "import videotrain.build as b; print(b.__file__); "
+    run = subprocess.run([sys.executable, "-c", "import videotrain.config.build as b; print(b.__file__); "
                           "print(b.CONFIG_DIR)"], env=env, cwd=tmp_path, capture_output=True,
                          text=True, check=True)
     module, config_dir = run.stdout.split()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from videotrain.build import compose_cfg
-from videotrain.memory.simulate import GIB
+from videotrain.config.build import compose_cfg
+from videotrain.memory.estimate import GIB
 from videotrain.plan import FIT_ROWS, fit_report
 from videotrain.plan import main as plan_main
 
@@ -76,10 +76,10 @@ def test_fit_estimates_the_frozen_backbone_step_training_builds(report: dict) ->
     unfrozen row (no backbone gradients, no optimizer state for them, nothing saved)."""
     from hydra.utils import instantiate
 
-    from videotrain.build import optimizer_from_cfg
+    from videotrain.config.build import optimizer_from_cfg
     from videotrain.engine.precision import PRECISIONS
     from videotrain.memory.e2e import EndToEnd
-    from videotrain.memory.simulate import simulate_step
+    from videotrain.memory.estimate import simulate_step
     from videotrain.models.finetune import freeze_backbone
     from videotrain.models.video import VideoClassifier
 

@@ -28,8 +28,8 @@ import yaml
 from omegaconf import OmegaConf
 
 import videotrain.run as run
-from videotrain.build import clean_errors, validate
-from videotrain.engine import checkpoint as ckpt
+from videotrain.config.build import clean_errors, validate
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.eval import run_eval
 from videotrain.export import export
 from videotrain.predict import predict
@@ -555,7 +555,7 @@ def test_tensors_are_checked_against_the_configured_model_first(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A head of another width than the configured model's: refused naming the key and both
     shapes, after building the model on the meta device only (no real model is built)."""
-    import videotrain.trained_run as trained_run
+    import videotrain.config.trained_run as trained_run
 
     built: list[str] = []
     real_build = trained_run.build_model

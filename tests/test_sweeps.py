@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "summarize_sweep.py"

@@ -220,9 +220,9 @@ def _hydra_job_config(out: Path, overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict, read_write
 
-    import videotrain.build
+    import videotrain.config.build
 
-    with initialize_config_dir(config_dir=videotrain.build.CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=videotrain.config.build.CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     with read_write(cfg.hydra), open_dict(cfg.hydra):
         cfg.hydra.runtime.output_dir = str(out)

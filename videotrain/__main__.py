@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from videotrain.build import CONFIG_DIR, clean_errors, validate
+from videotrain.config.build import CONFIG_DIR, clean_errors, validate
 from videotrain.engine import distributed
 from videotrain.run import train
 

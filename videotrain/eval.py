@@ -6,16 +6,16 @@ It writes ``eval.json`` (clip- and video-level top-1/top-5, mean class accuracy,
 skipped videos), ``per_class.csv`` and ``confusion.png`` into the Hydra run directory. The
 same evaluation runs at the end of training with ``trainer.test_after_fit=true``.
 
-Which model: ``videotrain.trained_run`` loads it, as for ``videotrain.predict`` and
+Which model: ``videotrain.config.trained_run`` loads it, as for ``videotrain.predict`` and
 ``videotrain.export``: the checkpoint first (``torch.load(weights_only=True)``: a file that
 needs arbitrary unpickling is refused and nothing in it runs), then the run folder's
 ``config.yaml`` (``RUN/checkpoints/``), else the config stored in the checkpoint, with only the
 overrides given to this command replacing parts of it, so ``checkpoint=PATH`` alone evaluates
 what was trained (on its own val split). Either config is checked before anything of it is used
-(``videotrain.config_files``: refused naming the key, exit status 2). Without either, or with
+(``videotrain.config.files``: refused naming the key, exit status 2). Without either, or with
 ``run_config=false``, the composed config must describe the trained model; the checkpoint then
 supplies only the weights. The number of classes is the dataset's, and a head that numbers them
-in another order is refused (``videotrain.engine.class_order``).
+in another order is refused (``videotrain.engine.checkpoints.class_order``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from videotrain.build import (
+from videotrain.config.build import (
     CONFIG_DIR,
     build_eval_data,
     build_precision,
@@ -39,9 +39,9 @@ from videotrain.build import (
     resolve_device,
     validate,
 )
-from videotrain.engine.class_order import check_class_order
+from videotrain.config.trained_run import open_run, read_checkpoint, trained_model
+from videotrain.engine.checkpoints.class_order import check_class_order
 from videotrain.engine.evaluate import multi_view_test
-from videotrain.trained_run import open_run, read_checkpoint, trained_model
 
 log = logging.getLogger(__name__)
 

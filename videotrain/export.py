@@ -16,7 +16,7 @@ dimension is dynamic (``export.dynamic_batch``).
 With ``export.check=true`` (default) the file is loaded back (ONNX: onnxruntime) and its logits
 compared with the eager model's on another batch size. A ``FILE.json`` beside it records the
 input shape, the normalization, the class names and that difference. The model, its run's
-config and its class names are loaded by ``videotrain.trained_run``, as for
+config and its class names are loaded by ``videotrain.config.trained_run``, as for
 ``videotrain.predict`` and ``videotrain.eval``.
 """
 
@@ -32,7 +32,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from videotrain.build import CONFIG_DIR, clean_errors, validate
+from videotrain.config.build import CONFIG_DIR, clean_errors, validate
+from videotrain.config.trained_run import load_trained
 from videotrain.engine.inference import (
     SUFFIXES,
     ExportSettings,
@@ -40,7 +41,6 @@ from videotrain.engine.inference import (
     export_metadata,
     export_model,
 )
-from videotrain.trained_run import load_trained
 from videotrain.untrusted import shown_name, write_text
 
 log = logging.getLogger(__name__)

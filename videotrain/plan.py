@@ -3,7 +3,7 @@
 With ``--fit GB``: will this run fit a GPU with GB GiB of memory? For the configured model and
 batch at full size, every memory strategy's training-step and validation peak is estimated on
 fake tensors (:func:`fit_report`: one simulation of the configured run per row, each in a
-process of its own, ``videotrain.simulate.config_run``; no GPU, no dataset, no weights), with
+process of its own, ``videotrain.config.estimate``; no GPU, no dataset, no weights), with
 whether it fits and the largest ``data.batch_size`` and ``data.num_frames`` that would; printed
 as a table and written to ``--out`` as JSON.
 
@@ -18,7 +18,7 @@ while parameters, gradients, optimizer state and the optimizer's temporaries do 
 
 Without ``--fit``, the recomputation plan viewer:
 
-Builds the configured model (``videotrain.build.build_model``) and plans the backbone for the
+Builds the configured model (``videotrain.config.build.build_model``) and plans the backbone for the
 training input ``(data.batch_size * data.num_frames, 3, data.crop_size, data.crop_size)``
 without running any activations (shape propagation uses fake tensors). Prints the segments, the
 estimated peak, the estimated recompute overhead, the e2e peak and the smallest
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from videotrain.build import (
+from videotrain.config.build import (
     build_model,
     build_precision,
     compose_cfg,
@@ -60,9 +60,9 @@ from videotrain.build import (
     resolve_device,
     seed_everything,
 )
+from videotrain.config.estimate import ConfigEstimator, num_classes_of, run_isolated
 from videotrain.memory.base import set_clip_length
-from videotrain.memory.recompute import InfeasibleBudget, Recompute
-from videotrain.memory.simulate import (
+from videotrain.memory.estimate import (
     CUDA_CONTEXT_GIB,
     GIB,
     UNSEEN_FRAC,
@@ -70,7 +70,7 @@ from videotrain.memory.simulate import (
     device_need,
     usable_bytes,
 )
-from videotrain.simulate.config_run import ConfigEstimator, num_classes_of, run_isolated
+from videotrain.memory.recompute import InfeasibleBudget, Recompute
 from videotrain.untrusted.files import write_text
 
 # (strategy, keep_ratio, policy, overrides): the rows of the fit table, by memory= name

@@ -8,10 +8,10 @@ dataset class, their softmax aggregated by ``eval.aggregate``. ``video`` is one 
 (every video file under it). A missing or unreadable file is an error naming it; in a folder it
 is reported (and listed in the JSON's ``errors``) and the others go on.
 
-Which model: ``videotrain.trained_run`` loads it, as for ``videotrain.eval``: the training run's
+Which model: ``videotrain.config.trained_run`` loads it, as for ``videotrain.eval``: the training run's
 ``config.yaml`` next to the checkpoint, else the config stored in the checkpoint, else the
 composed config describes the model and data; overrides on this command line replace parts of
-it. Either config is checked before anything of it is built (``videotrain.config_files``);
+it. Either config is checked before anything of it is built (``videotrain.config.files``);
 ``run_config=false`` reads neither and builds the model from this command line's config groups.
 The checkpoint supplies the weights (``model.pretrained`` / ``model.pretrained_path`` are not
 loaded again), and the model runs its evaluation forward, whatever memory strategy trained it.
@@ -31,7 +31,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from videotrain.build import CONFIG_DIR, build_precision, clean_errors, eval_settings, validate
+from videotrain.config.build import (
+    CONFIG_DIR,
+    build_precision,
+    clean_errors,
+    eval_settings,
+    validate,
+)
+from videotrain.config.trained_run import load_trained
 from videotrain.data.dataset import BadVideo
 from videotrain.engine.inference import (
     PredictSettings,
@@ -42,7 +49,6 @@ from videotrain.engine.inference import (
     predict_video,
     top_classes,
 )
-from videotrain.trained_run import load_trained
 from videotrain.untrusted import shown, shown_name, write_text
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Training as configured: ``train(cfg, out_dir)``, what ``python -m videotrain`` runs. Objects
-come from ``videotrain.build``; everything below takes plain arguments.
+come from ``videotrain.config.build``; everything below takes plain arguments.
 
 Under torchrun (or SLURM tasks through submitit) every process calls ``train`` with the same
 config: it joins the process group, shards the data by rank, wraps the model in DDP, and only
@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from videotrain.build import (
+from videotrain.config.build import (
     build_data_from_cfg,
     build_eval_data,
     build_model,
@@ -33,15 +33,15 @@ from videotrain.build import (
     use_sync_bn,
     user_error,
 )
+from videotrain.config.estimate import ConfigEstimator
 from videotrain.engine import distributed
+from videotrain.engine.checkpoints.run import RunCheckpoints
 from videotrain.engine.distributed import Comm, DistContext, wrap_ddp
 from videotrain.engine.evaluate import multi_view_test
 from videotrain.engine.optim import warmup_cosine
-from videotrain.engine.run_checkpoints import RunCheckpoints
 from videotrain.engine.trainer import Trainer, plan_steps
 from videotrain.memory.base import SelfPlanning
 from videotrain.metrics.logger import MetricsLogger, WandbSettings
-from videotrain.simulate.config_run import ConfigEstimator
 from videotrain.untrusted import check_run_folder, write_seal, write_text
 
 log = logging.getLogger(__name__)

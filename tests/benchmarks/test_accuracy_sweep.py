@@ -14,7 +14,7 @@ import yaml
 from hydra.utils import instantiate
 
 from benchmarks import equal_time
-from videotrain.build import compose_cfg
+from videotrain.config.build import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "benchmarks" / "conf"

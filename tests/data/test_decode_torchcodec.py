@@ -15,7 +15,7 @@ import pytest
 import torch
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
-from videotrain.build import build_data_from_cfg
+from videotrain.config.build import build_data_from_cfg
 from videotrain.data.annotations import VideoIndex, kinetics_index
 from videotrain.data.dataset import BadVideo, SampleKey, VideoClipDataset
 from videotrain.data.decode import VideoFile, check_decoder, open_video

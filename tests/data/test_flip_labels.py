@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from videotrain.build import build_data_from_cfg
+from videotrain.config.build import build_data_from_cfg
 from videotrain.data.annotations import kinetics_index
 from videotrain.data.dataset import VideoClipDataset
 from videotrain.data.loaders import flip_label_indices

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import videotrain.run as run
-from videotrain.build import clean_errors
+from videotrain.config.build import clean_errors
 from videotrain.data.annotations import AnnotationError
 from videotrain.data.loaders import BadDataError, preflight, read_index
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 from videotrain.engine.optim import backbone_layers, param_groups
 from videotrain.models.backbones import resnet, vit
 from videotrain.models.heads import MeanHead

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import videotrain.run as run
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.engine.preempt import EXIT_PREEMPTED, Interrupted, Preempted, StopSignals
 from videotrain.engine.trainer import Trainer
 
@@ -283,7 +283,7 @@ def test_sigterm_leaves_a_checkpoint_a_log_line_exit_75_and_no_processes(
 # or a lost node ends a job. The same command without this wrapper then resumes.
 STOP_AFTER_FIRST_CHECKPOINT = """
 import os, runpy, signal, sys
-from videotrain.engine.run_checkpoints import RunCheckpoints
+from videotrain.engine.checkpoints.run import RunCheckpoints
 signum = getattr(signal, sys.argv.pop(1))
 real_save = RunCheckpoints.save
 def save(self, parts):
@@ -440,7 +440,7 @@ def test_slurm_preset_asks_for_the_signal_and_requeue() -> None:
     from hydra.utils import instantiate
     from submitit.slurm.slurm import _make_sbatch_string
 
-    import videotrain.build as builder
+    import videotrain.config.build as builder
 
     with initialize_config_dir(config_dir=builder.CONFIG_DIR, version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],

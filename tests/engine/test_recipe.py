@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 import videotrain.run as run
 from videotrain.data.transforms import MEAN_PIXEL, clips_to_device, train_transform
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.engine.recipe import BatchMix, RecipeSettings, WeightEMA, soft_target_loss
 from videotrain.engine.trainer import Trainer
 
@@ -121,7 +121,7 @@ def test_recipe_run_resumes_exactly(recipe_run, compose_cfg, metrics_rows, tmp_p
     with pytest.raises(RuntimeError, match="simulated crash"):
         run.train(compose_cfg(overrides), tmp_path)
     monkeypatch.setattr(Trainer, "_optimizer_step", real_step)
-    with caplog.at_level(logging.INFO, logger="videotrain.engine.run_checkpoints"):  # resume
+    with caplog.at_level(logging.INFO, logger="videotrain.engine.checkpoints.run"):  # resume
         results_b = run.train(compose_cfg(overrides), tmp_path)
     assert "at step 4" in caplog.text
     a, b = (ckpt.load(d / "checkpoints" / "last.ckpt") for d in (out_a, tmp_path))

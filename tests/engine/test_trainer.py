@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 import videotrain.run as run
 from videotrain.engine.optim import build_optimizer, param_groups, warmup_cosine
 from videotrain.engine.trainer import Trainer, TrainerSettings, plan_steps
@@ -54,7 +54,7 @@ def test_trainer_settings_take_every_trainer_key() -> None:
     declare is refused naming it."""
     from omegaconf import OmegaConf
 
-    from videotrain.schema import UnknownConfigKey
+    from videotrain.config.schema import UnknownConfigKey
 
     cfg = builder.compose_cfg(["trainer.max_epochs=3", "trainer.grad_clip=null", "trainer.sync_bn=true",
                                "trainer.precision=bf16", "trainer.channels_last=false", "trainer.resume=false",
@@ -161,7 +161,7 @@ def test_resume_after_crash_matches_uninterrupted(
     calls = []
     real_loss = Trainer._loss
     monkeypatch.setattr(Trainer, "_loss", lambda self, v, y: calls.append(1) or real_loss(self, v, y))
-    with caplog.at_level(logging.INFO, logger="videotrain.engine.run_checkpoints"):  # resume
+    with caplog.at_level(logging.INFO, logger="videotrain.engine.checkpoints.run"):  # resume
         results_b = run.train(cfg, out_b)
     # the last checkpoint before the crash was at an even step: only the rest was retrained
     resumed_from = (crash_at_step - 1) // 2 * 2

@@ -2,7 +2,7 @@
 --fit``'s prediction of a step's memory against what CUDA's allocator measures.
 
 The CPU twins of these checks run in the default suite (bf16 CPU autocast everywhere; the
-predictor against torch's MemTracker in tests/simulate). Here the GPU code paths run for real:
+predictor against torch's MemTracker in tests/config/test_estimate.py). Here the GPU code paths run for real:
 fp16's GradScaler, CUDA autocast, ``max_memory_allocated``. Each test prints its figures, so a
 GPU run's log (docs/results/gpu/) holds them whether or not it passes.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from videotrain import run
-from videotrain.memory.simulate import UNSEEN_FRAC
-from videotrain.simulate.config_run import simulate_cfg
+from videotrain.config.estimate import simulate_cfg
+from videotrain.memory.estimate import UNSEEN_FRAC
 
 pytestmark = pytest.mark.gpu
 MIB = 2**20

@@ -1,4 +1,4 @@
-"""The step simulation on fake tensors (``videotrain.memory.simulate``): it counts what the
+"""The step simulation on fake tensors (``videotrain.memory.estimate``): it counts what the
 same steps count on real tensors, for every strategy, and its extrapolation is the stated one."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from videotrain.memory.e2e import EndToEnd
+from videotrain.memory.estimate import StepMemory, _no_weight_init, simulate_step
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute import Recompute
 from videotrain.memory.sbp import StochasticBackprop
-from videotrain.memory.simulate import StepMemory, _no_weight_init, simulate_step
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier

@@ -12,8 +12,8 @@ from videotrain.engine.precision import Precision
 from videotrain.memory.auto.profile import StepProbe
 from videotrain.memory.auto.strategy import AutoStrategy
 from videotrain.memory.base import encode_all_frames
+from videotrain.memory.estimate import simulate_step
 from videotrain.memory.frame_dropout import FrameDropout, gather_frames
-from videotrain.memory.simulate import simulate_step
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from videotrain.build import build_model, compose_cfg
+from videotrain.config.build import build_model, compose_cfg
 from videotrain.models.video import frames_channels_last, wants_channels_last
 
 CL = torch.channels_last

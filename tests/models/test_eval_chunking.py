@@ -10,10 +10,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from videotrain.memory.base import encode_all_frames
 from videotrain.memory.e2e import EndToEnd
+from videotrain.memory.estimate import no_grad_peak
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute import Recompute
 from videotrain.memory.sbp import StochasticBackprop
-from videotrain.memory.simulate import no_grad_peak
 from videotrain.metrics.live_bytes import LiveStorageBytes
 from videotrain.models.backbones import resnet, vit
 from videotrain.models.heads import TConvHead

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import videotrain.build as builder
+import videotrain.config.build as builder
 import videotrain.run as run
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.models.finetune import InitFromMismatch, init_from
 
 TINY_VIT = ["model/backbone=vit_tiny", "model.backbone.num_layers=1", "model.backbone.hidden_dim=32",

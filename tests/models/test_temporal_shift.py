@@ -10,9 +10,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from videotrain.build import CONFIG_DIR, build_model, clean_errors, validate
+from videotrain.config.build import CONFIG_DIR, build_model, clean_errors, validate
 from videotrain.memory.base import encode_all_frames, set_clip_length
-from videotrain.memory.simulate import eval_chunk
+from videotrain.memory.estimate import eval_chunk
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.temporal_shift import TemporalShift, temporal_shift

@@ -16,8 +16,8 @@ import torch
 from omegaconf import open_dict
 from safetensors.torch import save_file
 
-from videotrain.build import build_model
-from videotrain.memory.recompute.graph import symbolic_trace
+from videotrain.config.build import build_model
+from videotrain.memory.fx import symbolic_trace
 from videotrain.memory.sbp.lockstep import lockstep_graph
 from videotrain.models.backbones import PretrainedWeightsUnavailable, resnet
 from videotrain.models.temporal_shift import block_adapter

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
 
 if TYPE_CHECKING:
     from conftest import Workspace

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from videotrain.config_files import RefusedConfig, load_yaml
-from videotrain.engine import checkpoint as ckpt
-from videotrain.engine import safe_load
+from videotrain.config.files import RefusedConfig, load_yaml
+from videotrain.engine.checkpoints import format as ckpt
+from videotrain.engine.checkpoints import safe_load
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.untrusted import UnsafeFileError
 from videotrain.untrusted.bounds import (

@@ -25,15 +25,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from videotrain.config_files import (
+from videotrain.config.files import (
     RefusedConfig,
     load_yaml,
     read_config_file,
     shipped_options,
     shipped_targets,
 )
-from videotrain.engine import checkpoint as ckpt
-from videotrain.engine.safe_load import CHECKPOINT
+from videotrain.engine.checkpoints import format as ckpt
+from videotrain.engine.checkpoints.safe_load import CHECKPOINT
 from videotrain.untrusted.bounds import (
     MAX_RESULTS_BYTES,
     BadValue,
@@ -199,7 +199,7 @@ JSON_TEXT = st.text(st.sampled_from('[]{}",:0123456789.eE-+ \\nulltruefalseNaN')
 def test_any_results_json_is_read_or_refused(folder: Path, sweep: ModuleType, tree: Any,
                                              raw: str) -> None:
     """A job's ``results.json`` as the sweep summary and the trained-run loader read it."""
-    from videotrain.trained_run import RESULTS
+    from videotrain.config.trained_run import RESULTS
 
     try:
         dumped = json.dumps(tree if isinstance(tree, dict) else {"val_top1": tree})

@@ -170,7 +170,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     a memory strategy controls: stored activations and the transients of the step."""
     from omegaconf import OmegaConf
 
-    from videotrain.build import (
+    from videotrain.config.build import (
         build_model,
         build_precision,
         compose_cfg,

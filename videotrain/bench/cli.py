@@ -146,7 +146,7 @@ def estimated_steps(specs: list[dict[str, Any]], device: str, free_grads: bool =
     and step (AdamW, no clipping). None for rows the config alone does not describe: the peers
     that change the model when they run (torch.compile, sac_milp) and memory=auto (it chooses
     its plan then); and all rows with ``free_grads`` (the estimate keeps gradients)."""
-    from videotrain.simulate.config_run import run_isolated
+    from videotrain.config.estimate import run_isolated
 
     if free_grads:
         return [None] * len(specs)

@@ -15,7 +15,7 @@ def prepare_row(model: torch.nn.Module, cfg: Any, spec: dict[str, Any], device: 
     ``compile_budget``: torch.compile the backbone, min-cut partitioner at that activation
     budget; ``compile``: torch.compile with the default partitioner; ``sac_milp``: torch's plan
     at that budget fraction (bench/sac_peer.py); ``memory=auto``: plan before the first step,
-    as training does (``videotrain.build.plan_memory``; a no-op for other strategies)."""
+    as training does (``videotrain.config.build.plan_memory``; a no-op for other strategies)."""
     if spec.get("compile_budget") is not None:  # the torch.compile peer: min-cut recompute
         import torch._functorch.config as functorch_config
 
@@ -31,8 +31,8 @@ def prepare_row(model: torch.nn.Module, cfg: Any, spec: dict[str, Any], device: 
         return apply_sac_milp(model.backbone, lambda: instantiate(cfg.model.backbone), shape,
                               device, spec["sac_milp"], precision.autocast,
                               bool(spec.get("free_grads", False)))
-    from videotrain.build import plan_memory
-    from videotrain.simulate.config_run import ConfigEstimator
+    from videotrain.config.build import plan_memory
+    from videotrain.config.estimate import ConfigEstimator
 
     plan = plan_memory(cfg, model, precision, device, spec["num_classes"],
                        ConfigEstimator)  # memory=auto only

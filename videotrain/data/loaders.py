@@ -13,7 +13,9 @@ from typing import Annotated, Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from videotrain import NEUTRAL_MARK  # resume-neutral arguments (videotrain.engine.resume)
+from videotrain import (
+    NEUTRAL_MARK,  # resume-neutral arguments (videotrain.engine.checkpoints.resume)
+)
 from videotrain.data import annotations
 from videotrain.data.clip_sampling import check_sampler
 from videotrain.data.coverage import check_classes, drop_override, dropped_labels, without

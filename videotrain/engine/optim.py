@@ -11,7 +11,7 @@ from torch import nn
 
 
 # The optim group's options, declared once: their schemas are derived from these fields
-# (videotrain.schema) and configs/optim/<name>.yaml holds the same defaults (a test checks).
+# (videotrain.config.schema) and configs/optim/<name>.yaml holds the same defaults (a test checks).
 @dataclass
 class AdamWSettings:
     """``optim=adamw``: ``build_optimizer``'s arguments plus the LR scaling (``scaled_lr``)."""

@@ -18,7 +18,7 @@ RESUME_MODES = ("auto", "force", "false")
 
 @dataclass
 class RunSettings:
-    """The root config's own keys (``configs/config.yaml``; ``videotrain.schema.RootSchema`` adds
+    """The root config's own keys (``configs/config.yaml``; ``videotrain.config.schema.RootSchema`` adds
     the groups)."""
 
     seed: int = 0
@@ -43,7 +43,7 @@ def resume_mode(value: Any) -> str:
 @dataclass
 class TrainerSettings:
     """The ``trainer`` config group, declared once: its schema is derived from these fields
-    (``videotrain.schema``), ``configs/trainer/default.yaml`` holds the same defaults (a test
+    (``videotrain.config.schema``), ``configs/trainer/default.yaml`` holds the same defaults (a test
     checks), and fields marked ``NEUTRAL`` may change when a run resumes (``resume.MATH_NEUTRAL``)."""
 
     max_epochs: int = field(default=8, metadata=NEUTRAL)  # moves the stop (and the cosine's end)

@@ -20,13 +20,13 @@ pace); only rank 0 writes checkpoints and logs. A checkpoint holds every rank's 
 shard and mask stream follow from its rank. Evaluation runs on the unwrapped model, so its
 shards may be uneven without a collective waiting on a rank that has run out of batches.
 
-Checkpoints (``videotrain.engine.run_checkpoints``, the one owner; the files are
-``videotrain.engine.checkpoint``'s): ``checkpoints/step-N.ckpt`` every
+Checkpoints (``videotrain.engine.checkpoints.run``, the one owner; the files are
+``videotrain.engine.checkpoints.format``'s): ``checkpoints/step-N.ckpt`` every
 ``checkpoint_every_n_steps`` and at each epoch end, the newest ``keep_last_k`` kept,
 ``last.ckpt`` naming the newest and ``best.ckpt`` the one after the best validation (val_top1).
 They hold tensors and plain values only and are read with ``torch.load(weights_only=True)``;
 each records the resolved config, and resuming under a config that changes training is refused
-(``videotrain.engine.resume``, ``trainer.resume``).
+(``videotrain.engine.checkpoints.resume``, ``trainer.resume``).
 
 Preemption (``videotrain.engine.preempt``): while ``fit`` runs, SIGTERM, SIGUSR1 and SIGUSR2
 make the trainer finish the current optimizer step, write a checkpoint, log the signal, step
@@ -51,12 +51,12 @@ from tqdm import tqdm
 
 from videotrain.data.loaders import DataBundle, check_bad_fraction
 from videotrain.data.transforms import clips_to_device
+from videotrain.engine.checkpoints.run import Checkpointed, RunCheckpoints, TrainState
 from videotrain.engine.distributed import Comm
 from videotrain.engine.evaluate import evaluate
 from videotrain.engine.precision import Precision
 from videotrain.engine.preempt import StopSignals, agreed_stop, stop_run
 from videotrain.engine.recipe import BatchMix, RecipeSettings, WeightEMA, soft_target_loss
-from videotrain.engine.run_checkpoints import Checkpointed, RunCheckpoints, TrainState
 from videotrain.engine.settings import TrainerSettings
 from videotrain.memory.base import StepObserver
 from videotrain.metrics.logger import MetricsLogger

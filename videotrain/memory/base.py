@@ -53,7 +53,7 @@ class StepObserver(Protocol):
 class SelfPlanning(Protocol):
     """Optional: a strategy that chooses itself before training (``memory=auto``), from
     measured training steps or, where ``estimates(device)``, from fake-tensor estimates at full
-    size. ``videotrain.build.plan_memory`` hands it a ``StepProbe`` or an estimator and records
+    size. ``videotrain.config.build.plan_memory`` hands it a ``StepProbe`` or an estimator and records
     ``plan_report()`` in results.json as ``memory_plan``."""
 
     def plan(self, probe: Any) -> dict[str, Any]: ...

@@ -11,7 +11,7 @@ alive, so the figures are what a caching allocator would report as ``memory_allo
 Mixed precision runs under CPU autocast, whose casting rules match CUDA's for the layers used
 here (convolutions and matmuls in low precision; BatchNorm and LayerNorm on the dtype they
 are given, their statistics in fp32). fp16's GradScaler is left out (its state is a few
-scalars). Callers run this in a process of its own (``videotrain.simulate.config_run``): garbage-collecting
+scalars). Callers run this in a process of its own (``videotrain.config.estimate``): garbage-collecting
 some fake-tensor graphs (recomputed segments under a transformer head) crashes torch 2.14.
 """
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from videotrain.engine import checkpoint as ckpt
-from videotrain.engine.class_order import check_class_order
+from videotrain.engine.checkpoints import format as ckpt
+from videotrain.engine.checkpoints.class_order import check_class_order
 from videotrain.models.weights import key_mismatches, read_state_dict, tensors_of
 from videotrain.untrusted import PATH_CHARS, quoted, shown
 

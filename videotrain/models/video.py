@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from videotrain.memory.base import MemoryStrategy, encode_all_frames
 from videotrain.memory.e2e import EndToEnd
-from videotrain.memory.simulate import eval_chunk
+from videotrain.memory.estimate import eval_chunk
 from videotrain.models.backbones import FrameBackbone
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from videotrain.engine import checkpoint as ckpt
+from videotrain.engine.checkpoints import format as ckpt
 from videotrain.untrusted import PATH_CHARS, open_regular, quoted, shown
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ MAX_METRICS_BYTES = 256 << 20
 MAX_METRICS_LINES = 500_000
 MAX_METRICS_LINE_BYTES = 64 << 10
 
-# checkpoints (videotrain.engine.safe_load). The file counts by its length (st_size: a sparse
+# checkpoints (videotrain.engine.checkpoints.safe_load). The file counts by its length (st_size: a sparse
 # file's holes count). Its pickle (data.pkl) is bounded before torch's unpickler runs: bytes,
 # and the opcodes and the memory they build, counted from the pickle itself (~1 us per opcode;
 # a step's recorded times cost ~27 bytes, so ~500,000 steps fit); then every value once.
@@ -80,7 +80,7 @@ MAX_DECODED_BYTES = 320 * 2**20  # held at once by one read: frames waiting + th
 MAX_FFMPEG_ALLOC = 64 * 2**20  # any one allocation FFmpeg makes (its index of a file's frames)
 
 # what a config read from a file that this user did not seal may set of the clip the model sees
-# (videotrain.config_files.model_part); larger values are refused naming the key. A frame of
+# (videotrain.config.files.model_part); larger values are refused naming the key. A frame of
 # 512 px short side and 128 frames is past every shipped model; the command line may go further.
 FILE_DATA_BOUNDS = {"num_frames": 128, "crop_size": 448, "short_side": 512,
                     "sampling_rate": 64, "fps": 240}

@@ -28,10 +28,10 @@ from videotrain.memory.auto.choice import (
 )
 from videotrain.memory.auto.profile import MB
 from videotrain.memory.auto.strategy import STRATEGIES, AutoStrategy, memory_node
+from videotrain.memory.estimate import GIB, UNSEEN_FRAC, StepMemory
 from videotrain.memory.frame_dropout import FrameDropout
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sbp.strategy import StochasticBackprop
-from videotrain.memory.simulate import GIB, UNSEEN_FRAC, StepMemory
 from videotrain.models.backbones import resnet
 from videotrain.models.heads import TConvHead
 from videotrain.models.video import VideoClassifier

@@ -177,7 +177,7 @@ def test_checkpoint_optimal_at_half_memory_dispatches_at_most_1_35x_e2e_ops() ->
     """The step's aten ops (a GPU's kernel launches) on a ResNet-18: optimal at budget 0.5 and
     sqrt within 1.35x of e2e (before issue 46: 1.47x and 1.32x, the optimal plan in 18
     segments, each with BN buffer clones and an anchor allocation)."""
-    from videotrain.build import build_model, compose_cfg
+    from videotrain.config.build import build_model, compose_cfg
 
     video = torch.randn(1, 4, 3, 64, 64)  # (B, T, C, H, W)
     counts = {}

@@ -48,7 +48,7 @@ def test_the_traced_graph_keeps_the_shift_as_one_node() -> None:
 def test_the_plan_viewer_plans_a_shifted_backbone() -> None:
     """``python -m videotrain.plan`` traces the backbone without a training forward first: it
     sets the clip length itself."""
-    from videotrain.build import compose_cfg
+    from videotrain.config.build import compose_cfg
     from videotrain.plan import make_report
 
     cfg = compose_cfg(["model.backbone.temporal_shift=0.125", "memory=recompute",

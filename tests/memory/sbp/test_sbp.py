@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from videotrain.build import CONFIG_DIR
+from videotrain.config.build import CONFIG_DIR
 from videotrain.memory import EndToEnd, StochasticBackprop, encode_all_frames
 from videotrain.memory.sampling import keep_mask
 

@@ -11,8 +11,8 @@ smallest peak known. What tells a candidate's peak is the evaluator:
 - :class:`SimulatedPeaks` (:func:`choose_estimated`; ``AutoStrategy.plan_estimated``, with
   ``memory.budget_gb`` or on CUDA with no budget set): a real profiling step at full size can
   itself run out of memory, so each candidate reached is simulated on fake tensors instead
-  (:func:`videotrain.memory.simulate.simulate_step`, in a process of its own, through
-  ``videotrain.simulate.config_run``), its training step and validation forward together, as
+  (:func:`videotrain.memory.estimate.simulate_step`, in a process of its own, through
+  ``videotrain.config.estimate``), its training step and validation forward together, as
   ``python -m videotrain.plan --fit GB`` estimates its rows. The first steps of training then
   verify the choice, as for a profiled plan (``AutoStrategy.observe_step``).
 

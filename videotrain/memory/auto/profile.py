@@ -194,7 +194,7 @@ class StepProbe:
     ``make_optimizer(model)`` builds the run's optimizer for a model (same type and settings);
     ``precision`` is the run's ``Precision``; ``video_shape`` is ``(B, T, C, H, W)``. The copies
     are built with ``model``'s own class (``VideoClassifier(backbone, head, strategy)``), so this
-    module never imports the model package above it. Plain arguments only: ``videotrain.build``
+    module never imports the model package above it. Plain arguments only: ``videotrain.config.build``
     reads the config and builds this.
     """
 

@@ -3,7 +3,7 @@
 A user facing an out-of-memory error otherwise guesses among batch size, recomputation and frame
 sampling. ``AutoStrategy`` decides, says why, and checks itself:
 
-1. **Profile** (``plan``, called by ``videotrain.build.plan_memory`` before training, and by
+1. **Profile** (``plan``, called by ``videotrain.config.build.plan_memory`` before training, and by
    ``python -m videotrain.plan``): one real e2e training step of the configured model and batch
    on a copy of the model (:mod:`videotrain.memory.auto.profile`), measured with the trainer's own
    per-step peak meter, so the budget means what ``train_peak_mem_mb`` means.
@@ -51,18 +51,18 @@ from videotrain.memory.auto.choice import INFEASIBLE, choose, choose_estimated
 from videotrain.memory.auto.profile import MB, Profile, StepProbe, device_free_bytes, unprepare
 from videotrain.memory.base import FrameFeatures, MemoryStrategy, mixes_frames
 from videotrain.memory.e2e import EndToEnd
-from videotrain.memory.frame_dropout import FrameDropout
-from videotrain.memory.recompute.planner import InfeasibleBudget
-from videotrain.memory.recompute.strategy import Recompute
-from videotrain.memory.sampling import SAMPLERS
-from videotrain.memory.sbp.strategy import StochasticBackprop, check_nograd_chunk
-from videotrain.memory.simulate import (
+from videotrain.memory.estimate import (
     CUDA_CONTEXT_GIB,
     GIB,
     UNSEEN_FRAC,
     StepMemory,
     usable_bytes,
 )
+from videotrain.memory.frame_dropout import FrameDropout
+from videotrain.memory.recompute.planner import InfeasibleBudget
+from videotrain.memory.recompute.strategy import Recompute
+from videotrain.memory.sampling import SAMPLERS
+from videotrain.memory.sbp.strategy import StochasticBackprop, check_nograd_chunk
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +349,7 @@ class AutoStrategy:
         """``video (B, T, C, H, W)`` -> the active plan's features and positions."""
         if self.inner is None:
             raise RuntimeError("memory=auto has no plan yet: call AutoStrategy.plan(StepProbe(...)) "
-                               "before training (videotrain.build.plan_memory does)")
+                               "before training (videotrain.config.build.plan_memory does)")
         return self.inner.encode(backbone, video)
 
     # ------------------------------------------------------------------ the re-check

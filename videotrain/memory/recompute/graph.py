@@ -17,18 +17,17 @@ any cut is legal. The original backbone is not modified.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from videotrain.memory.fx import make_out_of_place, symbolic_trace
 from videotrain.memory.recompute.costs import (
     COST_MODELS,
     DeviceProfile,
@@ -36,8 +35,6 @@ from videotrain.memory.recompute.costs import (
     profile_for,
     time_call,
 )
-
-_INPLACE_FUNCS = {operator.iadd: operator.add, operator.imul: operator.mul, operator.isub: operator.sub}
 
 
 @dataclass
@@ -387,37 +384,6 @@ class TransientBytes(TorchDispatchMode):
         points = [self.watched[0]] + [c + max(w0, w1) for c, w0, w1 in
                                       zip(created, self.watched[:-1], self.watched[1:], strict=True)]
         return float(max(points, default=0))
-
-
-def make_out_of_place(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite in-place ops of the traced graph to their out-of-place forms (see module doc)."""
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.ReLU):
-            if gm.get_submodule(str(node.target)).inplace:
-                node.op, node.target = "call_function", F.relu
-        elif node.op == "call_function" and node.target in _INPLACE_FUNCS:
-            node.target = _INPLACE_FUNCS[node.target]
-        elif node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("_"):
-            node.target = str(node.target)[:-1]
-        if node.op.startswith("call_") and node.kwargs.get("inplace") is True:
-            node.kwargs = {**node.kwargs, "inplace": False}
-    gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
-def fx_tracer(module: nn.Module) -> fx.Tracer:
-    """The tracer ``module`` asks for (``module.fx_tracer()``, the backbone contract's optional
-    hook: timm backbones name their untraceable modules and functions), else a plain one."""
-    make = getattr(module, "fx_tracer", None)
-    return make() if callable(make) else fx.Tracer()
-
-
-def symbolic_trace(module: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` with the module's own tracer (:func:`fx_tracer`)."""
-    tracer = fx_tracer(module)
-    graph = tracer.trace(module)
-    return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
 def trace(backbone: nn.Module, example: torch.Tensor, cost_model: str = "roofline",

@@ -21,7 +21,7 @@ infeasible budget raises ``InfeasibleBudget`` naming the smallest feasible one.
 ``sqrt``/``optimal`` execute by splitting the traced graph into the plan's segments
 (``torch.fx.passes.split_module``) and recomputing all but the last. Plans depend on the input
 shape, so they are made lazily on the first training ``encode`` per ``(N, C, H, W)``, dtype and
-device. The traced graph is rewritten without in-place ops (``graph.make_out_of_place``), so
+device. The traced graph is rewritten without in-place ops (``memory.fx.make_out_of_place``), so
 no cut can land between a BN and an in-place ReLU.
 
 Segment inputs are let go as soon as the segment is recomputed (``execute.recompute_call``),

@@ -59,7 +59,7 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.recompute.graph import fx_tracer, make_out_of_place
+from videotrain.memory.fx import fx_tracer, make_out_of_place
 from videotrain.memory.sbp.kept_rows import (
     BatchNormCoefficients,
     KeptRowsBatchNorm,
