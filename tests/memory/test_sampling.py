@@ -129,3 +129,16 @@ def test_flat_rows_are_the_mask_rows_in_order(seed: int) -> None:
     mask = keep_mask(idx, t).flatten()
     assert torch.equal(kept, mask.nonzero().squeeze(1))
     assert torch.equal(dropped, (~mask).nonzero().squeeze(1))
+
+
+@pytest.mark.parametrize("strategy", ["FrameDropout", "StochasticBackprop"])
+def test_strategies_leave_the_sampler_check_to_the_sampler(strategy: str, monkeypatch) -> None:
+    """One place says which samplers exist: the strategies pass the choice to FrameSampler."""
+    import videotrain.memory as memory
+    import videotrain.memory.sampling as sampling
+
+    cls = getattr(memory, strategy)
+    with pytest.raises(ValueError, match=r"memory\.sampler must be one of random, uniform, uniform_jitter; got 'tsn'"):
+        cls(sampler="tsn")
+    monkeypatch.setitem(sampling._DRAW, "tsn", sampling._random)  # the sampler's list, and only it
+    assert cls(sampler="tsn").sampler.kind == "tsn"

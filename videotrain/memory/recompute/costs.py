@@ -61,13 +61,24 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
+def check_cost_model(name: str) -> str:
+    """``name``, if it is one of :data:`COST_MODELS` (the one check of that choice)."""
+    if name not in COST_MODELS:
+        raise ValueError(f"cost_model must be one of {', '.join(COST_MODELS)}; got {name!r}")
+    return name
+
+
+def check_profile_name(name: str) -> str:
+    """``name``, if it is ``auto`` or one of :data:`PROFILES` (the one check of that choice)."""
+    if name != "auto" and name not in PROFILES:
+        raise ValueError(f"device_profile must be auto or one of {', '.join(PROFILES)}; got {name!r}")
+    return name
+
+
 def profile_for(device: torch.device | str, name: str = "auto") -> DeviceProfile:
     """The named profile, or (``auto``) the one of ``device``: a CUDA device by its name
     (``H100``/``H200`` in it), else ``cuda``; anything else ``cpu``."""
-    if name != "auto":
-        if name not in PROFILES:
-            raise ValueError(f"memory.device_profile must be auto or one of {', '.join(PROFILES)}; "
-                             f"got {name!r}")
+    if check_profile_name(name) != "auto":
         return PROFILES[name]
     device = torch.device(device)
     if device.type != "cuda":

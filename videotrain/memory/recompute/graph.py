@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from videotrain.memory.fx import make_out_of_place, symbolic_trace
 from videotrain.memory.recompute.costs import (
-    COST_MODELS,
     DeviceProfile,
+    check_cost_model,
     node_seconds,
     profile_for,
     time_call,
@@ -402,8 +402,7 @@ def trace(backbone: nn.Module, example: torch.Tensor, cost_model: str = "rooflin
     example's device) from its FLOPs and bytes moved; ``measured`` times each node's forward on
     the device during the shape pass; ``flops`` is the FLOP proxy alone (no segment cost).
     """
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"memory.cost_model must be one of {', '.join(COST_MODELS)}; got {cost_model!r}")
+    check_cost_model(cost_model)
     profile = profile or profile_for(example.device)
     gm = make_out_of_place(symbolic_trace(backbone))
     buffers = {k: b.clone() for k, b in gm.named_buffers()}  # parameters are not changed

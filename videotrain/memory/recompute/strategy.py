@@ -51,7 +51,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from videotrain.memory.base import FrameFeatures, StatelessStrategy, all_positions, set_clip_length
-from videotrain.memory.recompute.costs import COST_MODELS, PROFILES, profile_for
+from videotrain.memory.recompute.costs import check_cost_model, check_profile_name, profile_for
 from videotrain.memory.recompute.execute import (
     BoundarySkips,
     RecomputedSegment,
@@ -98,15 +98,10 @@ class Recompute(StatelessStrategy):
             raise ValueError("set at most one of memory.budget_mb and memory.budget_frac")
         if budget_frac is not None and not 0 < budget_frac:
             raise ValueError(f"memory.budget_frac must be > 0, got {budget_frac}")
-        if cost_model not in COST_MODELS:
-            raise ValueError(f"memory.cost_model must be one of {', '.join(COST_MODELS)}; got {cost_model!r}")
-        if device_profile != "auto" and device_profile not in PROFILES:
-            raise ValueError(f"memory.device_profile must be auto or one of {', '.join(PROFILES)}; "
-                             f"got {device_profile!r}")
         if segment_cost_us is not None and segment_cost_us < 0:
-            raise ValueError(f"memory.segment_cost_us must be >= 0, got {segment_cost_us}")
-        self.cost_model = cost_model
-        self.device_profile = device_profile
+            raise ValueError(f"segment_cost_us must be >= 0, got {segment_cost_us}")
+        self.cost_model = check_cost_model(cost_model)
+        self.device_profile = check_profile_name(device_profile)
         self.segment_cost_us = segment_cost_us
         self.policy = policy
         self.budget_mb = budget_mb

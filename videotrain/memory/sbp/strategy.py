@@ -41,7 +41,7 @@ from videotrain.memory.base import (
 )
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.recompute.strategy import Recompute
-from videotrain.memory.sampling import SAMPLERS, FrameSampler, SamplerStateMixin, flat_rows, n_keep
+from videotrain.memory.sampling import FrameSampler, SamplerStateMixin, flat_rows, n_keep
 from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
 from videotrain.memory.sbp.split import (
     BN_POLICIES,
@@ -81,8 +81,8 @@ class StochasticBackprop(SamplerStateMixin):
         recompute_budget_frac: float | None = None,
     ) -> None:
         n_keep(keep_ratio, 1)  # validates the ratio
+        self.sampler = FrameSampler(sampler, seed, rank)  # validates the sampler
         for key, value, allowed in (
-            ("sampler", sampler, SAMPLERS),
             ("grad_scale", grad_scale, GRAD_SCALES),
             ("bn_policy", bn_policy, BN_POLICIES),
         ):
@@ -104,7 +104,6 @@ class StochasticBackprop(SamplerStateMixin):
         # the backbone checked as prepared and its BN layers, so that a step walks no modules
         self._prepared: tuple[weakref.ref[nn.Module], list[_BatchNorm]] | None = None
         self._chunks_said = False  # the no_grad chunks outside the lockstep code, logged once
-        self.sampler = FrameSampler(sampler, seed, rank)
         self.norm = FullBatchNorm()
         self.last_keep: torch.Tensor | None = None  # the last step's (B, n) kept frame indices
 
