@@ -91,7 +91,7 @@ def strategy_from(cfg: DictConfig) -> Recompute:
     mem = OmegaConf.to_container(cfg.memory, resolve=True)
     assert isinstance(mem, dict)
     if str(mem.get("_target_", "")).endswith("Recompute"):
-        keys = ("policy", "budget_mb", "budget_frac", "objective", "lower_set_cap", "segments")
+        keys = ("policy", "budget_mb", "budget_frac", "objective", "segments")
         opts = {k: mem[k] for k in keys if k in mem}
         if opts.get("policy") == "blocks":
             opts["policy"] = "optimal"

@@ -45,6 +45,11 @@ def test_wrong_types_fail_while_composing_naming_the_key(overrides: list[str], m
         (["+data.batchsize=4"], "unknown config key data.batchsize; did you mean data.batch_size?"),
         (["optim=sgd", "+optim.betas=[0.9,0.99]"], "unknown config key optim.betas (the keys of optim are:"),
         (["+memory.keep_ratio=0.5"], "unknown config key memory.keep_ratio (memory takes no keys)"),
+        # the recompute planner's switches are set in code, not by a config
+        (["memory=recompute", "+memory.cost_model=flops"], "unknown config key memory.cost_model"),
+        (["memory=recompute", "+memory.lower_set_cap=9"], "unknown config key memory.lower_set_cap"),
+        (["memory=recompute", "+memory.device_profile=h200"], "unknown config key memory.device_profile"),
+        (["memory=recompute", "+memory.segment_cost_us=1"], "unknown config key memory.segment_cost_us"),
         (["+sed=1"], "unknown config key sed; did you mean seed?"),
         (["data=kinetics", "data.root=x", "+data.fold=1"], "unknown config key data.fold"),
     ],

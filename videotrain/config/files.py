@@ -11,8 +11,9 @@ their parent). It refuses, with the file and the key at fault:
 
 * a ``_target_`` anywhere the shipped config groups have none (``configs/<group>/*.yaml`` put
   ``_target_`` only under ``model.backbone``, ``model.head`` and ``memory``), and at those keys
-  any target that none of the shipped options names. The allowlist is derived by scanning the
-  YAML under ``configs/`` (:func:`shipped_targets`), never kept by hand;
+  any target that none of the shipped options names. The allowlist is derived, never kept by
+  hand (:func:`shipped_targets`): ``memory``'s from the strategy registry
+  (``videotrain.memory.registry``), the others' by scanning the YAML under ``configs/``;
 * interpolations (``${...}``): videotrain writes its configs resolved, and a resolver runs code;
 * anything the strict schema of a composed config refuses (``videotrain.config.schema``): unknown
   keys, wrong types. Each group's node is checked against the schema of the shipped option it
@@ -46,6 +47,7 @@ from omegaconf.errors import OmegaConfBaseException
 from videotrain.config import schema
 from videotrain.config.build import CONFIG_DIR
 from videotrain.data.loaders import READER_OPTIONS
+from videotrain.memory.registry import STRATEGIES
 from videotrain.untrusted import FILE_DATA_BOUNDS, plain_tree_problem, read_bytes, shown
 from videotrain.untrusted.bounds import MAX_CONFIG_BYTES, BadValue
 from videotrain.untrusted.formats import check_yaml
@@ -111,7 +113,8 @@ def _target_nodes(node: Any, path: str) -> Iterator[tuple[str, str]]:
 @functools.lru_cache(maxsize=4)
 def shipped_targets(config_dir: str = CONFIG_DIR) -> dict[str, frozenset[str]]:
     """Dotted key -> the ``_target_`` values the YAML under ``config_dir`` sets there, over
-    every group option and experiment (``hydra/``, Hydra's own launcher settings, aside)."""
+    every group option and experiment (``hydra/``, Hydra's own launcher settings, aside);
+    ``memory`` -> the registered strategies' (whose YAML names the same, tested)."""
     root = Path(config_dir)
     found: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.yaml")):
@@ -121,9 +124,10 @@ def shipped_targets(config_dir: str = CONFIG_DIR) -> dict[str, frozenset[str]]:
         text = path.read_text()
         prefix = _package(text, "" if group == "." else group)
         for key, target in _target_nodes(yaml.safe_load(text) or {}, prefix):
-            if key.split(".")[0] == "hydra":  # Hydra's own callbacks: never in a run's config
-                continue
+            if key.split(".")[0] == "hydra" or key == "memory":  # Hydra's own callbacks: never
+                continue                                         # in a run's config; memory: below
             found.setdefault(key, set()).update(_aliases(target))
+    found["memory"] = {alias for s in STRATEGIES.values() for alias in _aliases(s.target)}
     return {key: frozenset(targets) for key, targets in found.items()}
 
 

@@ -37,11 +37,7 @@ from videotrain.engine.optim import AdamWSettings, SGDSettings, warmup_cosine
 from videotrain.engine.recipe import RecipeSettings
 from videotrain.engine.settings import RunSettings
 from videotrain.engine.trainer import TrainerSettings
-from videotrain.memory.auto.strategy import AutoStrategy
-from videotrain.memory.e2e import EndToEnd
-from videotrain.memory.frame_dropout import FrameDropout
-from videotrain.memory.recompute.strategy import Recompute
-from videotrain.memory.sbp.strategy import StochasticBackprop
+from videotrain.memory.registry import STRATEGIES
 from videotrain.metrics.logger import LoggerSettings
 from videotrain.models import heads
 from videotrain.models.backbones import resnet, vit
@@ -176,9 +172,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
                        "timm_schema": schema_of(timm_backbone, ("pretrained",))},
     "model/head": {f"{cls.__name__.lower()}_schema": schema_of(cls, ("in_dim", "num_classes"))
                    for cls in (heads.MeanHead, heads.TConvHead, heads.TransformerHead, heads.LSTMHead)},
-    "memory": {"e2e_schema": schema_of(EndToEnd), "frame_dropout_schema": schema_of(FrameDropout, ("rank",)),
-               "sbp_schema": schema_of(StochasticBackprop, ("rank",)), "recompute_schema": schema_of(Recompute),
-               "auto_schema": schema_of(AutoStrategy, ("rank",))},
+    # one per registered strategy, without the arguments set in code only (videotrain.memory.registry)
+    "memory": {f"{s.name}_schema": schema_of(s.cls, s.code_only) for s in STRATEGIES.values()},
 }
 
 

@@ -5,6 +5,8 @@ A strategy is chosen by ``memory=NAME`` and only changes the training forward
 
 Where each family lives:
 
+- ``registry.py``: the strategies named once (``memory=NAME`` -> class, one line each), which
+  the config schema, the check of configs read from files and ``memory=auto`` read.
 - ``base.py``: the seam (``MemoryStrategy``, ``FrameFeatures``, optional ``StepObserver`` and
   ``SelfPlanning``) and ``encode_all_frames``, the forward every strategy evaluates with.
 - ``e2e.py``: ``memory=e2e``, plain backpropagation through every frame (the reference).

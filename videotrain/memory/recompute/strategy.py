@@ -74,7 +74,13 @@ OBJECTIVES = ("time", "memory")
 
 
 class Recompute(StatelessStrategy):
-    """The recomputation strategy; see the module docstring for policies and guarantees."""
+    """The recomputation strategy; see the module docstring for policies and guarantees.
+
+    A config sets the policy, the budget, the objective and ``segments``. The planner's own
+    switches are arguments set in code only (tests, the bench): ``lower_set_cap`` (exact DP up
+    to this many lower sets), ``cost_model`` (``roofline``, ``measured`` or ``flops``),
+    ``device_profile`` (``auto`` or a name of ``costs.PROFILES``) and ``segment_cost_us`` (host
+    time per recomputed segment; ``None``: the profile's)."""
 
     name = "recompute"  # results.json's "strategy" (the bench's row names keep checkpoint-*)
 
