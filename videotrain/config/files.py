@@ -1,34 +1,13 @@
 """Configs read from files: one check before anything of them is instantiated.
 
-A run folder's ``config.yaml`` and the config stored in a checkpoint are data written by
-whoever made the run, and a run can come from a stranger. Hydra's ``instantiate`` calls every
-``_target_`` it meets, nested nodes first, so a config that names ``torch.load`` (with
-``weights_only: false``) or any other callable runs code before videotrain could object.
-
-:func:`checked_config` is the one door every config read from a file goes through (``eval``,
-``predict``, ``export``, and the memory simulator's child processes, which get theirs from
-their parent). It refuses, with the file and the key at fault:
-
-* a ``_target_`` anywhere the shipped config groups have none (``configs/<group>/*.yaml`` put
-  ``_target_`` only under ``model.backbone``, ``model.head`` and ``memory``), and at those keys
-  any target that none of the shipped options names. The allowlist is derived, never kept by
-  hand (:func:`shipped_targets`): ``memory``'s from the strategy registry
-  (``videotrain.memory.registry``), the others' by scanning the YAML under ``configs/``;
-* interpolations (``${...}``): videotrain writes its configs resolved, and a resolver runs code;
-* anything the strict schema of a composed config refuses (``videotrain.config.schema``): unknown
-  keys, wrong types. Each group's node is checked against the schema of the shipped option it
-  corresponds to (by ``_target_``, else by ``name``).
-
-The refusal (:class:`RefusedConfig`, a ``ValueError``) ends a command through
-``videotrain.config.build.clean_errors`` as one ``error:`` line with exit status 2, and says how to go
-on with a run one trusts: ``run_config=false`` and the model's config groups on the command
-line, so the model is rebuilt from the shipped configs and only the checkpoint's weights
-(read with ``torch.load(weights_only=True)``) are loaded. See docs/cluster.md.
-
-A checked config that this user did not seal (``videotrain.untrusted.own``) describes the model
-only: :func:`model_part` takes from it what defines the trained model (:data:`MODEL_KEYS`, the
-clip within ``untrusted.FILE_DATA_BOUNDS``) and everything else from the command line.
-"""
+A run folder's ``config.yaml`` or a checkpoint's config may come from a stranger, and Hydra's
+``instantiate`` calls every ``_target_`` it meets. :func:`checked_config` is the one door
+(eval, predict, export, the estimate's child processes): it refuses a ``_target_`` where the
+shipped groups have none or one no shipped option names (the allowlist derived from the
+strategy registry and ``configs/``), any interpolation, and whatever the strict schema refuses,
+as :class:`RefusedConfig` naming the file and key (one ``error:`` line through
+``clean_errors``). A config this user did not seal describes the model only (:func:`model_part`).
+See docs/cluster.md."""
 
 from __future__ import annotations
 

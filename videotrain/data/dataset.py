@@ -1,30 +1,12 @@
-"""A map-style clip dataset over ``LabeledVideoPaths``: ``videotrain.data.clip_sampling`` chooses the
-frames (``data.sampler``: random time windows, or TSN segments), ``videotrain.data.decode``
-(PyAV) or ``decode_torchcodec`` (``data.decoder``) decodes them.
+"""A map-style clip dataset over ``LabeledVideoPaths``: ``clip_sampling`` chooses the frames
+(``data.sampler``), ``decode`` (PyAV) or ``decode_torchcodec`` (``data.decoder``) decodes them.
 
-Why map-style: pytorchvideo's ``LabeledVideoDataset`` is an ``IterableDataset``, so an epoch's
-length depends on ``num_workers`` (pytorchvideo #102) and a ``DistributedSampler`` cannot
-shard it. Here the sampler owns the order, and the loader can be resumed mid-epoch.
-
-Why per-sample seeds: each item is addressed by a ``SampleKey(index, epoch)``, and all of its
-randomness (clip start or segment frames, crop, flip) comes from a seed derived from
-``(seed, epoch, index)``. The same step therefore sees the same pixels whatever the worker
-count and after a resume.
-
-Why a ``skipped`` field: in training a broken video is replaced by another one (so batch size
-and epoch length stay fixed), and the item reports the broken path; in evaluation it is not
-scored at all (never another video in its place), and the item carries only the path.
-Workers are separate processes, so the main process learns about bad files from the batches,
-not from shared state. A bad video's message (a ``BadVideo``, logged and shown by ``predict``)
-names the file escaped (``videotrain.untrusted.shown``: a file name may hold terminal escapes
-or newlines) and says why in the error's own fixed text, never FFmpeg's line that quotes the
-name.
-
-Why the dataset tells the decoders its transform's short side (``transforms.frame_short_side``):
-they then scale each kept frame as it becomes RGB, so one read holds frames of the output's
-size (a 1080p or 4K video's evaluation clips fit the media budgets), with the same tensors as
-the transform makes of full-size frames.
-"""
+Map-style so a ``DistributedSampler`` shards it and a loader resumes mid-epoch. Every item's
+randomness comes from a seed of ``(seed, epoch, index)``, so a step sees the same pixels for any
+worker count and after a resume. A broken video is replaced in training (the batch reports its
+path in ``skipped``) and never scored in evaluation; its message names the file escaped. The
+decoders scale each kept frame to the transform's short side as it becomes RGB. Why:
+docs/design/internals.md#the-clip-dataset."""
 
 from __future__ import annotations
 

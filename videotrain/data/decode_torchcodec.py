@@ -1,43 +1,13 @@
 """Clip decoding with torchcodec (``data.decoder=torchcodec``): the same frames as PyAV's
 ``decode.VideoFile`` for the same windows and frame indices, through torchcodec's batch API.
 
-Why offer it: torchcodec is PyTorch's own video decoder. It decodes straight into tensors, its
-exact seek mode scans the packets once at open (so every frame has an index and a timestamp
-before anything is decoded), and it fetches a batch of frames in one call, converting only
-those. Why optional: it loads the *system* FFmpeg shared libraries (major versions 4-9) and
-each torchcodec release supports a range of torch versions (pyproject's ``torchcodec`` extra
-pins one that fits), whereas PyAV wheels bundle their own FFmpeg.
-
-How a window becomes frames without converting all of them: the scan gives the number of
-frames ``N`` and the first timestamp, so in a constant-frame-rate stream frame ``i`` is at
-``first + i * step`` (``step``: one over the header's frame rate). A window's frames are then
-known by index, ``uniform_indices`` picks the kept ones exactly as ``VideoFile.clips`` does,
-and one ``get_frames_at`` call decodes the kept frames of every window. Timestamps lie exactly on the grid (MP4, AVI) or on it rounded
-to whole milliseconds (WebM: 30 fps frames are 33 or 34 ms apart, which can move a window's edge
-by one frame); the kept frames are chosen on both, and the timestamps the call returns rule out
-the lattice they do not lie on. A window the two disagree on that the timestamps cannot settle
-(rare), and every window of a stream on neither (variable frame rate, or a header rate that
-disagrees with the scan), takes the exact path: ``get_frames_played_in_range`` decodes the
-window's frames by timestamp (converting all of them) and ``num_frames`` are kept.
-
-Known difference: a window wholly past the real end of the stream (a header that overstates
-the duration) falls back to the last ``num_frames`` frames here; PyAV falls back to the frames
-decoded since the keyframe it sought to, which may be fewer.
-
-Media budgets (``videotrain.data.media_budget``), as for PyAV: the scanned frame count and the
-header's frame size are checked at open, and the RGB frames of a batch before the call that
-makes them. Frames become RGB inside torchcodec's C++, so a frame larger than its header says
-cannot be checked before its conversion here (PyAV checks each one); the cap on FFmpeg's single
-allocations (64 MiB), set on the FFmpeg torchcodec loads too, still bounds each of its planes.
-Given the transform's short side, the kept frames are fetched in batches of at most
-``BATCH_BYTES`` at the source's size, each scaled to it at once (``transforms.resize_frames``,
-as PyAV's are): a read holds frames of the output's size. The exact path's window
-(``get_frames_played_in_range``) comes whole at the source's size, and is refused over the
-budget (a variable-rate 4K video: read it with PyAV, or resize it).
-
-Not readable here, unlike PyAV: raw elementary streams (``.h264`` without a container), which
-the exact scan cannot seek back through; they fail as a ``BadVideo`` like a corrupt file.
-"""
+Optional because it loads the system's FFmpeg libraries. Its exact-seek scan gives every
+frame's index and timestamp at open, so a constant-frame-rate window's kept frames are known
+by index and one ``get_frames_at`` call decodes them; a window the timestamps cannot settle,
+and a variable-rate stream, take the exact path (``get_frames_played_in_range``). Media budgets
+are checked as for PyAV: the frame count and size at open, each batch's RGB bytes before the
+call that makes them, frames scaled to the transform's short side as they come. Details and
+known differences: docs/design/internals.md#torchcodec-decoding."""
 
 from __future__ import annotations
 

@@ -1,36 +1,13 @@
 """Peak memory of one training step, on CUDA and on CPU.
 
-CUDA: ``max_memory_allocated`` over the step minus what was allocated before it.
-
-CPU (no allocator statistics): reset the kernel's high-water mark by writing ``5`` to
-``/proc/self/clear_refs``, run the step, then read ``VmHWM - VmRSS(before)``. glibc keeps
-freed small blocks in its heap, so large tensors must come from ``mmap`` and go back to the
-OS when freed; ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` does that (the same as starting the
-process with ``MALLOC_MMAP_THRESHOLD_=65536``). Memory freed to the heap *before* that (for
-example by an earlier model in the same process) stays resident, and malloc serves large
-requests from it without the resident set growing, so ``start`` first hands free heap pages back
-(``malloc_trim(0)``). ``start`` applies that setting again whenever ``keep_freed_memory`` undid it
-(the trainer does after its metered steps), so a later meter in the same process (another run,
-another test, ``memory=auto``'s probe) still reads right.
-
-Python's cyclic garbage collector is paused from ``start`` to ``stop`` (on CUDA too). Garbage an
-earlier piece of work left in reference cycles is freed whenever the collector next runs; inside
-the step, the resident set (or the allocated bytes) would fall by its size and the step's growth
-hide below the mark: a shared pytest worker read 0 for an e2e step this way. Collecting it in
-``start`` instead costs 0.2 s with a training process's objects; pausing costs nothing, and a
-training step makes no cycles to collect. The pause is the process's, not a meter's: a ``start``
-with no ``stop`` after it (the step raised) is ended by the next meter's ``stop``.
-
-Where ``clear_refs`` is not writable, or the write does not reset the high-water mark (it must
-equal the resident set just after), the meter reports ``None`` rather than a wrong number.
-
-What no ``start`` undoes: the heap that steps run under ``keep_freed_memory`` grew stays
-fragmented, so a later meter in the same process (a Hydra multirun's next job) reads high, by
-more with every earlier job: the small allocations of its step fault in pages scattered through
-the heap's trimmed holes. Four 128-step jobs of one multirun read SBP 0.25 at 40.7, 44.4, 48.8
-and 54.0 MB; with ``trainer.cpu_metered_steps=null`` (never ``keep_freed_memory``) 41.0 each.
-``cpu_meter_reads_high`` says whether that happened in this process.
-"""
+CUDA: ``max_memory_allocated`` over the step minus what was allocated before it. CPU: reset
+the kernel's high-water mark (``/proc/self/clear_refs``), run the step, read ``VmHWM -
+VmRSS(before)``, with large allocations served by ``mmap`` (``M_MMAP_THRESHOLD``) and free heap
+pages trimmed first, so freed tensors leave the resident set. Python's cyclic collector is
+paused during the step (on CUDA too), so an earlier cycle freed mid-step cannot hide growth.
+Where the mark cannot be reset the meter reports ``None``, never a wrong number;
+``cpu_meter_reads_high`` says when an earlier unmetered job fragmented the heap. Why each step
+is needed: docs/design/internals.md#the-step-peak-meter."""
 
 from __future__ import annotations
 

@@ -1,29 +1,13 @@
-"""TSM's temporal shift (Lin et al., ICCV 2019, "TSM: Temporal Shift Module for Efficient Video
-Understanding") inside the residual blocks of a per-frame ResNet.
+"""TSM's residual temporal shift (Lin et al., ICCV 2019) inside a per-frame ResNet's blocks.
 
-Why: a per-frame 2D backbone never lets the frames of a clip meet before the temporal head, so on
-tasks where time matters (direction of rotation, order of events) it learns appearance and barely
-learns time. The shift lets every residual block see its neighbours at no cost: no parameters and
-no FLOPs, only a copy of the block input.
-
-What (TSM's *residual* shift): in each residual block, the branch's input is the block input with
-``fold = int(C * fraction)`` channels taken from the *next* frame (channels ``[0, fold)``) and
-``fold`` channels from the *previous* frame (``[fold, 2*fold)``), zero-padded at the clip ends; the
-other channels and the identity path are unshifted. ``fraction`` is TSM's ``1 / n_div`` (1/8).
-
-The backbone sees frames flattened to ``(N = B*T, C, H, W)``, so the shift needs ``T``: the memory
-strategies set it before every backbone call (``FrameBackbone.set_clip_length``, through
-``videotrain.memory.base.set_clip_length``), to the frames the backbone actually sees (frame
-dropout: the kept ones, in time order). It is kept on the :class:`TemporalShift` modules until the
-next call, so recomputation in backward (``memory=recompute``) shifts with the same ``T``; fx
-traces keep the module as a leaf (:class:`FrameTracer`), so a traced graph reads ``T`` when it
-runs, not when it was traced.
-
-Blocks are re-expressed through residual-branch adapters (:func:`block_adapter`), which know
-where a ResNet block's residual branch is: the shifted forward is ``skip(x) + branch(shift(x))``.
-Frame SBP's lockstep code meets its kept and dropped frames at each shift
-(:meth:`TemporalShift.lockstep_parts`).
-"""
+In each residual block the branch's input has ``fold = int(C * fraction)`` channels from the
+next frame and ``fold`` from the previous one (zero at the clip ends); the identity path is
+unshifted. The backbone sees ``(N = B*T, C, H, W)``, so every strategy sets ``T`` before each
+call (``set_clip_length``) and it stays on the modules, so a recompute in backward shifts
+alike; fx traces keep the shift a leaf (:class:`FrameTracer`). Blocks are re-expressed through
+residual-branch adapters (:func:`block_adapter`); SBP's lockstep code meets its kept and
+dropped frames at each shift (:meth:`TemporalShift.lockstep_parts`). Why:
+docs/design/internals.md#the-temporal-shift."""
 
 from __future__ import annotations
 

@@ -1,30 +1,13 @@
 """Checkpoints that are safe to load, never half-written, and kept in a consistent set.
 
-Files in ``RUN/checkpoints/`` (``CheckpointDir``):
-
-- ``step-00000050.ckpt``: one file per saved optimizer step; the newest ``trainer.keep_last_k``
-  are kept (null: all);
-- ``last.ckpt``: a symbolic link to the newest step file (a hard link, or a copy, where the
-  filesystem has no symbolic links);
-- ``best.ckpt``: a hard link to (or copy of) the checkpoint written right after the validation
-  with the best ``val_top1`` so far; it outlives the pruning of its step file.
-
-A save writes the step file atomically (temporary file in the same folder, fsync, rename), then
-re-points ``last.ckpt`` (a new link renamed over the old one), then deletes step files beyond
-the newest K; all of it through ``videotrain.untrusted.files`` below the run folder, so no link
-(a ``checkpoints`` folder linked to another run's) is followed. A crash at any moment leaves complete files only, and ``last.ckpt`` names a
-complete file. Resume lists the step files (their names sort by step: no file is opened to find
-the newest) and loads the newest; a truncated or corrupt one is set aside (renamed
-``*.corrupt``) with a warning and the previous one is used.
-
-Loading goes through ``load`` only, which is ``torch.load(weights_only=True)``: tensors and plain
-Python values (dict, list, tuple, str, int, float, bool, None). Everything videotrain stores is
-of that kind (RNG states as tensors and ints, the resolved config as a dict), and ``save_atomic``
-refuses anything else. A file that would need arbitrary unpickling is refused with
-``UnsafeCheckpointError`` before any of its code runs. ``load`` and the checks it makes before
-and after ``torch.load`` (a regular file, uncompressed records, tensors that store what they
-claim) are ``videotrain.engine.checkpoints.safe_load``'s, re-exported here.
-"""
+``RUN/checkpoints/`` (``CheckpointDir``) holds ``step-NNNNNNNN.ckpt`` files (the newest
+``trainer.keep_last_k`` kept), ``last.ckpt`` (a link to the newest) and ``best.ckpt`` (a hard
+link to, or copy of, the best validation's). A save writes the step file atomically through
+``videotrain.untrusted.files`` (no link below the run folder followed), re-points ``last.ckpt``,
+then prunes; a crash leaves complete files only. Resume loads the newest step file and sets a
+corrupt one aside. ``load`` is ``torch.load(weights_only=True)`` behind
+``videotrain.engine.checkpoints.safe_load``'s checks; ``save_atomic`` stores only tensors and
+plain values. Details: docs/design/internals.md#checkpoint-files."""
 
 from __future__ import annotations
 

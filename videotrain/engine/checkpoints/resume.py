@@ -1,30 +1,13 @@
 """Guarded resume: a checkpoint continues only the training it was written by.
 
-Every checkpoint records the run's resolved config (a plain dict). On resume it is compared
-with the current one, key by dotted key. Keys that do not change what is computed
-(``MATH_NEUTRAL``, collected from the ``NEUTRAL`` mark where each key is declared: when to stop,
-what is logged, how often to checkpoint or validate, data loading parallelism, evaluation
-settings, the device) may change freely; any other difference,
-and a different number of DDP processes, refuses the resume with the keys and their old and new
-values, unless ``trainer.resume=force`` (then it is a warning). Keys set on one side only (added
-or removed by a videotrain update) are listed in a warning but do not block.
-
-A checkpoint whose classes are numbered differently from the dataset's (``class_order``: its
-recorded ``class_names``, or an HMDB51 checkpoint from before they were recorded) is refused
-even under ``force``: training on would teach its head rows other classes.
-
-``trainer.resume`` (``RESUME_MODES``): ``auto`` resumes from the newest checkpoint when there
-is one (guarded), ``force`` resumes whatever differs (but never mid-epoch under another world
-size, see ``world_size_problem``), ``false`` starts over (the previous checkpoints are set aside,
-not loaded).
-
-A checkpoint in the run folder may be someone else's (a shared or downloaded run), so nothing
-of it is used before it is checked: its fields' types and bounds when it is read
-(``safe_load.CHECKPOINT``), the fields resume needs all there (``refusal``), and its weights'
-and optimizer state's keys and shapes against the model being trained (``fit_problem``, as
-eval checks a checkpoint against its model): each a refusal naming the keys escaped, not a
-traceback.
-"""
+The stored resolved config is compared with the current one key by key; keys marked
+``NEUTRAL`` where they are declared (``MATH_NEUTRAL``) may change, any other difference or a
+new DDP world size refuses unless ``trainer.resume=force``. A checkpoint whose class order
+differs from the dataset's is refused even then. ``trainer.resume``: ``auto`` | ``force`` |
+``false`` (``RESUME_MODES``). Nothing of a checkpoint is used before it is checked: its fields
+(``safe_load.CHECKPOINT``), the fields resume needs (``refusal``), its weights' and optimizer
+state's keys and shapes against the model (``fit_problem``). Details:
+docs/design/internals.md#the-resume-guard."""
 
 from __future__ import annotations
 

@@ -1,34 +1,13 @@
-"""The recompute primitive shared by every checkpoint policy: a non-reentrant
+"""The recompute primitive shared by every recompute policy: a non-reentrant
 ``torch.utils.checkpoint`` call that does not update BatchNorm running statistics twice.
 
-Why this exists: non-reentrant checkpoint recomputes the wrapped function in backward with the
-module in the same (train) mode, so every BatchNorm inside it would run its training forward a
-second time and move ``running_mean``/``running_var``/``num_batches_tracked`` again. e2e updates
-them once per step; so must we.
-
-How: every checkpointed call gets its own closure that counts its invocations. The first call
-is the real forward. Any later call is a recompute (torch.utils.checkpoint calls the function
-again, possibly stopping early with an internal exception), and it runs with the BN layers'
-running-stat buffers swapped for throw-away spares (``StatShield``, made once per segment),
-restored in ``finally``. Swapping (rather
-than saving values and copying them back) matters: the recomputed ``batch_norm`` op saves the
-running buffers for its backward, and an in-place copy back would bump their version counter
-and fail the backward's version check. In train mode BN normalizes with the batch statistics,
-so the spares never change the recomputed values. RNG (dropout) and autocast state are
-replayed by torch.utils.checkpoint itself; the RNG state only for segments that draw random
-numbers (``RngProbe``: seen in their first forward), since stashing it costs every call.
-
-Host cost per segment is kept small (it sits on the backward's critical path on a GPU): no
-clones of BN buffers, one zero-size anchor per device, RNG state only where needed, and the
-boundary ops of a segment that nothing in backward reads are not recomputed
-(``BoundarySkips``).
-
-Other forward-time state must be replayed too when a strategy composes with recomputation: SBP
-normalizes its kept frames with recorded full-batch BN statistics (or freezes BN) only while
-its forward runs, and a recompute in backward happens after that. Such a strategy registers a
-provider with :func:`replay_on_recompute` around its forward; every checkpointed call made
-meanwhile snapshots the state then and re-enters it around its recompute.
-"""
+The first call of a segment is its forward; a later call is a recompute and runs with the BN
+layers' running buffers swapped for spares (``StatShield``; swapped, not copied back, so the
+saved buffers' version counters stay valid). RNG state is stashed only for segments that draw
+random numbers (``RngProbe``), and boundary ops nothing in backward reads are not recomputed
+(``BoundarySkips``). Strategies that hold forward-time state (SBP's recorded BN statistics)
+register it with :func:`replay_on_recompute`, and each recompute re-enters it. Why:
+docs/design/internals.md#the-recompute-primitive."""
 
 from __future__ import annotations
 

@@ -1,54 +1,14 @@
 """Recomputation planning on a tensor DAG (Chen et al. 2016; Kusumoto et al., NeurIPS 2019).
 
 A plan is a chain of lower sets ``0 = L0 < L1 < ... < Lk = V`` (bitmasks over ``Graph``
-vertices). Block ``Vi = Li \\ L(i-1)`` is computed in order; every block but the last keeps only
-its boundary ``Wi`` (vertices with a successor outside ``Li``) and is recomputed in backward.
-
-Cost model. The paper charges block ``i`` ``sum_{j<i} M(Wj) + 2 M(Vi)`` (every tensor of the
-block and its gradient, pulled). Under PyTorch autograd that is both too low and too high: too
-low because autograd *pushes* gradients into earlier blocks' tensors at once (they wait there
-until their block runs), too high because autograd keeps only the tensors some backward needs
-(``Graph.saved``: a BN output that feeds a ReLU is freed in forward) and frees each vertex's
-saved tensors and gradient as soon as its backward has run. So we simulate the block instead:
-
-    block_peak = max(recompute scan, backward scan)
-      recompute (or forward) scan, p ascending in Vi:
-          grads already pushed into L(i)  +  saved bytes of Vi up to p
-          + outputs not kept by autograd that still have a consumer to run (boundary: all)
-          + the block's dying inputs (below): the caller holds a segment's arguments
-      backward scan, p descending in Vi:
-          saved bytes of Vi up to p  +  live gradients: those pushed into L(i) from later
-          blocks, those of Vi's vertices with a consumer already run, p's and p's inputs'
-          + the dying inputs autograd keeps
-    overhead = sum_{i<k} T(Vi) - T(Fi) + S   (the last block, and blocks that save nothing,
-                                              are never recomputed; Fi: the boundary ops whose
-                                              recompute runs no kernel, ``free_boundary``; S:
-                                              the host cost of a segment, ``Graph.segment_cost``)
-
-Retained boundaries are not all live all the time. The executor (``execute.recompute_call``)
-lets go of a segment's inputs once its recompute is done, so a boundary tensor ``w`` of block
-``j`` lives in the forward, then in backward only until the recompute of its *first* consumer
-block ``c`` (the last one backward reaches); during blocks ``j+1 .. c-1`` it is gone. A stem cut
-``conv, BN | ReLU, ...`` therefore frees the BN output as soon as the ReLU is recomputed, and
-the stem's backward holds three feature maps instead of four. The DP state is the lower set
-plus its *dormant* boundaries (retained, first consumer not yet reached):
-
-    block i = L(i) \\ L(i-1), dormant D, live retained R (boundaries whose first consumer came):
-      forward   = R + M(D) + no-grad scan of Vi (checkpointed forwards keep no saved tensors)
-      backward  = R + block_peak(L(i-1), L(i), dying = D ∩ inputs(Vi))
-      then R += M(dying),  D = ((D \\ dying) ∪ Wi) ∩ ∂(Li)
-    A block whose ops save nothing is never recomputed and holds no inputs: its dying set is
-    empty (those boundaries stay dormant, and are gone once no consumer is left to come).
-
-This upper-bounds the measured peak of activations and activation gradients (parameter
-gradients are not activations and are left out); the tests hold it within 25%.
-
-The exact DP keeps, per state, the Pareto front of (overhead, live retained memory); a
-transition is admissible only if its block's peak fits the budget, so pruning dominated pairs
-is exact. With ``buckets`` the overhead is quantized to ~``buckets`` distinct values (the
-paper's trick to bound the front). Above ``cap`` lower sets, the family of lower sets is the
-approximate one: ancestor closures plus prefixes of several topological orders.
-"""
+vertices); block ``Vi = Li \\ L(i-1)`` keeps only its boundary and is recomputed in backward.
+Each block's peak is simulated as PyTorch autograd runs it (gradients pushed into earlier
+blocks at once, saved tensors freed after their backward, retained boundaries alive only until
+their first consumer's recompute), not charged by the paper's formula. The exact DP keeps, per
+state (lower set, dormant boundaries), the Pareto front of (overhead, live retained memory);
+above ``cap`` lower sets the family is approximate. The estimate upper-bounds the measured peak
+of activations and their gradients; the tests hold it within 25%. Derivation:
+docs/design/internals.md#the-recompute-planners-cost-model."""
 
 from __future__ import annotations
 
