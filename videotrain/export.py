@@ -1,24 +1,12 @@
 """``python -m videotrain.export checkpoint=PATH export.format=torch_export|onnx [export.out=FILE]``:
-write a trained model as a deployable graph that takes ``video (B, T, C, H, W)`` (normalized
-frames at the run's ``data.num_frames`` x ``data.crop_size``) and returns ``logits (B, K)``.
+a trained model as a deployable graph, ``video (B, T, C, H, W)`` (normalized) -> ``logits (B, K)``.
 
-What is exported is the evaluation forward: the model in eval mode, built as plain e2e (memory
-strategies change only training, so no SBP, checkpointing or memory=auto machinery is traced),
-every frame through the backbone at once (``eval.frame_chunk`` does not apply). The batch
-dimension is dynamic (``export.dynamic_batch``).
-
-* ``torch_export``: ``torch.export.export`` + ``torch.export.save`` -> ``.pt2``
-  (load with ``torch.export.load(path).module()``);
-* ``onnx``: ``torch.onnx.export(..., dynamo=True)`` -> ``.onnx``, input ``video``, output
-  ``logits``; needs the ``export`` extra (``pip install 'videotrain[export]'``: onnx,
-  onnxscript, onnxruntime).
-
-With ``export.check=true`` (default) the file is loaded back (ONNX: onnxruntime) and its logits
-compared with the eager model's on another batch size. A ``FILE.json`` beside it records the
-input shape, the normalization, the class names and that difference. The model, its run's
-config and its class names are loaded by ``videotrain.config.trained_run``, as for
-``videotrain.predict`` and ``videotrain.eval``.
-"""
+What is exported is the evaluation forward, built as plain e2e (strategies change only
+training), with a dynamic batch dimension (``export.dynamic_batch``): ``torch_export`` writes a
+``.pt2``, ``onnx`` an ``.onnx`` (the ``export`` extra). ``export.check=true`` loads the file back
+and compares its logits with the eager model's at another batch size; ``FILE.json`` records the
+input shape, normalization, class names and that difference. The run is loaded by
+``videotrain.config.trained_run``, as for eval and predict."""
 
 from __future__ import annotations
 

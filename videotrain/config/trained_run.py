@@ -1,28 +1,14 @@
-"""Load a trained run: the one loader behind ``python -m videotrain.eval``, ``videotrain.predict``
-and ``videotrain.export`` (as MMAction2's ``init_recognizer`` is behind its demos and tools).
-They import this module and never each other, so a checkpoint is read, its config recovered and
-its model built the same way by all three.
+"""Load a trained run: the one loader behind eval, predict and export (as MMAction2's
+``init_recognizer`` is behind its tools), so all three read a checkpoint alike.
 
-Order, and why:
-
-1. the checkpoint, with ``torch.load(weights_only=True)`` (``videotrain.engine.checkpoints.format.load``)
-   before anything else: a file that needs arbitrary unpickling is refused and nothing in it runs
-   (:func:`read_checkpoint`);
-2. the run's config, by one rule (:func:`run_config`): the run folder's ``config.yaml`` when the
-   checkpoint sits in one (``RUN/checkpoints/x`` or ``RUN/x``), else the config stored in the
-   checkpoint (every videotrain checkpoint stores it), else the command line's composed config.
-   Either file's config goes through ``videotrain.config.files.checked_config`` first (refused,
-   naming the key, before anything of it is resolved or built); the command line's overrides
-   replace parts of it. Only the user's own run (its config sealed with their key,
-   ``videotrain.untrusted.own``) keeps its data settings; of anyone else's config only what
-   defines the model is read (``config_files.model_part``), all the rest is the command line's.
-   ``run_config=false`` reads neither: the command line's config groups describe the model and
-   the checkpoint supplies only the weights;
-3. the model (:func:`trained_model`): built by ``videotrain.config.build.build_model`` without any
-   source of initial weights (``init=False``) and as plain e2e, since the evaluation forward is
-   the same under every memory strategy (no SBP / recomputation wrappers, no memory=auto
-   planning); then the checkpoint's weights (its EMA's when the run kept one).
-"""
+1. the checkpoint, ``weights_only`` (:func:`read_checkpoint`), before anything else;
+2. its config by one rule (:func:`run_config`): the run folder's ``config.yaml``, else the
+   checkpoint's, else the command line's; a file's config is checked
+   (``config.files.checked_config``) and, unless this user sealed it, only its model part is
+   read; ``run_config=false`` reads neither;
+3. the model (:func:`trained_model`), built as plain e2e without initial weights, then the
+   checkpoint's weights (its EMA's when the run kept one).
+Why this order: docs/design/internals.md#loading-a-trained-run."""
 
 from __future__ import annotations
 

@@ -1,28 +1,14 @@
 """Clip decoding with PyAV: seek to each clip, decode only up to its end, convert only the
 frames that are kept.
 
-Why not ``pytorchvideo.data.EncodedVideo`` (which the clip *samplers* still come from): its
-PyAV backend (a) reads the whole file into memory before opening it, (b) converts every frame
-of a clip window to an RGB tensor although a clip keeps ``num_frames`` of them (8 of 64 for an
-8x8 Kinetics clip at 30 fps), and (c) decodes and holds the *whole* video when the stream
-header has no duration, which is the case for every WebM file (Something-Something v2). Here
-the file is opened in place, the duration falls back to the container's, frames stay in YUV
-until the kept ones are converted, and windows are visited in time order so that
-overlapping evaluation clips (10 clips of a 10 s video) are decoded once.
-
-``data.decoder=torchcodec`` swaps this class for ``decode_torchcodec.TorchCodecVideo``, which
-has the same methods and returns the same frames; ``open_video`` picks one by name.
-
-Every video is held to the media budgets (``videotrain.data.media_budget``): the header's frame
-size and frame count when it is opened, each decoded frame's size before it is kept or
-converted, and what one read decodes and holds; over one, a ``VideoTooLarge``. What a read
-holds is kept near what it returns: given the transform's short side (``short_side``), each
-kept frame is scaled to it as it becomes RGB (the transform's first step, the same kernel:
-``videotrain.data.transforms.resize_frames``), and a video whose decoded frames would not fit
-waiting in a clip window (4K) has its kept frames chosen as they arrive (``clips``).
-
-Errors are not handled here: the dataset turns any exception into a skipped ``BadVideo``.
-"""
+Not ``pytorchvideo.data.EncodedVideo``: it reads the whole file first, converts every frame of
+a window to RGB, and decodes the whole video when the header has no duration (every WebM).
+Here the file is opened in place, frames stay YUV until the kept ones are converted, and
+windows are visited in time order so overlapping evaluation clips decode once. Every video is
+held to the media budgets (``media_budget``; over one, ``VideoTooLarge``), and each kept frame
+is scaled to the transform's short side as it becomes RGB. ``data.decoder=torchcodec`` swaps in
+``decode_torchcodec.TorchCodecVideo`` (same methods, same frames). Errors are the dataset's to
+handle (a skipped ``BadVideo``). Why: docs/design/internals.md#pyav-decoding."""
 
 from __future__ import annotations
 

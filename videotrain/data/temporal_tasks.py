@@ -1,25 +1,12 @@
 """Synthetic temporal tasks for the accuracy sweep (``benchmarks/conf/sweep/accuracy.yaml``).
 
-Every task has four classes built from two *reversible* events, the trick of the default
-two-stroke task (``synthetic.py``): reversing one event in time turns a clip of one class into a
-clip of another, and leaves every frame's distribution unchanged. So all four classes share one
-distribution of frame *sets*, an order-blind model (the mean head) is at chance (0.25), and only
-a model that compares frames in time order can solve the task. Per-frame appearance carries no
-label. The kinds of temporal evidence differ between tasks:
-
-* ``direction``: motion direction, the default task made harder (a small square over a busy,
-  flickering texture, with a red decoy square that jitters in place);
-* ``rotation``: direction of rotation of a bar (clockwise or not), then of zoom of a disc (in or out);
-* ``order``: order of events: a small, half-transparent square takes three colours one after
-  another; the class is the
-  order (four of the six permutations; segment lengths are exchangeable, so the colour counts
-  say nothing);
-* ``speed``: a small square wraps around the frame horizontally, left or right, once or twice
-  per clip; with a random phase every frame's position is uniform in both speeds.
-
-Renderers take the generator's spec and a numpy ``Generator`` and return uint8 ``(T, H, W, 3)``
-frames, deterministically for the generator state.
-"""
+Each task has four classes built from two reversible events (the default task's trick): every
+class shares one distribution of frame sets, so an order-blind model is at chance (0.25) and
+only a model comparing frames in time order solves it. Tasks: ``direction`` (motion over a busy
+texture with a decoy), ``rotation`` (of a bar, then zoom of a disc), ``order`` (of three
+colours), ``speed`` (once or twice across per clip). Renderers take the spec and a numpy
+``Generator`` and return uint8 ``(T, H, W, 3)`` frames, deterministic for the generator state.
+Details: docs/design/internals.md#the-accuracy-sweeps-temporal-tasks."""
 
 from __future__ import annotations
 

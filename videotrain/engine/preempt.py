@@ -1,25 +1,12 @@
 """Stopping cleanly when the job is told to: SIGTERM, SIGUSR1 and SIGUSR2.
 
-``StopSignals`` installs handlers for these signals while the trainer trains (``Trainer.fit``)
-and restores the previous ones afterwards. A handler only records the request; the trainer
-looks at it at every optimizer-step boundary (under DDP the ranks agree on it there, with an
-all-reduce), finishes nothing more, writes a checkpoint, and raises ``Preempted``, which ends
-the process with ``EXIT_PREEMPTED`` (75, ``EX_TEMPFAIL``: "try again later"). Re-running the
-same command resumes from that checkpoint.
-
-- A second signal while the trainer is stopping raises ``Interrupted`` at once (exit code
-  128 + the signal number, as if the signal had killed the process); checkpoints are written
-  atomically, so the last complete one stays loadable.
-- The previous handler is not lost: once the checkpoint is written, ``chain`` calls it (if it
-  is a Python function). Under submitit this is submitit's own handler, which requeues the job
-  on USR2 (its preemption / time-limit signal) and logs and ignores SIGTERM.
-- ``agreed_stop`` and ``stop_run`` are what the trainer calls at a step boundary: whether to
-  stop (the same answer on every rank), and the stop itself once the checkpoint is written.
-- Handlers are installed from the main thread of the main process only. Forked children that
-  inherit them (DataLoader workers) ignore SIGUSR1/SIGUSR2 (a SLURM ``--signal`` reaches every
-  process of the job step; the main process stops the workers itself) and die on SIGTERM, as
-  they would without the handler (their parent uses SIGTERM to end stuck workers).
-"""
+``StopSignals`` records the request while ``Trainer.fit`` trains; at the next optimizer-step
+boundary the ranks agree on it (``agreed_stop``), a checkpoint is written and ``Preempted``
+ends the process with ``EXIT_PREEMPTED`` (75); the same command resumes. A second signal
+raises ``Interrupted`` at once (checkpoints are atomic). The previous handler is chained after
+the checkpoint (submitit's requeue). Handlers are installed from the main thread only; forked
+loader workers ignore SIGUSR1/2 and die on SIGTERM. Details:
+docs/design/internals.md#preemption."""
 
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """``model/backbone=timm``: any timm image model as the per-frame backbone.
 
-``timm.create_model(name, num_classes=0)`` returns pooled features, ``(N, C, H, W) -> (N, D)``
-with ``D = head_hidden_size`` (``num_features`` for the models without a pre-logits layer).
-ViT-family models are built with ``dynamic_img_size=True`` where they take it, so their
-position embeddings are resampled to whatever frame size the data has (64 px by default;
-``vit_tiny_patch16_224`` then sees 4 x 4 patches); convolutional models take any size anyway.
-
-The backbone contract (``FrameBackbone``):
-
-* ``blocks()``: found by the layouts timm models share: ``net.blocks`` (ViT, DeiT, EVA, ...;
-  flattened when it holds stages of blocks, as in EfficientNet and MobileNet),
-  ``net.stages[i].blocks`` (ConvNeXt and most hierarchical models), ``net.stages[i]`` when a
-  stage is itself a sequence of blocks, or ``net.layer1..layer4`` (ResNet and its variants);
-* ``fx_tracer()``: a ``torch.fx`` tracer that knows timm's untraceable modules and functions
-  (``timm.layers``' notrace registry, the one timm's own feature extraction uses), so the
-  recompute planner and SBP's lockstep pass can trace timm models (a dynamic-size ViT resamples
-  its position embedding from the input's shape, which plain ``fx.symbolic_trace`` rejects).
-
-Weights: ``model.pretrained`` (true / a timm pretrained tag) downloads timm's weights, and fails
-with a message naming the key when the hub cannot be reached; ``model.pretrained_path=FILE``
-loads local weights (``videotrain.models.weights``), offline.
-"""
+``timm.create_model(name, num_classes=0)`` gives pooled features ``(N, C, H, W) -> (N, D)``;
+ViT-family models take ``dynamic_img_size=True`` so any frame size works. The backbone
+contract: ``blocks()`` found by the layouts timm models share (``blocks``, ``stages[i].blocks``,
+``stages[i]``, ``layer1..4``), and ``fx_tracer()``, a tracer that knows timm's untraceable
+modules (timm's own notrace registry), so the recompute planner and SBP's lockstep code can
+trace timm models. Weights: ``model.pretrained`` (timm's hub) or ``model.pretrained_path``
+(local, offline). Details: docs/design/internals.md#timm-backbones."""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
 """The official Kinetics release CSVs -> the project's Kinetics layout (``data=kinetics``).
 
-Input: ``label,youtube_id,time_start,time_end,split`` rows (Kinetics-400/600/700; test CSVs
-may lack the label; UTF-8 with or without the BOM Excel writes), and a folder of downloaded
-videos named as the standard downloaders name them,
-``{youtube_id}_{time_start:06d}_{time_end:06d}.mp4`` (or ``.mkv`` / ``.webm`` / ``.avi``; a
-bare ``{youtube_id}.mp4`` too, for an id with one row only), flat or in any sub-folders (per
-label, per split; the CVDF ``replacement/`` files win over the originals they replace; 0-byte
-files count as missing). Output, in ``OUT``:
-
-- ``train.csv`` / ``val.csv`` / ``test.csv`` (from the CSV's split column: ``validate`` and
-  ``validation`` are ``val``): ``path label`` lines, paths relative to ``OUT`` when the videos
-  are inside it (the re-encoded copies) and absolute otherwise; a split without labels gets
-  ``<split>_videos.txt`` (paths only) instead;
-- ``classes.txt``: the class names in sorted order, so that label indices do not depend on the
-  order of the CSV rows or on which videos were found; converting more CSVs later reuses it;
-- ``missing_<split>.csv``: the rows whose video was not found (or failed to re-encode), in the
-  release's own format, ready to hand back to a downloader.
-
-``data=kinetics data.root=OUT`` then trains on it.
-"""
+Input: ``label,youtube_id,time_start,time_end,split`` rows (Kinetics-400/600/700, BOM or not)
+and the downloaded videos as the standard downloaders name them, anywhere under one folder
+(CVDF ``replacement/`` files win; empty files count as missing). Output in ``OUT``:
+``train.csv`` / ``val.csv`` / ``test.csv`` (``path label``; unlabelled splits get
+``<split>_videos.txt``), ``classes.txt`` (sorted, reused by later conversions) and
+``missing_<split>.csv`` in the release's format, for a downloader. Details:
+docs/design/internals.md#preparing-kinetics."""
 
 from __future__ import annotations
 
