@@ -1,42 +1,13 @@
 """Plan before you queue: ``python -m videotrain.plan [--fit GB] [hydra overrides]``.
 
-With ``--fit GB``: will this run fit a GPU with GB GiB of memory? For the configured model and
-batch at full size, every memory strategy's training-step and validation peak is estimated on
-fake tensors (:func:`fit_report`: one simulation of the configured run per row, each in a
-process of its own, ``videotrain.config.estimate``; no GPU, no dataset, no weights), with
-whether it fits and the largest ``data.batch_size`` and ``data.num_frames`` that would; printed
-as a table and written to ``--out`` as JSON.
-
-What is estimated is ``torch.cuda.max_memory_allocated`` during a training step (parameters,
-gradients, optimizer state, the batch, and what the strategy keeps and allocates), and during
-a validation forward. A row fits when that peak plus the headroom stays within the card: the
-CUDA context (not in ``max_memory_allocated``) and a share for what fake tensors cannot see
-(cuDNN/cuBLAS workspaces, the caching allocator's rounding and fragmentation). The largest
-batch size and frame count are extrapolated from the same simulation (``StepMemory.scaled``):
-what the forward and backward keep and allocate grows linearly with the frames of a batch,
-while parameters, gradients, optimizer state and the optimizer's temporaries do not.
-
-Without ``--fit``, the recomputation plan viewer:
-
-Builds the configured model (``videotrain.config.build.build_model``) and plans the backbone for the
-training input ``(data.batch_size * data.num_frames, 3, data.crop_size, data.crop_size)``
-without running any activations (shape propagation uses fake tensors). Prints the segments, the
-estimated peak, the estimated recompute overhead, the e2e peak and the smallest
-feasible budget, and writes ``plan.json`` (``--out``). Why a separate tool: choosing
-``memory.budget_mb`` needs those numbers before a run, and an infeasible budget should be
-found here rather than at the first training step.
-
-With ``memory=auto`` it prints ``memory=auto``'s decision instead: it profiles the configured
-model and batch on ``device`` (real training steps on a copy of the model, nothing is trained),
-or with ``memory.budget_gb=G`` estimates each candidate it reaches at full size on fake tensors
-(``device=cuda`` plans for a G GiB GPU from any machine), prints the table of candidates with
-their peaks, estimated step times and the reason for the choice, and writes it to ``--out``; a
-budget no plan fits exits with status 2 and the smallest budget that would work.
-
-With any other ``memory`` than ``recompute`` the viewer plans ``memory.policy=optimal`` with no
-budget (the smallest feasible), for reference. ``memory.policy=blocks`` is reported as the
-graph's e2e figures only (per-block recomputation is not a graph plan).
-"""
+``--fit GB``: every strategy's training-step and validation peak for the configured run at
+full size, estimated on fake tensors (:func:`fit_report`, each row in a process of its own
+through ``config.estimate``; no GPU, dataset or weights), whether it fits with the headroom
+(CUDA context, workspaces, fragmentation), and the largest batch and frame count that would.
+Without it: the recomputation plan of the configured backbone (segments, estimated peak and
+overhead, the smallest feasible budget) in ``plan.json``; with ``memory=auto``, its decision
+table, or exit 2 naming the smallest budget that works. Details:
+docs/design/internals.md#planning-before-a-run."""
 
 from __future__ import annotations
 

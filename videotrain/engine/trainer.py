@@ -1,41 +1,13 @@
 """The training loop, in one readable place.
 
-The loop never branches on the memory strategy: the model owns it. What the loop owns is the
-bookkeeping users rely on: gradient accumulation, clipping, mixed precision, per-step peak
-memory and step time, atomic checkpoints with exact resume, bad-video accounting, and logs.
-
-Resume is exact because (a) checkpoints are taken only at optimizer-step boundaries and record
-how many samples of the current epoch were consumed, (b) the sampler's order is a function of
-``(seed, epoch)`` and can skip what was consumed, and (c) every sample's augmentation is seeded
-by ``(seed, epoch, index)``, independent of workers. Model-side randomness (dropout, SBP masks)
-comes from RNG states saved in the checkpoint.
-
-Under DDP (``comm`` spans several processes) every rank runs this same loop on its own shard of
-the data; the batch size is per process. What changes: micro-batches before the last of an
-accumulation skip DDP's gradient all-reduce (``no_sync``); logged train metrics are reduced
-over ranks (loss: mean; step time, data time, peak memory: max, the slowest rank sets the
-pace); only rank 0 writes checkpoints and logs. A checkpoint holds every rank's RNG state
-(gathered to rank 0), and every rank resumes from rank 0's file: the sampler position
-(``consumed``) and the strategy's mask counter are the same on all ranks, and each rank's own
-shard and mask stream follow from its rank. Evaluation runs on the unwrapped model, so its
-shards may be uneven without a collective waiting on a rank that has run out of batches.
-
-Checkpoints (``videotrain.engine.checkpoints.run``, the one owner; the files are
-``videotrain.engine.checkpoints.format``'s): ``checkpoints/step-N.ckpt`` every
-``checkpoint_every_n_steps`` and at each epoch end, the newest ``keep_last_k`` kept,
-``last.ckpt`` naming the newest and ``best.ckpt`` the one after the best validation (val_top1).
-They hold tensors and plain values only and are read with ``torch.load(weights_only=True)``;
-each records the resolved config, and resuming under a config that changes training is refused
-(``videotrain.engine.checkpoints.resume``, ``trainer.resume``).
-
-Preemption (``videotrain.engine.preempt``): while ``fit`` runs, SIGTERM, SIGUSR1 and SIGUSR2
-make the trainer finish the current optimizer step, write a checkpoint, log the signal, step
-and file, and raise ``Preempted``: the process exits with code 75 (``EXIT_PREEMPTED``), and the
-same command resumes. Under DDP the ranks agree on the stop at each step boundary (an
-all-reduce of the flag), so they all stop after the same step. A second signal while stopping
-exits at once (128 + signal number). The handlers that were installed before (e.g. submitit's,
-which requeues the job) are called once the checkpoint is written, and restored after training.
-"""
+The loop never branches on the memory strategy: the model owns it. The loop owns the
+bookkeeping: gradient accumulation, clipping, mixed precision, per-step peak memory and step
+time, checkpoints at optimizer-step boundaries with exact resume (the sampler's position, every
+sample seeded by ``(seed, epoch, index)``, RNG states saved), bad-video accounting and logs.
+Under DDP every rank runs this loop on its shard; accumulation skips the all-reduce before the
+last micro-batch, logged metrics are reduced over ranks, rank 0 writes. Checkpoints go through
+``engine.checkpoints.run``; preemption (``engine.preempt``) stops after the current step with a
+checkpoint and exit 75. Details: docs/design/internals.md#the-training-loop."""
 
 from __future__ import annotations
 
@@ -43,6 +15,7 @@ import logging
 import statistics
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +51,27 @@ def plan_steps(batches_per_epoch: int, settings: TrainerSettings) -> tuple[int, 
     return per_epoch, min(settings.max_steps or by_epochs, by_epochs)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """How long a run trains and on how many clips a step learns: computed once, when the run
+    is built (``videotrain.config.build.build_training``), and read by the LR schedule, the
+    loop, the start-up log line and the results."""
+
+    steps_per_epoch: int  # optimizer steps
+    total_steps: int
+    # samples per epoch (per rank) that feed full optimizer steps; a tail smaller than
+    # grad_accum micro-batches is dropped rather than leaking half-accumulated gradients
+    epoch_samples: int
+    global_batch_size: int  # clips per optimizer step over all ranks: what the learning rate sees
+
+    @classmethod
+    def of(cls, batches_per_epoch: int, batch_size: int, settings: TrainerSettings,
+           global_batch_size: int) -> StepPlan:
+        """The plan for ``batches_per_epoch`` micro-batches of ``batch_size`` clips per rank."""
+        per_epoch, total = plan_steps(batches_per_epoch, settings)
+        return cls(per_epoch, total, per_epoch * settings.grad_accum * batch_size, global_batch_size)
+
+
 class Trainer:
     """The loop. ``checkpoints`` owns the run's checkpoints (``RunCheckpoints``): the trainer
     restores from it when built (the checkpoint the run resumes from, if any, RNG states
@@ -96,6 +90,7 @@ class Trainer:
         data: DataBundle,
         precision: Precision,
         settings: TrainerSettings,
+        plan: StepPlan,
         checkpoints: RunCheckpoints,
         logger: MetricsLogger,
         device: torch.device,
@@ -104,7 +99,7 @@ class Trainer:
         recipe: RecipeSettings | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.data, self.precision, self.s = data, precision, settings
+        self.data, self.precision, self.s, self.plan = data, precision, settings, plan
         self.checkpoints, self.logger, self.device = checkpoints, logger, device
         self.comm = comm or Comm()
         self.is_main = self.comm.is_main
@@ -118,12 +113,6 @@ class Trainer:
                         "trainer.cpu_metered_steps=null in every job meters exactly, at 2-2.5x "
                         "the CPU step time (docs/benchmarks.md#how-peak-memory-is-measured)")
         self._split_paths: dict[str, set[str]] = {}  # per split, for its own bad fraction
-        self.steps_per_epoch, self.total_steps = plan_steps(len(data.train), settings)
-        # samples per epoch (per rank) that feed full optimizer steps; a tail smaller than
-        # grad_accum micro-batches is dropped rather than leaking half-accumulated gradients
-        self.epoch_samples = self.steps_per_epoch * settings.grad_accum * data.train.batch_size
-        # clips per optimizer step over all ranks: what the learning rate sees
-        self.global_batch_size = data.train.batch_size * settings.grad_accum * self.comm.world_size
         # the recipe's batch-level parts (videotrain.engine.recipe): MixUp / CutMix, weight EMA
         recipe = recipe or RecipeSettings()
         self.mix = BatchMix(recipe, data.num_classes) if recipe.mixes else None
@@ -131,7 +120,7 @@ class Trainer:
         # what every checkpoint holds; a resumed run continues from here (the RNG states too:
         # nothing draws random numbers between this and fit)
         self.parts = Checkpointed(self.module, optimizer, scheduler, precision.scaler, self.state,
-                                  self.total_steps, self.ema)
+                                  plan.total_steps, self.ema)
         self.resumed = checkpoints.restore(self.parts)
 
     @property
@@ -153,12 +142,12 @@ class Trainer:
         # the rows of a run that died before its first checkpoint)
         self.logger.truncate_after(st.step)
         with StopSignals() as self.signals:
-            while st.step < self.total_steps and st.epoch < s.max_epochs:
+            while st.step < self.plan.total_steps and st.epoch < s.max_epochs:
                 finished = self.train_epoch()
                 if finished:
                     st.epoch += 1
                     st.consumed = 0
-                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.total_steps:
+                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.plan.total_steps:
                     self.validate()
                 self.checkpoints.save(self.parts)
                 self._stop_if_requested()
@@ -182,11 +171,11 @@ class Trainer:
         # loss_sum stays on the device until the step's end: reading it after each backward
         # would make the host wait for the GPU before it could queue the optimizer's kernels
         micro, loss_sum, data_wait = 0, None, 0.0
-        bar = tqdm(total=self.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
+        bar = tqdm(total=self.plan.steps_per_epoch, initial=st.consumed // batch_size // s.grad_accum,
                    desc=f"epoch {st.epoch}", disable=not (s.progress and self.is_main), leave=False)
         t_data = time.perf_counter()
         for batch in self.data.train:
-            if st.consumed >= self.epoch_samples:
+            if st.consumed >= self.plan.epoch_samples:
                 break
             waited = time.perf_counter() - t_data
             data_wait += waited
@@ -239,11 +228,11 @@ class Trainer:
             if s.checkpoint_every_n_steps and st.step % s.checkpoint_every_n_steps == 0:
                 self.checkpoints.save(self.parts)
             self._stop_if_requested(bar)  # a step boundary: stop here if a rank got a signal
-            if st.step >= self.total_steps:
+            if st.step >= self.plan.total_steps:
                 break
             t_data = time.perf_counter()
         bar.close()
-        return st.consumed >= self.epoch_samples
+        return st.consumed >= self.plan.epoch_samples
 
     def validate(self) -> dict[str, float]:
         """Validate the model (``val_*``) and, with ``recipe.ema_decay``, its EMA
@@ -384,11 +373,11 @@ class Trainer:
             **st.last_val,
             "train_peak_mem_mb": slowest["train_peak_mem_mb"],  # the largest over steps and ranks
             "step_time_s": float("nan") if step_time is None else step_time,
-            "clips_per_s": self.global_batch_size / step_time if step_time else None,
+            "clips_per_s": self.plan.global_batch_size / step_time if step_time else None,
             "data_wait_s": data_wait,
             "world_size": self.comm.world_size,
             "batch_size_per_process": self.data.train.batch_size,
-            "global_batch_size": self.global_batch_size,
+            "global_batch_size": self.plan.global_batch_size,
             "memory_strategy": self.strategy.describe().get("strategy"),
             "memory": self.strategy.describe(),
             "skipped_videos": len(skipped),

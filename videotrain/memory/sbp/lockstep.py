@@ -1,51 +1,16 @@
 """SBP in one forward: the backbone's code with kept and dropped twins.
 
-The backbone is traced with ``torch.fx`` once (per backbone object), made out of place, and
-rewritten into a new ``GraphModule`` (:func:`lockstep_graph`) whose forward takes the frames
-and the step's rows and returns the kept part's features ``(n, ...)`` with autograd and the
-dropped part's ``(N - n, ...)`` without. The rows run in ``[kept | dropped]`` order, so a
-value is either two row blocks, one per part, or one tensor of all ``N`` rows whose first
-``n`` rows are the kept ones:
-
-- **Twins**: a per-frame op becomes two ops, one per part: the dropped part's under
-  ``no_grad`` (its activations are never stored), the kept part's with autograd. Per segment
-  between two *meeting points*, the dropped twins run in one ``no_grad`` region, where a ReLU
-  or residual add whose input nothing else reads runs in place (``_in_place_twin``), before the
-  kept twins, or after them in a segment that starts at a BN meet (``flush``).
-- **All rows at once**, where e2e's own kernel can run over both parts and the kept rows' graph
-  can be built beside it (``videotrain.memory.sbp.kept_rows``): a convolution of a value known
-  on all rows whose only reader is a full-batch BN (``conv_parts``: no ``cat`` to join the parts,
-  one kernel; the stem's runs on the input's two parts, whose copies are freed once used), the
-  ReLU or max pool after a BN (its kept rows with autograd, then all rows, in place where
-  nothing else reads them), an identity module, and a residual add with its ReLU
-  (``add_relu_parts``). What autograd saves is still
-  ``n``-row tensors of their own. This is what holds a ResNet step's aten ops (GPU kernel
-  launches) to 1.5x e2e's.
-
-Meeting points, where the two parts meet:
-
-- **Training-mode BatchNorm** (``bn_policy=full_batch``; :func:`batchnorm_parts`): on a value
-  known on all rows, or on the two blocks joined (:func:`join_rows`, one copy, no gather or
-  scatter), the layer's own training kernel (``_native_batch_norm_legit``) runs on all ``N``
-  rows: e2e's batch statistics and running-statistics update (once). The kept block carries
-  ``KeptRowsBatchNorm``'s graph: e2e's BN backward with the dropped rows held constant, from
-  ATen's own BN backward kernel and one ``addcmul``.
-- **A module with ``lockstep_parts(kept, dropped, rows)``**: TSM's temporal shift
-  (``videotrain.models.temporal_shift``) reads each frame's neighbours from both parts, the
-  dropped ones as constants.
-
-Nothing is interpreted per step: the generated code is plain Python that fx compiled once, and
-the row bookkeeping of a step is a few index tensors (:class:`PartRows`).
-
-What it computes: e2e's forward (BN statistics over all frames, running statistics updated
-once; values equal up to rounding since the rows are reduced in another order), and the e2e
-gradient with the dropped frames' activations held constant at every layer (the gradient paths
-through dropped frames cut); the input gradient of a dropped frame is exactly zero.
-
-A backbone that ``torch.fx`` cannot trace, one with a BN subclass that overrides ``forward``
-or SyncBatchNorm, or a kept path that is recomputed (SBP composed with recomputation) uses
-record/apply (``videotrain.memory.sbp.split``) instead; ``lockstep_graph`` returns ``None``.
-"""
+The backbone is fx-traced once, made out of place and rewritten (:func:`lockstep_graph`) into
+a ``GraphModule`` that takes the frames and the step's rows (:class:`PartRows`, rows in
+``[kept | dropped]`` order) and returns the kept part's features with autograd and the dropped
+part's without. A per-frame op becomes twins (the dropped one under ``no_grad``); where e2e's
+kernel can run over all rows with the kept rows' graph beside it (``kept_rows``: a conv into a
+full-batch BN, the ReLU or pool after it, a residual add with its ReLU) it runs once. The parts
+meet at training-mode BN (e2e's statistics over all frames, running stats updated once) and at
+modules with ``lockstep_parts`` (TSM's shift). It computes e2e's forward and e2e's gradient with
+the dropped frames' activations held constant. Where it cannot be built, ``lockstep_graph``
+says why and SBP uses record/apply (``sbp.split``). Details:
+docs/design/internals.md#sbps-lockstep-code."""
 
 from __future__ import annotations
 
