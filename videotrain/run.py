@@ -1,5 +1,6 @@
-"""Training as configured: ``train(cfg, out_dir)``, what ``python -m videotrain`` runs. Objects
-come from ``videotrain.config.build``; everything below takes plain arguments.
+"""Training as configured: ``train(cfg, out_dir)``, what ``python -m videotrain`` runs. It
+reads top to bottom: set up the processes, build what training needs in one call
+(``videotrain.config.build.build_training``, which owns the order), fit, write the results.
 
 Under torchrun (or SLURM tasks through submitit) every process calls ``train`` with the same
 config: it joins the process group, shards the data by rank, wraps the model in DDP, and only
@@ -14,35 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from torch.nn import Module
 
 from videotrain.config.build import (
-    build_data_from_cfg,
+    Training,
     build_eval_data,
-    build_model,
-    build_precision,
-    check_values,
-    effective_lr,
+    build_training,
     eval_settings,
-    global_batch_size,
-    optimizer_from_cfg,
-    plan_memory,
-    recipe_settings,
-    resolve_device,
-    seed_everything,
-    trainer_settings,
-    use_sync_bn,
     user_error,
 )
 from videotrain.config.estimate import ConfigEstimator
 from videotrain.engine import distributed
 from videotrain.engine.checkpoints.run import RunCheckpoints
-from videotrain.engine.distributed import Comm, DistContext, wrap_ddp
+from videotrain.engine.distributed import Comm, DistContext
 from videotrain.engine.evaluate import multi_view_test
-from videotrain.engine.optim import warmup_cosine
-from videotrain.engine.trainer import Trainer, plan_steps
+from videotrain.engine.trainer import Trainer
 from videotrain.memory.base import SelfPlanning
 from videotrain.metrics.logger import MetricsLogger, WandbSettings
-from videotrain.untrusted import check_run_folder, write_seal, write_text
+from videotrain.untrusted import write_seal, write_text
 
 log = logging.getLogger(__name__)
 
@@ -98,75 +88,32 @@ def name_the_rank(err: Exception, ctx: DistContext, worker_timeout: float) -> Ex
 
 
 def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
-    check_values(cfg)  # every value, before any data is read
-    # a shared folder resumed from: a linked run folder, links out of it, FIFOs, devices, and
-    # what cannot be listed refused before any write (every rank: each writes or reads there)
-    check_run_folder(out_dir, "write into")
+    """Build, resume if there is a checkpoint, fit, and write ``results.json`` (rank 0)."""
+    run = build_training(cfg, ctx, out_dir, ConfigEstimator)
     comm = Comm(ctx)
-    device = resolve_device(cfg.device, ctx)
-    settings = trainer_settings(cfg)  # validate cheap settings before generating data
-    recipe = recipe_settings(cfg)
-    precision = build_precision(cfg, device)
-    sync_bn = use_sync_bn(cfg, ctx, device)
-    global_batch, lr = global_batch_size(cfg, ctx.world_size), effective_lr(cfg, ctx.world_size)
-    seed_everything(cfg.seed, cfg.deterministic)  # the same initial weights on every rank
-    data, bad = build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size, report_dir=out_dir)
-    model = build_model(cfg, data.num_classes, sync_bn=sync_bn, class_names=data.class_names).to(device)
-    plan_memory(cfg, model, precision, device, data.num_classes, ConfigEstimator)  # memory=auto: fails here
-    optimizer = optimizer_from_cfg(cfg, model, ctx.world_size)
-    model = wrap_ddp(model, device, ctx)  # broadcasts rank 0's parameters and buffers
-    wait = float(cfg.data.worker_timeout)
-    if ctx.enabled and wait > 0:  # a rank whose batch never comes fails every rank, not hangs it
-        distributed.set_collective_timeout(wait + max(10.0, 0.1 * wait))
-    if ctx.enabled:  # from here on, ranks draw different dropout masks (reproducibly)
-        seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
-    runtime = {"world_size": ctx.world_size, "global_batch_size": global_batch, "lr": lr}
     config = OmegaConf.to_container(cfg, resolve=True)  # recorded in checkpoints, guards resume
-    _, total_steps = plan_steps(len(data.train), settings)
-    scheduler = warmup_cosine(optimizer, total_steps, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio)
-    checkpoints = RunCheckpoints(out_dir, settings.keep_last_k, settings.resume, comm, device,
-                                 config=config, class_names=list(data.class_names))
+    checkpoints = RunCheckpoints(out_dir, run.settings.keep_last_k, run.settings.resume, comm,
+                                 run.device, config=config, class_names=list(run.data.class_names))
     # what the run resumes from (or a refusal) before anything of this run is written: a refused
     # resume leaves the run's config.yaml, metrics.jsonl and wandb run as they were
     checkpoints.find_resume()
+    runtime = {"world_size": ctx.world_size, "global_batch_size": run.plan.global_batch_size,
+               "lr": run.lr}
     logger = MetricsLogger(out_dir, enabled=ctx.is_main, wandb=WandbSettings(**cfg.logger.wandb),
                            run_name=out_dir.name, config={**config, "runtime": runtime})
     try:
         # restores the checkpoint find_resume chose; config.yaml follows once that has worked
-        trainer = Trainer(model, optimizer, scheduler, data, precision, settings, checkpoints,
-                          logger, device, comm=comm, preflight_bad=bad, recipe=recipe)
+        trainer = Trainer(run.model, run.optimizer, run.scheduler, run.data, run.precision,
+                          run.settings, run.plan, checkpoints, logger, run.device, comm=comm,
+                          preflight_bad=run.preflight_bad, recipe=run.recipe)
         if ctx.is_main:
-            config_text = OmegaConf.to_yaml(cfg, resolve=True)
-            # the one writer, root = the run folder: a real folder, no link in it followed
-            write_text(out_dir / "config.yaml", config_text, root=out_dir)
-            # config.seal: this user's keyed digest of those bytes, what makes the run their own
-            write_seal(out_dir / "config.yaml", config_text.encode("utf-8"), root=out_dir)
-            log.info("training %s on %s x %d process(es): %d steps (%d per epoch), global batch %d "
-                     "(%d per process x %d accumulated x %d), lr %g (optim.lr_scaling=%s), output in %s",
-                     trainer.strategy.describe(), device, ctx.world_size, trainer.total_steps,
-                     trainer.steps_per_epoch, global_batch, cfg.data.batch_size,
-                     cfg.trainer.grad_accum, ctx.world_size, lr, cfg.optim.get("lr_scaling", "none"), out_dir)
+            write_config(cfg, out_dir)
+            log_start(cfg, run, ctx.world_size, out_dir)
         results = trainer.fit()
-        results["lr"] = lr
-        results["class_names"] = data.class_names
-        digests = comm.all_gather(distributed.param_digest(trainer.module))
-        results["replicas_in_sync"] = len(set(digests)) == 1
-        results["param_digests"] = digests  # one per rank
-        if not results["replicas_in_sync"]:
-            log.error("DDP replicas ended with different parameters: %s", digests)
-        if isinstance(trainer.strategy, SelfPlanning):
-            results["memory_plan"] = trainer.strategy.plan_report()
-        if settings.test_after_fit:  # the paper-style evaluation: eval.clips x eval.crops views
-            # under DDP each rank tests its shard of the videos; the counts are reduced
-            test_data, test_bad = build_eval_data(cfg, device, ctx, report_dir=out_dir)
-            test = multi_view_test(
-                trainer.module, test_data, test_bad, eval_settings(cfg), precision, device, out_dir,
-                max_bad_fraction=float(cfg.data.max_bad_fraction), progress=settings.progress,
-                checkpoint=str(checkpoints.files.last),
-                num_frames=int(cfg.data.num_frames), crop_size=int(cfg.data.crop_size))
-            results["test"] = test
-            results.update({f"test_{k}": test[k] for k in
-                            ("video_top1", "video_top5", "clip_top1", "mean_class_acc")})
+        results.update(replica_summary(run, trainer.module, comm))
+        if run.settings.test_after_fit:
+            results.update(evaluate_after_fit(cfg, run, trainer.module, ctx, out_dir,
+                                              str(checkpoints.files.last)))
         if ctx.is_main:
             write_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n", root=out_dir)
         logger.finish(results)
@@ -175,3 +122,51 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: DistContext) -> dict[str, Any]:
     except BaseException:
         logger.finish()
         raise
+
+
+def write_config(cfg: DictConfig, out_dir: Path) -> None:
+    """``config.yaml`` (the resolved config) and ``config.seal`` (this user's keyed digest of
+    those bytes, what makes the run their own); the one writer, root = the run folder: a real
+    folder, no link in it followed."""
+    config_text = OmegaConf.to_yaml(cfg, resolve=True)
+    write_text(out_dir / "config.yaml", config_text, root=out_dir)
+    write_seal(out_dir / "config.yaml", config_text.encode("utf-8"), root=out_dir)
+
+
+def log_start(cfg: DictConfig, run: Training, world_size: int, out_dir: Path) -> None:
+    """The run's first log line: strategy, device, steps, batch and learning rate."""
+    log.info("training %s on %s x %d process(es): %d steps (%d per epoch), global batch %d "
+             "(%d per process x %d accumulated x %d), lr %g (optim.lr_scaling=%s), output in %s",
+             run.strategy.describe(), run.device, world_size, run.plan.total_steps,
+             run.plan.steps_per_epoch, run.plan.global_batch_size, cfg.data.batch_size,
+             cfg.trainer.grad_accum, world_size, run.lr, cfg.optim.get("lr_scaling", "none"),
+             out_dir)
+
+
+def replica_summary(run: Training, module: Module, comm: Comm) -> dict[str, Any]:
+    """What results.json adds to the trainer's summary: the learning rate, the classes, one
+    parameter digest per rank (whether the DDP replicas ended in sync) and ``memory=auto``'s
+    plan. A collective: every rank calls it."""
+    digests = comm.all_gather(distributed.param_digest(module))
+    summary: dict[str, Any] = {"lr": run.lr, "class_names": run.data.class_names,
+                               "replicas_in_sync": len(set(digests)) == 1,
+                               "param_digests": digests}
+    if not summary["replicas_in_sync"]:
+        log.error("DDP replicas ended with different parameters: %s", digests)
+    if isinstance(run.strategy, SelfPlanning):
+        summary["memory_plan"] = run.strategy.plan_report()
+    return summary
+
+
+def evaluate_after_fit(cfg: DictConfig, run: Training, module: Module, ctx: DistContext,
+                   out_dir: Path, checkpoint: str) -> dict[str, Any]:
+    """The paper-style evaluation after training, ``eval.clips x eval.crops`` views per video:
+    under DDP each rank tests its shard of the videos and the counts are reduced."""
+    test_data, test_bad = build_eval_data(cfg, run.device, ctx, report_dir=out_dir)
+    test = multi_view_test(
+        module, test_data, test_bad, eval_settings(cfg), run.precision, run.device, out_dir,
+        max_bad_fraction=float(cfg.data.max_bad_fraction), progress=run.settings.progress,
+        checkpoint=checkpoint, num_frames=int(cfg.data.num_frames),
+        crop_size=int(cfg.data.crop_size))
+    return {"test": test, **{f"test_{k}": test[k] for k in
+                             ("video_top1", "video_top5", "clip_top1", "mean_class_acc")}}

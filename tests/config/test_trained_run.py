@@ -51,7 +51,7 @@ def test_the_commands_load_through_trained_run_and_not_through_each_other() -> N
         assert "videotrain.config.trained_run" in imported, name
         others = {f"videotrain.{o}" for o in COMMANDS if o != name}
         assert not imported & others, (name, imported & others)
-    assert not _imports("trained_run") & {f"videotrain.{o}" for o in COMMANDS}
+    assert not _imports("config/trained_run") & {f"videotrain.{o}" for o in COMMANDS}
 
 
 def test_apply_overrides_keeps_the_run_and_takes_the_command_line(compose_cfg) -> None:

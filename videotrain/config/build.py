@@ -35,18 +35,23 @@ from torch import nn
 from videotrain.config import schema
 from videotrain.data.loaders import BadDataError, DataBundle, build_data, check_data_values
 from videotrain.engine import distributed
-from videotrain.engine.distributed import SINGLE_PROCESS, DistContext, resolve_device  # noqa: F401 (the commands')
+from videotrain.engine.distributed import (  # noqa: F401 (the commands')
+    SINGLE_PROCESS,
+    DistContext,
+    resolve_device,
+    wrap_ddp,
+)
 from videotrain.engine.evaluate import EvalSettings
-from videotrain.engine.optim import build_optimizer, scaled_lr
+from videotrain.engine.optim import build_optimizer, scaled_lr, warmup_cosine
 from videotrain.engine.precision import Precision
 from videotrain.engine.recipe import RecipeSettings
-from videotrain.engine.trainer import TrainerSettings
-from videotrain.memory.base import SelfPlanning
+from videotrain.engine.trainer import StepPlan, TrainerSettings
+from videotrain.memory.base import MemoryStrategy, SelfPlanning
 from videotrain.memory.estimate import StepMemory
 from videotrain.models.finetune import freeze_backbone, init_from
 from videotrain.models.video import VideoClassifier, wants_channels_last
 from videotrain.models.weights import load_backbone_weights
-from videotrain.untrusted import UnsafeFileError
+from videotrain.untrusted import UnsafeFileError, check_run_folder
 from videotrain.untrusted.files import make_new_dir
 
 log = logging.getLogger(__name__)
@@ -201,14 +206,17 @@ RUN_VALUE_CHECKS: dict[str, tuple[Any, str]] = {
 }
 
 
-def check_values(cfg: DictConfig) -> None:
+def check_values(cfg: DictConfig) -> MemoryStrategy | None:
     """Check every config value that can be checked without reading data, before any is read:
     the ``data`` values (``loaders.DATA_VALUE_CHECKS``), ``RUN_VALUE_CHECKS``, and the values
     the ``trainer``, ``eval``, ``recipe`` and ``memory`` groups check when they are built. Each
     invalid value raises one ``ValueError`` naming its key, which ``clean_errors`` reports as
     one ``error:`` line with exit status 2 (a strategy's error is taken out of Hydra's
     "Error in call to target"). ``model/backbone`` and ``model/head`` values are checked when
-    the model is built, after the class list is read and before any video is."""
+    the model is built, after the class list is read and before any video is.
+
+    Returns the strategy it built to check the ``memory`` group (None without one): a run
+    builds its model around that instance (``build_model(strategy=...)``)."""
     data = cfg.get("data")
     if data is not None:
         plain = OmegaConf.to_container(data, resolve=True)
@@ -222,14 +230,19 @@ def check_values(cfg: DictConfig) -> None:
     if cfg.get("eval") is not None:
         eval_settings(cfg)
     recipe_settings(cfg)
-    if cfg.get("memory") is not None:
-        try:
-            instantiate(cfg.memory)
-        except InstantiationException as err:
-            cause = user_error(err)
-            if cause is None:
-                raise
-            raise cause from None
+    return build_strategy(cfg) if cfg.get("memory") is not None else None
+
+
+def build_strategy(cfg: DictConfig) -> MemoryStrategy:
+    """The ``memory`` group's strategy; a value its constructor refuses is raised as that
+    constructor's error, not Hydra's "Error in call to target"."""
+    try:
+        return instantiate(cfg.memory)
+    except InstantiationException as err:
+        cause = user_error(err)
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:
@@ -279,7 +292,8 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
 
 
 def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
-                init: bool = True, class_names: list[str] | None = None) -> VideoClassifier:
+                init: bool = True, class_names: list[str] | None = None,
+                strategy: MemoryStrategy | None = None) -> VideoClassifier:
     """Backbone (``model/backbone``, with ``model.pretrained`` or ``model.pretrained_path``
     weights), head (``model/head``) and strategy (``memory``); then ``model.init_from`` (a
     trained video model's weights) and ``model.freeze_backbone`` (``videotrain.models.finetune``).
@@ -294,6 +308,8 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
 
     ``sync_bn`` converts BatchNorm layers to SyncBatchNorm *before* the strategy prepares the
     backbone, so that wrappers the strategy installs (recomputed blocks) see the final layers.
+
+    ``strategy``: the one ``check_values`` built from ``cfg.memory`` (else it is built here).
     """
     if cfg.model.get("pretrained_path") and cfg.model.get("pretrained"):
         raise ValueError("set at most one of model.pretrained (download) and "
@@ -309,7 +325,9 @@ def build_model(cfg: DictConfig, num_classes: int, sync_bn: bool = False,
                              "use memory.bn_policy=frozen or trainer.sync_bn=false")
         backbone = nn.SyncBatchNorm.convert_sync_batchnorm(backbone)
         head = nn.SyncBatchNorm.convert_sync_batchnorm(head)
-    model = VideoClassifier(backbone, head, instantiate(cfg.memory))
+    if strategy is None:
+        strategy = instantiate(cfg.memory)
+    model = VideoClassifier(backbone, head, strategy)
     model.eval_frame_chunk = eval_settings(cfg).frame_chunk
     if init and cfg.model.get("init_from"):  # fine-tuning from a trained video model
         init_from(model, str(cfg.model.init_from), class_names, cfg.data.get("layout"))
@@ -443,3 +461,57 @@ def trainer_settings(cfg: DictConfig) -> TrainerSettings:
         raise schema.UnknownConfigKey(f"unknown config key trainer.{unknown[0]} "
                                       f"(the keys of trainer are: {', '.join(sorted(fields))})")
     return TrainerSettings(**t, max_bad_fraction=cfg.data.max_bad_fraction)
+
+
+@dataclasses.dataclass
+class Training:
+    """What the training loop needs, built by ``build_training`` from one config."""
+
+    model: nn.Module  # the VideoClassifier on its device, wrapped in DDP under torchrun
+    strategy: MemoryStrategy  # the model's: the one instance, which check_values validated
+    data: DataBundle
+    preflight_bad: list[str]  # videos the preflight found bad: training draws others
+    precision: Precision
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    settings: TrainerSettings
+    recipe: RecipeSettings
+    plan: StepPlan
+    lr: float  # optim.lr at the global batch (effective_lr)
+    device: torch.device
+
+
+def build_training(cfg: DictConfig, ctx: DistContext, out_dir: Path,
+                   estimator: Callable[[DictConfig, int, str], Callable[[dict[str, Any]], StepMemory]],
+                   ) -> Training:
+    """Build a training run in the one order that works, each step's reason beside it: every
+    value checked before any data is read, the same initial weights on every rank, the
+    strategy's plan chosen before the optimizer sees the parameters, per-rank randomness only
+    after DDP has broadcast rank 0's weights. ``out_dir`` is the run folder, checked before
+    anything is built and given the lists of missing videos; ``estimator`` is ``plan_memory``'s."""
+    strategy = check_values(cfg)  # every value, before any data is read
+    # a shared folder resumed from: a linked run folder, links out of it, FIFOs, devices, and
+    # what cannot be listed refused before any write (every rank: each writes or reads there)
+    check_run_folder(out_dir, "write into")
+    device = resolve_device(cfg.device, ctx)
+    settings, recipe = trainer_settings(cfg), recipe_settings(cfg)
+    precision = build_precision(cfg, device)
+    sync_bn = use_sync_bn(cfg, ctx, device)
+    seed_everything(cfg.seed, cfg.deterministic)  # the same initial weights on every rank
+    data, bad = build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size, report_dir=out_dir)
+    classifier = build_model(cfg, data.num_classes, sync_bn=sync_bn,
+                             class_names=data.class_names, strategy=strategy).to(device)
+    plan_memory(cfg, classifier, precision, device, data.num_classes, estimator)  # memory=auto: fails here
+    optimizer = optimizer_from_cfg(cfg, classifier, ctx.world_size)
+    model = wrap_ddp(classifier, device, ctx)  # broadcasts rank 0's parameters and buffers
+    wait = float(cfg.data.worker_timeout)
+    if ctx.enabled and wait > 0:  # a rank whose batch never comes fails every rank, not hangs it
+        distributed.set_collective_timeout(wait + max(10.0, 0.1 * wait))
+    if ctx.enabled:  # from here on, ranks draw different dropout masks (reproducibly)
+        seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
+    plan = StepPlan.of(len(data.train), data.train.batch_size, settings,
+                       global_batch_size(cfg, ctx.world_size))
+    scheduler = warmup_cosine(optimizer, plan.total_steps, cfg.sched.warmup_steps,
+                              cfg.sched.min_lr_ratio)
+    return Training(model, classifier.strategy, data, bad, precision, optimizer, scheduler, settings, recipe,
+                    plan, effective_lr(cfg, ctx.world_size), device)

@@ -245,6 +245,128 @@ def check_val_classes(train: annotations.VideoIndex, val: annotations.VideoIndex
         )
 
 
+def read_splits(layout: str, root: Path, num_classes: int | None, options: dict[str, Any],
+                drop_classes: Sequence[str] | None,
+                ) -> tuple[annotations.VideoIndex, annotations.VideoIndex, set[int]]:
+    """Both splits' lists and the labels ``data.drop_classes`` leaves out, checked against each
+    other from the lists alone (no video file is stat-ed yet)."""
+    train_index = read_index(layout, root, "train", num_classes, options)
+    val_index = read_index(layout, root, "val", num_classes or len(train_index.class_names), options)
+    if layout == "folder" and val_index.class_names != train_index.class_names:
+        extra = len(set(val_index.class_names) - set(train_index.class_names))  # counted, not named
+        raise annotations.AnnotationError(
+            f"{shown(Path(val_index.source))}: class folders differ from train's "
+            f"({f'{extra} not in train' if extra else 'some of train missing'})"
+        )
+    drop = dropped_labels(drop_classes, train_index.class_names, train_index.source)
+    check_val_classes(train_index, val_index, drop)
+    return train_index, val_index, drop
+
+
+def find_bad(train_index: annotations.VideoIndex, val_index: annotations.VideoIndex,
+             drop: set[int], max_bad_fraction: float, preflight_train: bool,
+             report_dir: str | Path | None) -> list[str]:
+    """The preflight (``preflight.preflight``): the listed videos that are missing or empty,
+    training's too unless ``preflight_train`` is off; then every kept class must still have
+    readable videos (``coverage.check_classes``)."""
+    cache = default_cache_root()
+    found = (preflight(train_index, max_bad_fraction, cache, "train", report_dir)
+             if preflight_train else [])
+    found += preflight(val_index, max_bad_fraction, cache, "val", report_dir)
+    check_classes(train_index, val_index, set(found), drop, preflight_train, report_dir)
+    return found
+
+
+def kept_videos(train_index: annotations.VideoIndex, val_index: annotations.VideoIndex,
+                known_bad: frozenset[str], drop: set[int],
+                ) -> tuple[annotations.VideoIndex, annotations.VideoIndex, int]:
+    """Both lists without the dropped classes, val also without its bad videos, and how many
+    val videos were listed; says what is left out. Training replaces a bad video by another
+    (batches stay full); evaluation scores only the videos that are there, never another video
+    in place of a missing one."""
+    val_listed = len(without(val_index, drop=drop))
+    train_index = without(train_index, drop=drop)
+    val_index = without(val_index, known_bad, drop)
+    if drop:
+        log.warning("data.drop_classes: %s left out of training and the metrics (%d classes "
+                    "remain)", ", ".join(shown_name(train_index.class_names[k]) for k in sorted(drop)),
+                    len(train_index.class_names) - len(drop))
+    if val_listed != len(val_index):
+        log.warning("%s: evaluating the %d of %d listed videos that are there", val_index.source,
+                    len(val_index), val_listed)
+    return train_index, val_index, val_listed
+
+
+def checked_flip_labels(hflip_label_map: Mapping[str, str] | None, hflip: bool,
+                        class_names: Sequence[str], drop: set[int]) -> dict[int, int] | None:
+    """``data.hflip_label_map`` as label numbers (``flip_label_indices``), None when unset;
+    refused when it mirrors a kept class into a dropped one, or when ``data.hflip`` is off."""
+    flip_labels = flip_label_indices(hflip_label_map, class_names) if hflip_label_map else None
+    for a, b in (flip_labels or {}).items():
+        if (a in drop) != (b in drop):  # a flipped clip would train on a class the run leaves out
+            kept, dropped = (a, b) if b in drop else (b, a)
+            raise ValueError(f"data.hflip_label_map mirrors the class of label {kept} into that of "
+                             f"label {dropped}, which data.drop_classes leaves out: drop both or "
+                             "neither")
+    if flip_labels is not None and not hflip:
+        raise ValueError("data.hflip_label_map is set but data.hflip=false: set data.hflip=true "
+                         "to flip with relabelling, or data.hflip_label_map=null")
+    return flip_labels
+
+
+def make_datasets(train_index: annotations.VideoIndex, val_index: annotations.VideoIndex,
+                  known_bad: frozenset[str], flip_labels: dict[int, int] | None, *,
+                  num_frames: int, clip_duration: float, short_side: int, crop_size: int,
+                  train_scale: Sequence[float], hflip: bool, randaugment: tuple[int, int],
+                  random_erasing: float, val_clips: int, val_crops: int, decoder: str,
+                  sampler: str, seed: int) -> tuple[VideoClipDataset, VideoClipDataset]:
+    """The train dataset (one augmented clip per video, a bad video replaced by another) and
+    the val dataset (``val_clips x val_crops`` views per video). ``clip_duration``: the seconds
+    of video one clip spans; with ``flip_labels`` the dataset flips and relabels the train
+    clips, and the transform does not flip them again."""
+    train_ds = VideoClipDataset(
+        train_index, num_frames, clip_duration,
+        train_transform(short_side, crop_size, tuple(train_scale), hflip and flip_labels is None,
+                        randaugment=tuple(randaugment), random_erasing=random_erasing), train=True, seed=seed,
+        decoder=decoder, sampler=sampler, known_bad=known_bad, flip_labels=flip_labels,
+    )
+    val_ds = VideoClipDataset(
+        val_index, num_frames, clip_duration,
+        eval_transform(short_side, crop_size, val_crops), train=False, num_clips=val_clips, seed=seed,
+        decoder=decoder, sampler=sampler,
+    )
+    return train_ds, val_ds
+
+
+def make_loaders(train_ds: VideoClipDataset, val_ds: VideoClipDataset, batch_size: int,
+                 val_batch_size: int, *, seed: int, rank: int, world_size: int, workers: int,
+                 worker_timeout: float, pin_memory: bool, device_type: str,
+                 ) -> tuple[DataLoader, DataLoader, ResumableSampler]:
+    """The train loader (shuffled per epoch, resumable, full batches only), the val loader
+    (in order, each rank its share of the videos, none repeated) and the train sampler.
+
+    Decoding runs in worker processes that live for the whole run (persistent_workers), and
+    batches land in pinned memory on CUDA so the copy to the GPU overlaps compute; there each
+    worker keeps PREFETCH_CUDA batches in flight, so a slow video does not stall the step."""
+    train_sampler = ResumableSampler(train_ds, shuffle=True, seed=seed, rank=rank,
+                                     world_size=world_size, drop_last=True)
+    val_sampler = ResumableSampler(val_ds, shuffle=False, seed=seed, rank=rank, world_size=world_size,
+                                   pad=False)
+    common = dict(num_workers=workers, collate_fn=collate, pin_memory=pin_memory,
+                  persistent_workers=workers > 0, timeout=worker_timeout if workers > 0 else 0)
+    if workers > 0 and device_type == "cuda":
+        common["prefetch_factor"] = PREFETCH_CUDA
+    if len(train_ds) < batch_size * world_size:
+        raise ValueError(f"data.batch_size={batch_size} exceeds the {len(train_ds)} training videos")
+    # Own generators: a loader without one draws its worker base seed from the global torch RNG
+    # each time an iterator starts, which a resumed run would replay differently (dropout, SBP).
+    train = DataLoader(train_ds, batch_size=batch_size, sampler=train_sampler, drop_last=True,
+                       generator=torch.Generator().manual_seed(seed), **common)
+    val = DataLoader(val_ds, batch_size=val_batch_size, sampler=val_sampler,
+                     generator=torch.Generator().manual_seed(seed), **common)
+    return train, val, train_sampler
+
+
 def build_data(
     *,
     name: str,
@@ -320,82 +442,21 @@ def build_data(
     check_decoder(decoder)  # before the files are read: a wrong name or a missing extra
     check_sampler(sampler)
     path = resolve_root(name, root, synthetic, layout)
-    train_index = read_index(layout, path, "train", num_classes, options)
-    val_index = read_index(layout, path, "val", num_classes or len(train_index.class_names), options)
-    if layout == "folder" and val_index.class_names != train_index.class_names:
-        extra = len(set(val_index.class_names) - set(train_index.class_names))  # counted, not named
-        raise annotations.AnnotationError(
-            f"{shown(Path(val_index.source))}: class folders differ from train's "
-            f"({f'{extra} not in train' if extra else 'some of train missing'})"
-        )
-    drop = dropped_labels(drop_classes, train_index.class_names, train_index.source)
-    check_val_classes(train_index, val_index, drop)
-
-    def check_files() -> list[str]:
-        cache = default_cache_root()
-        found = (preflight(train_index, max_bad_fraction, cache, "train", report_dir)
-                 if preflight_train else [])
-        found += preflight(val_index, max_bad_fraction, cache, "val", report_dir)
-        check_classes(train_index, val_index, set(found), drop, preflight_train, report_dir)
-        return found
-
-    bad = (shared or (lambda fn: fn()))(check_files)
+    train_index, val_index, drop = read_splits(layout, path, num_classes, options, drop_classes)
+    bad = (shared or (lambda fn: fn()))(
+        lambda: find_bad(train_index, val_index, drop, max_bad_fraction, preflight_train, report_dir))
     known_bad = frozenset(bad)
-    val_listed = len(without(val_index, drop=drop))
-    # training replaces a bad video by another (batches stay full); evaluation scores only the
-    # videos that are there, never another video in place of a missing one
-    train_index = without(train_index, drop=drop)
-    val_index = without(val_index, known_bad, drop)
-    if drop:
-        log.warning("data.drop_classes: %s left out of training and the metrics (%d classes "
-                    "remain)", ", ".join(shown_name(train_index.class_names[k]) for k in sorted(drop)),
-                    len(train_index.class_names) - len(drop))
-    if val_listed != len(val_index):
-        log.warning("%s: evaluating the %d of %d listed videos that are there", val_index.source,
-                    len(val_index), val_listed)
-    flip_labels = flip_label_indices(hflip_label_map, train_index.class_names) if hflip_label_map else None
-    for a, b in (flip_labels or {}).items():
-        if (a in drop) != (b in drop):  # a flipped clip would train on a class the run leaves out
-            kept, dropped = (a, b) if b in drop else (b, a)
-            raise ValueError(f"data.hflip_label_map mirrors the class of label {kept} into that of "
-                             f"label {dropped}, which data.drop_classes leaves out: drop both or "
-                             "neither")
-    if flip_labels is not None and not hflip:
-        raise ValueError("data.hflip_label_map is set but data.hflip=false: set data.hflip=true "
-                         "to flip with relabelling, or data.hflip_label_map=null")
-    clip_duration = num_frames * sampling_rate / fps  # seconds of video one clip spans
-    train_ds = VideoClipDataset(
-        train_index, num_frames, clip_duration,
-        train_transform(short_side, crop_size, tuple(train_scale), hflip and flip_labels is None,
-                        randaugment=tuple(randaugment), random_erasing=random_erasing), train=True, seed=seed,
-        decoder=decoder, sampler=sampler, known_bad=known_bad, flip_labels=flip_labels,
-    )
-    val_ds = VideoClipDataset(
-        val_index, num_frames, clip_duration,
-        eval_transform(short_side, crop_size, val_crops), train=False, num_clips=val_clips, seed=seed,
-        decoder=decoder, sampler=sampler,
-    )
-    train_sampler = ResumableSampler(train_ds, shuffle=True, seed=seed, rank=rank,
-                                     world_size=world_size, drop_last=True)
-    val_sampler = ResumableSampler(val_ds, shuffle=False, seed=seed, rank=rank, world_size=world_size,
-                                   pad=False)
-    # Decoding runs in worker processes that live for the whole run (persistent_workers), and
-    # batches land in pinned memory on CUDA so the copy to the GPU overlaps compute; there each
-    # worker keeps PREFETCH_CUDA batches in flight, so a slow video does not stall the step.
-    num_workers = resolve_num_workers(num_workers, device_type, world_size)
-    common = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory,
-                  persistent_workers=num_workers > 0,
-                  timeout=worker_timeout if num_workers > 0 else 0)
-    if num_workers > 0 and device_type == "cuda":
-        common["prefetch_factor"] = PREFETCH_CUDA
-    if len(train_ds) < batch_size * world_size:
-        raise ValueError(f"data.batch_size={batch_size} exceeds the {len(train_ds)} training videos")
-    # Own generators: a loader without one draws its worker base seed from the global torch RNG
-    # each time an iterator starts, which a resumed run would replay differently (dropout, SBP).
-    train = DataLoader(train_ds, batch_size=batch_size, sampler=train_sampler, drop_last=True,
-                       generator=torch.Generator().manual_seed(seed), **common)
-    val = DataLoader(val_ds, batch_size=val_batch_size, sampler=val_sampler,
-                     generator=torch.Generator().manual_seed(seed), **common)
+    train_index, val_index, val_listed = kept_videos(train_index, val_index, known_bad, drop)
+    flip_labels = checked_flip_labels(hflip_label_map, hflip, train_index.class_names, drop)
+    train_ds, val_ds = make_datasets(
+        train_index, val_index, known_bad, flip_labels, num_frames=num_frames,
+        clip_duration=num_frames * sampling_rate / fps, short_side=short_side, crop_size=crop_size,
+        train_scale=train_scale, hflip=hflip, randaugment=randaugment, random_erasing=random_erasing,
+        val_clips=val_clips, val_crops=val_crops, decoder=decoder, sampler=sampler, seed=seed)
+    train, val, train_sampler = make_loaders(
+        train_ds, val_ds, batch_size, val_batch_size, seed=seed, rank=rank, world_size=world_size,
+        workers=resolve_num_workers(num_workers, device_type, world_size),
+        worker_timeout=worker_timeout, pin_memory=pin_memory, device_type=device_type)
     names = train_index.class_names
     bundle = DataBundle(train, val, train_sampler, names, len(names), path, val_listed,
                         [names[k] for k in sorted(drop)])

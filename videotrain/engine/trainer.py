@@ -137,17 +137,17 @@ class Trainer:
         """Train to the end (from where the run's checkpoints left it) and return ``results()``.
         While it runs, SIGTERM / SIGUSR1 / SIGUSR2 stop it at the next optimizer-step boundary
         with a checkpoint and ``Preempted`` (exit code 75); see the module docstring."""
-        st, s = self.state, self.s
+        st, s, total = self.state, self.s, self.plan.total_steps
         # metrics.jsonl as of the checkpoint: rows logged after it go (and a fresh start drops
         # the rows of a run that died before its first checkpoint)
         self.logger.truncate_after(st.step)
         with StopSignals() as self.signals:
-            while st.step < self.plan.total_steps and st.epoch < s.max_epochs:
+            while st.step < total and st.epoch < s.max_epochs:
                 finished = self.train_epoch()
                 if finished:
                     st.epoch += 1
                     st.consumed = 0
-                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= self.plan.total_steps:
+                if not finished or st.epoch % s.val_every_n_epochs == 0 or st.step >= total:
                     self.validate()
                 self.checkpoints.save(self.parts)
                 self._stop_if_requested()
