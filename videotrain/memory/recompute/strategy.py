@@ -1,46 +1,14 @@
 """``memory=recompute``: recomputation (Chen et al. 2016; Kusumoto et al., NeurIPS 2019).
 
-Every frame goes through the backbone with autograd, as in e2e, but only some activations are
-kept; the rest are recomputed in backward. Gradients, loss and BN running statistics equal
-e2e's (tested); the price is extra forward compute.
-
-Policies (``memory.policy``)
-----------------------------
-``blocks``: each of ``backbone.blocks()`` (residual / encoder blocks) runs under non-reentrant
-``torch.utils.checkpoint`` in training; eval and ``no_grad`` are untouched.
-
-``sqrt``: Chen et al. The backbone is fx-traced into a DAG of intermediate tensors
-(``graph.py``) and cut into ~sqrt(n) segments at articulation points (single tensors every path
-passes through), balanced by activation bytes.
-
-``optimal``: the lower-set plan of Kusumoto et al. (``planner.py``) for a budget in bytes
-(``budget_mb``, or ``budget_frac`` x the e2e estimated peak; neither: the smallest feasible),
-``objective=time`` (least recompute within the budget) or ``memory`` (least peak). An
-infeasible budget raises ``InfeasibleBudget`` naming the smallest feasible one.
-
-``sqrt``/``optimal`` execute by splitting the traced graph into the plan's segments
-(``torch.fx.passes.split_module``) and recomputing all but the last. Plans depend on the input
-shape, so they are made lazily on the first training ``encode`` per ``(N, C, H, W)``, dtype and
-device. The traced graph is rewritten without in-place ops (``memory.fx.make_out_of_place``), so
-no cut can land between a BN and an in-place ReLU.
-
-Segment inputs are let go as soon as the segment is recomputed (``execute.recompute_call``),
-not when its backward ends, and the planner's cost model knows it: a boundary tensor lives in
-backward only until the last segment that reads it is recomputed. That is what lets the
-least-memory ResNet plan cut the stem after BN and hold three stem-sized maps instead of four.
-
-BatchNorm: recompute would update running statistics a second time; ``execute.py`` swaps the
-running buffers for throw-away clones during any recompute (the closure of each checkpoint
-call counts its invocations), so they update exactly once per step. Dropout replays its RNG
-(``torch.utils.checkpoint``'s ``preserve_rng_state``).
-
-The planner simulates what autograd keeps and frees (``planner.block_peak``) from a trace that
-runs the real kernels one node at a time, so its estimated peak upper-bounds the measured one
-(tested in ``tests/memory/recompute/test_recompute_peak.py``; figures in docs/memory.md).
-
-Composition with ``sbp``: ``memory=sbp memory.recompute=POLICY`` recomputes SBP's kept-frame
-path with these policies (``kept_path``); see ``videotrain.memory.sbp.strategy``.
-"""
+Every frame runs with autograd as in e2e but only some activations are kept; the rest are
+recomputed in backward. Gradients, loss and BN running statistics equal e2e's. Policies
+(``memory.policy``): ``blocks`` (each of ``backbone.blocks()`` under non-reentrant
+checkpoint), ``sqrt`` (Chen: ~sqrt(n) segments at articulation points of the fx graph) and
+``optimal`` (Kusumoto's lower-set plan for ``budget_mb`` / ``budget_frac``, ``objective`` time
+or memory; an infeasible budget raises ``InfeasibleBudget`` naming the smallest feasible).
+Graph plans split the out-of-place traced graph into segments, planned lazily per input shape,
+dtype and device; BN running stats update once (``execute.py``). SBP composes with these
+policies through ``kept_path``. Details: docs/design/internals.md#recompute-policies."""
 
 from __future__ import annotations
 
