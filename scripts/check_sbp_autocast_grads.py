@@ -4,8 +4,9 @@ One training step (forward, cross-entropy, backward) of the same model, built fr
 config and seed, once in fp32 and once under ``torch.autocast(bf16)`` (the trainer's
 ``trainer.precision=bf16`` context, on CUDA when there is one, else CPU). For each case it counts
 the trainable parameters whose ``.grad`` is None after the step; a case passes when both counts
-are 0. Autocast's weight-cast cache on old torch (pytorch issue #112583) made SBP's kept frames
-reuse casts made under ``no_grad``, leaving such parameters without a gradient, silently.
+are 0. Autocast's weight-cast cache on old torch made SBP's kept frames reuse casts made under
+``no_grad``, leaving such parameters without a gradient, silently (docs/cluster.md, "SBP and
+mixed precision").
 
     python scripts/check_sbp_autocast_grads.py            # every case below; exit 1 if one fails
     python scripts/check_sbp_autocast_grads.py vit-frame  # one case

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared device calls of a session with a GPU lease (issues 45 and 46): machine facts, the
+# The prepared device calls of a session with a GPU lease: machine facts, the
 # gpu-marked tests, the GPU bench suite (ResNet-50 + transformer, B=8 x T=16 at 224 px, bf16;
 # 5 warm-up and 20 timed steps per row, GPU busy and kernels per step from torch.profiler; e2e
 # with and without channels_last; ViT-B/16 at B=8 x 64 frames) and the default job (its data wait
@@ -23,13 +23,13 @@
 #
 # Two calls, one lease (15 minutes of device time: a machine's start, then at most 600 s a call;
 # the second call must follow within the machine's 30 s warm time, or it starts a fresh one):
-#   PART=1 (default): machine facts, the gpu-marked tests, then the rows issues 45 and 46 judge
+#   PART=1 (default): machine facts, the gpu-marked tests, then the acceptance rows
 #          (ACCEPT below) in one bench run, so that their ratios share one e2e (about 575 s).
-#   PART=2: the default job (issue 46: its data wait against its step, the bottleneck warning),
+#   PART=2: the default job (its data wait against its step, the bottleneck warning),
 #          then the comparison rows (frame dropout, SBP + recomputation, the ViT's recomputation,
 #          memory=auto, torch.compile) with their own e2e; give it BENCH_S = the device time
 #          left (status's budget_left_s) - JOB_S - 60, and timeout_s to match.
-# Time: TEST_S seconds for the tests (default 120 in part 1; 122 tests took 74 s on an H100),
+# Time: TEST_S seconds for the tests (default 120 in part 1),
 # JOB_S for the default job (default 90 in part 2, at most JOB_STEPS=100 steps; 0 skips it),
 # BENCH_S for the bench (default 450 in part 1, 300 in part 2: the rows that would start after
 # it are reported as not run); ONLY: comma-separated row globs (default: the part's rows);

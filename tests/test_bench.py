@@ -200,7 +200,7 @@ def test_help_offers_only_the_cost_suites() -> None:
 
 
 # ---------------------------------------------------------------------- the GPU suite
-GPU_NAMES = [  # the rows issues 45 and 46 judge first, then the comparison rows
+GPU_NAMES = [  # the acceptance rows first, then the comparison rows
     "resnet50/e2e", "resnet50/e2e-nchw", "resnet50/sbp-frame-0.5", "resnet50/sbp-frame-0.25",
     "resnet50/sbp-frame-frozen-0.5", "resnet50/checkpoint-sqrt", "resnet50/checkpoint-optimal-b0.5",
     "vit_b_16/e2e", "vit_b_16/sbp-frame-0.5", "vit_b_16/sbp-frame-0.25",
@@ -264,7 +264,7 @@ def test_gpu_suite_rows_compose_and_build() -> None:
     specs[AUTO_ROW] = auto
     for spec in specs:
         cfg = compose_cfg(spec["overrides"])
-        vit = spec["backbone"] == "vit_b_16"  # 8 clips of 64 frames: issue 45's ViT shape
+        vit = spec["backbone"] == "vit_b_16"  # 8 clips of 64 frames: the suite's ViT shape
         assert own_shape(spec) == ({"batch_size": 8, "frames": 64} if vit else {})
         assert (cfg.data.batch_size, cfg.data.num_frames, cfg.data.crop_size) == (
             (8, 64 if vit else 16, 224))
@@ -290,7 +290,7 @@ def test_gpu_suite_rows_compose_and_build() -> None:
 
 
 def test_gpu_check_parts_cover_the_suite() -> None:
-    """scripts/gpu_check.sh's two calls: part 1 runs the rows issues 45 and 46 judge in one bench
+    """scripts/gpu_check.sh's two calls: part 1 runs the acceptance rows in one bench
     run (one e2e for their ratios), part 2 the rest; together every row of the suite."""
     import re
 

@@ -125,7 +125,7 @@ def test_cli_too_many_bad_videos_exits_nonzero(run_cli, run_overrides, tiny_copy
 def test_every_bad_value_is_one_line_before_any_data_is_read(
         overrides: list[str], message: str, run_overrides, compose_cfg, tmp_path: Path,
         capsys: pytest.CaptureFixture) -> None:
-    """Issue 28 item 13: each invalid value is one `error:` line naming its key, exit status 2,
+    """Each invalid value is one `error:` line naming its key, exit status 2,
     checked before the data (here a data.root that does not exist) is looked at."""
     cfg = compose_cfg([*run_overrides(root=tmp_path / "no_such_dataset"), *overrides])
     with pytest.raises(SystemExit) as done, clean_errors():
@@ -137,7 +137,7 @@ def test_every_bad_value_is_one_line_before_any_data_is_read(
 
 
 def test_cli_missing_data_root_is_one_line(run_cli, tmp_path: Path) -> None:
-    """Issue 28 item 10: a missing data.root (a FileNotFoundError) is one `error:` line and
+    """A missing data.root (a FileNotFoundError) is one `error:` line and
     exit status 2, not a traceback."""
     done = run_cli(["data=kinetics", f"data.root={tmp_path / 'nowhere'}", "logger.wandb.mode=disabled",
                     f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)

@@ -256,7 +256,7 @@ def test_ddp_sharded_test_after_fit_and_a_hung_rank(run_overrides, compose_cfg, 
 
 @pytest.mark.slow  # one torchrun with two ranks (~30 s)
 def test_torchrun_data_error_is_one_error_line(run_overrides, tiny_copy: Path, tmp_path: Path) -> None:
-    """Issue 28 item 10 under torchrun: rank 0's preflight finds too many missing videos; every
+    """Under torchrun, a data error is one line: rank 0's preflight finds too many missing videos; every
     rank raises it, rank 0 alone prints it as one `error:` line and the first rank to exit does
     so with status 2, no traceback of ours (torchrun itself then stops the other ranks, prints
     its report of their exit codes and exits 1)."""

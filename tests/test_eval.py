@@ -281,9 +281,9 @@ def test_eval_cli_refuses_an_unsafe_checkpoint(tmp_path: Path) -> None:
 
 def test_eval_scores_only_the_videos_that_are_there(run_overrides, compose_cfg, tiny_copy: Path,
                                                      tmp_path: Path, capsys) -> None:
-    """Issue 28 item 3 for ``videotrain.eval``: a missing val video is not replaced by another
-    one; eval.json counts 7 evaluated of 8 listed and the eval folder lists the missing one.
-    Item 10: its data errors are one `error:` line with exit status 2."""
+    """``videotrain.eval``: a missing val video is not replaced by another one; eval.json counts
+    7 evaluated of 8 listed and the eval folder lists the missing one. Its data errors are one
+    `error:` line with exit status 2."""
     from videotrain.config.build import clean_errors
     from videotrain.eval import evaluate_checkpoint
 

@@ -169,7 +169,7 @@ def test_failed_encode_leaves_nothing(release, tmp_path: Path, monkeypatch) -> N
 
 
 def test_prepare_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Issue 28 item 10 for ``videotrain.prepare``: a CSV that is a folder (or unreadable) is
+    """``videotrain.prepare``: a CSV that is a folder (or unreadable) is
     one `error:` line naming it, exit status 2, not a traceback."""
     (tmp_path / "videos").mkdir()
     (tmp_path / "train.csv").mkdir()  # e.g. an archive extracted into a folder of that name

@@ -1,6 +1,6 @@
-"""``python -m videotrain.prepare kinetics`` on release CSVs and downloads as people have them
-(issue 28): re-saved by Excel (BOM, CRLF), an unquoted comma, K700's ids with two segments
-and a bare-id file, 0-byte downloads, the CVDF replacement files, and a split mostly missing.
+"""``python -m videotrain.prepare kinetics`` on release CSVs and downloads as people have them:
+re-saved by Excel (BOM, CRLF), an unquoted comma, K700's ids with two segments and a bare-id
+file, 0-byte downloads, the CVDF replacement files, and a split mostly missing.
 
 The videos are placeholder files: listing reads names and sizes only, never the contents."""
 

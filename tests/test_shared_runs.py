@@ -1,4 +1,4 @@
-"""Issue 44's attack list: a run folder, a checkpoint, a config or an annotation file that a
+"""Attacks through shared files: a run folder, a checkpoint, a config or an annotation file that a
 stranger shares, against resume (``python -m videotrain hydra.run.dir=SHARED``), ``eval``,
 ``predict`` and ``export``. Every case carries a harmless payload (a marker file that must not
 appear, a file outside the run that must not change, a secret whose text must not be shown) and

@@ -2,7 +2,7 @@
 config stored in a checkpoint are checked against the strict schema and a ``_target_``
 allowlist derived from ``configs/`` before anything of them is instantiated.
 
-The attack of issue 27 is reproduced for eval, predict and export: a ``torch.load`` node with
+The ``torch.load`` attack is reproduced for eval, predict and export: a ``torch.load`` node with
 ``weights_only: false`` (whose file, ``evil.pt``, creates a marker file when unpickled) under
 ``model.backbone`` in a checkpoint's stored config, and under ``model.head`` in a run folder's
 ``config.yaml``. Each command stops with exit status 2 and one ``error:`` line naming the key;

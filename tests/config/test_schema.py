@@ -106,7 +106,7 @@ def test_sweep_without_multirun_fails_and_the_log_is_videotrain_log(tmp_path: Pa
     assert "a sweep needs -m" in (run_dir / "videotrain.log").read_text()
 
 
-# ------------------------------------------------------------ defaults declared once (issue 47)
+# ------------------------------------------------------------ defaults declared once
 # An option that is a preset of the same target as another (resnet10 of resnet, vit_tiny of
 # vit) sets these keys on purpose; every other key a YAML sets must be its Python default.
 PRESET_KEYS = {

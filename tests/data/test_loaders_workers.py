@@ -1,4 +1,4 @@
-"""data.num_workers: auto (issue 46): decoding processes from the cores this process may use,
+"""data.num_workers: auto: decoding processes from the cores this process may use,
 the device and the processes per node; prefetch on CUDA so the GPU does not wait for data."""
 
 from __future__ import annotations

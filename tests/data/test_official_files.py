@@ -1,4 +1,4 @@
-"""Every reader on annotation files as people have them (issue 28): re-saved by Excel (a UTF-8
+"""Every reader on annotation files as people have them: re-saved by Excel (a UTF-8
 BOM, CRLF), in the official formats (quoted Kinetics release header, UCF101's 1-based CRLF
 lists, HMDB51's trailing spaces, SSv2's one-entry-per-line JSON), cut short by a download, or
 given where another format is read; HMDB51's class order; an empty HMDB51 split file."""

@@ -1,4 +1,4 @@
-"""Real downloads are partial (issue 28): classes whose videos are all missing, val videos that
+"""Real downloads are partial: classes whose videos are all missing, val videos that
 cannot be read, and hundreds of thousands of missing files. The lists are the datasets' own
 formats (UCF101's CRLF ``ucfTrainTestlist``, HMDB51's ``*_test_splitN.txt`` with trailing
 spaces, Kinetics-style CSVs), written by the layout writers; the videos are then broken the
@@ -127,7 +127,7 @@ def _kinetics_split(root: Path, listed: int, present: int) -> None:
 
 def test_missing_videos_are_one_warning_and_a_list_in_the_run_folder(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 28 item 9: 9,000 missing files give one warning (a count, the first few, where
+    """9,000 missing files give one warning (a count, the first few, where
     the list is), not 9,000; the run folder holds the full list."""
     root = tmp_path / "k"
     _kinetics_split(root, 10_000, 1_000)
@@ -149,7 +149,7 @@ def test_missing_videos_are_one_warning_and_a_list_in_the_run_folder(
 
 def test_too_many_missing_videos_are_one_error_line(tiny_copy: Path, run_overrides, compose_cfg,
                                                      tmp_path: Path, capsys) -> None:
-    """Issue 28 item 10, in-process: a BadDataError is one `error:` line and exit status 2."""
+    """In-process, a BadDataError is one `error:` line and exit status 2."""
     for video in sorted((tiny_copy / "train").rglob("*.mp4"))[:6]:
         video.unlink()
     with pytest.raises(SystemExit) as done, clean_errors():

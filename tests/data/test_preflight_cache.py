@@ -61,7 +61,7 @@ def test_too_many_bad_files_still_fail_from_the_cache(tmp_path: Path) -> None:
 
 
 def test_restored_and_vanished_videos_are_noticed(tmp_path: Path, caplog) -> None:
-    """Issue 28 item 1: the user reads "20 missing", downloads them, and starts again on the
+    """The user reads "20 missing", downloads them, and starts again on the
     unchanged list: they are found (the cached bad files are checked again). A video removed
     since is found too (its folder changed), and the log says how to force a full check."""
     root, cache = tmp_path / "k", tmp_path / "cache"

@@ -131,7 +131,7 @@ def _official_ssv2(root: Path, entries: int) -> Path:
 
 
 def test_index_of_a_large_train_json_is_linear(tmp_path: Path) -> None:
-    """Issue 28 item 2: 30,000 entries (the official train.json has 168,913) read in a small
+    """30,000 entries (the official train.json has 168,913) read in a small
     multiple of json.loads of the same file; the line of a bad entry is still named."""
     import time
 

@@ -306,7 +306,7 @@ def e2e_four_steps(run_overrides, compose_cfg, tmp_path_factory) -> list[tuple[i
 @pytest.mark.parametrize("policy", ["blocks", "sqrt", "optimal"])
 def test_checkpoint_policies_log_e2e_losses(e2e_four_steps, run_overrides, compose_cfg, metrics_rows,
                                             tmp_path: Path, policy: str) -> None:
-    """Four real training steps with recomputation log e2e's per-step train_loss (issue 4)."""
+    """Four real training steps with recomputation log e2e's per-step train_loss."""
     cfg = compose_cfg(run_overrides(trainer__max_steps=4, memory="recompute", memory__policy=policy))
     run.train(cfg, tmp_path)
     got = _train_losses(metrics_rows(tmp_path))
@@ -319,7 +319,7 @@ def test_a_run_in_channels_last_trains_validates_and_resumes(run_overrides, comp
                                                              tmp_path: Path) -> None:
     """trainer.channels_last=true forced on the CPU, with recomputation: the run trains,
     validates and checkpoints; its losses equal the NCHW run's to float tolerance, and the
-    checkpoint's conv weights load back into an NHWC model (issue 46)."""
+    checkpoint's conv weights load back into an NHWC model."""
     extra = dict(trainer__max_epochs=1, memory="recompute", memory__policy="sqrt")
     nhwc = run.train(compose_cfg(run_overrides(trainer__channels_last="true", **extra)), tmp_path / "nhwc")
     nchw = run.train(compose_cfg(run_overrides(trainer__channels_last="false", **extra)), tmp_path / "nchw")

@@ -2,8 +2,8 @@
 
 A parameter that silently gets no gradient under mixed precision trains not at all, and nothing
 else in a run says so. It happened to SBP on torch releases without PyTorch's autocast-cache fix
-(pytorch #112583): a weight cast cached under ``no_grad`` (the dropped frames) was reused by the
-kept frames' forward. This test runs one training step per strategy and backbone family in fp32
+(docs/cluster.md, "SBP and mixed precision"): a weight cast cached under ``no_grad`` (the dropped
+frames) was reused by the kept frames' forward. This test runs one training step per strategy and backbone family in fp32
 and under bf16 and fp16 CPU autocast, and compares which parameters received a gradient; the
 floor job of ``.ci/run`` runs it on the oldest torch that pyproject accepts, and ``pytest -m gpu``
 runs its CUDA twin (CUDA autocast) on a GPU machine.

@@ -1,14 +1,10 @@
-"""The launch guard (issue 45): the aten ops one SBP training step dispatches (forward and backward,
+"""The launch guard: the aten ops one SBP training step dispatches (forward and backward,
 counted by ``videotrain.metrics.dispatch.aten_ops``, views and bare allocations left out) stay
-within 1.5x e2e's, full-batch BN on a ResNet-18 included (1.47x; 1.62x while each convolution
-into a BN ran once per part and the parts met by a ``cat``).
+within 1.5x e2e's, full-batch BN on a ResNet-18 included.
 
-On a GPU every counted op is a kernel launch; a step that launches twice e2e's kernels waits on
-the host (the issue measured SBP 0.5 at 3,057 kernels a step against e2e's 1,654, GPU busy
-53-87%). The count is the same on CPU and GPU for the same code, so it is held here, on CPU, in
-the default test run. Before the lockstep code was generated (commit 452ba66) a full-batch-BN
-ResNet-18 step dispatched 3.5x e2e's ops; frozen BN and ViTs 1.9x and 1.6x at keep 0.25 (no-grad
-chunks of 8 frames)."""
+On a GPU every counted op is a kernel launch, and a step that launches far more kernels than
+e2e's waits on the host. The count is the same on CPU and GPU for the same code, so it is held
+here, on CPU, in the default test run."""
 
 from __future__ import annotations
 

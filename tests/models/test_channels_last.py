@@ -1,4 +1,4 @@
-"""trainer.channels_last (issue 46): NHWC backbone weights and clips, through e2e, recompute
+"""trainer.channels_last: NHWC backbone weights and clips, through e2e, recompute
 and evaluation, with the same numbers as NCHW; auto is on for CUDA and conv backbones only."""
 
 from __future__ import annotations

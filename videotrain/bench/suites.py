@@ -141,11 +141,11 @@ RECOMPUTE_ROWS = [
 # T=16 at 224 px, bf16 (GPU_SETTING). ``auto_budget_of_e2e``: the runner gives memory=auto a
 # budget of that fraction of the e2e row's measured peak in the same run (so e2e runs first).
 # e2e without channels_last (``trainer.channels_last: auto`` puts a conv backbone in NHWC on
-# CUDA): the comparison in one run. ViT-B/16 + transformer head at B=8 x 64 frames (the shape
-# issue 45's targets are set at: SBP 0.5 <= 0.72x e2e's step within 20 GiB): a long clip on a
-# transformer, e2e against frame-level SBP and the recomputation plan. The rows issues 45 and 46
-# judge come first, so that a run cut short by its time budget still has them; the comparison
-# rows (frame dropout, SBP + recomputation, memory=auto, torch.compile) follow.
+# CUDA): the comparison in one run. ViT-B/16 + transformer head at B=8 x 64 frames: a long
+# clip on a transformer, e2e against frame-level SBP and the recomputation plan. The acceptance
+# rows (SBP and recomputation against e2e, NHWC against NCHW) come first, so that a run cut
+# short by its time budget still has them; the comparison rows (frame dropout, SBP +
+# recomputation, memory=auto, torch.compile) follow.
 NCHW_E2E = {**row(R50, "e2e", trainer_channels_last=False), "policy": "nchw"}
 FROZEN_SBP = {**row(R50, "sbp", 0.5, bn_policy="frozen"), "policy": "frozen"}
 VIT_B16_SHAPE = {"batch_size": 8, "frames": 64}

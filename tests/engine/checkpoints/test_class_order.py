@@ -1,5 +1,5 @@
 """Checkpoints carry their class names; resume, ``videotrain.eval`` and ``model.init_from``
-refuse a head whose classes are numbered differently from the dataset's (issue 28, item 6).
+refuse a head whose classes are numbered differently from the dataset's.
 
 The dataset: the tiny HMDB51 tree with two classes renamed ``climb`` and ``climb_stairs``, the
 names that videotrain numbered in another order before it sorted HMDB51's classes by name. A

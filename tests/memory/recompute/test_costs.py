@@ -1,4 +1,4 @@
-"""The planner's prices (issue 46): a roofline in seconds on the device's profile prices BN, ReLU
+"""The planner's prices: a roofline in seconds on the device's profile prices BN, ReLU
 and add like a GPU pays them; a per-segment host cost makes plans of fewer, larger segments;
 measured costs come from the shape pass; one cost function for checkpoint, auto and SBP."""
 

@@ -1,4 +1,4 @@
-"""The recompute executor's host cost (issue 46): a checkpointed segment adds no aten op beyond
+"""The recompute executor's host cost: a checkpointed segment adds no aten op beyond
 the ops it recomputes, about the Python work of a plain ``torch.utils.checkpoint`` call, RNG
 state only where it draws random numbers, no kernel for free boundary ops; and checkpoint
 optimal at half memory dispatches at most 1.35x e2e's aten ops per step.
@@ -175,8 +175,7 @@ def test_free_boundary_convs_run_no_kernel_in_the_recompute(device: torch.device
 
 def test_checkpoint_optimal_at_half_memory_dispatches_at_most_1_35x_e2e_ops() -> None:
     """The step's aten ops (a GPU's kernel launches) on a ResNet-18: optimal at budget 0.5 and
-    sqrt within 1.35x of e2e (before issue 46: 1.47x and 1.32x, the optimal plan in 18
-    segments, each with BN buffer clones and an anchor allocation)."""
+    sqrt within 1.35x of e2e."""
     from videotrain.config.build import build_model, compose_cfg
 
     video = torch.randn(1, 4, 3, 64, 64)  # (B, T, C, H, W)

@@ -110,7 +110,7 @@ def test_frame_sbp_at_keep_one_equals_e2e_with_the_shift(kit) -> None:
 
 @pytest.mark.parametrize("bn_policy", ["full_batch", "frozen"])
 def test_the_default_model_stores_about_keep_ratio_of_e2e(compose_cfg, bn_policy: str) -> None:
-    """Issue 45's memory target on the model a user gets (the shipped config: ResNet-10 with TSM's
+    """SBP's memory target on the model a user gets (the shipped config: ResNet-10 with TSM's
     shift): SBP stores at most 0.55 of e2e's activations at keep 0.5 and 0.30 at 0.25."""
     from videotrain.config.build import build_model
     from videotrain.memory.base import mixes_frames
