@@ -264,9 +264,11 @@ def estimated_candidates(num_frames: int, has_batchnorm: bool, recompute_fracs: 
     to the least-memory plan."""
     cands = [Candidate("e2e", "e2e", {}, TIER_EXACT, 1.0)]
     fracs = sorted({float(f) for f in recompute_fracs}, reverse=True)
-    specs = [({"policy": "optimal", "budget_frac": f, "objective": "time", "lower_set_cap": lower_set_cap},
+    # estimated candidates are config nodes (checked against the recompute schema, which has no
+    # lower_set_cap: the estimator's Recompute plans with its default cap)
+    specs = [({"policy": "optimal", "budget_frac": f, "objective": "time"},
               f"budget_frac={f:g}") for f in fracs]
-    specs.append(({"policy": "optimal", "objective": "memory", "lower_set_cap": lower_set_cap}, "least memory"))
+    specs.append(({"policy": "optimal", "objective": "memory"}, "least memory"))
     for seq, (params, label) in enumerate(specs, start=1):
         cands.append(Candidate(f"recompute optimal ({label})", "recompute", params, TIER_EXACT, 1.0,
                                seq=seq))
