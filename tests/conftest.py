@@ -68,7 +68,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     file order, so the fixture is built once. Tests that must not run at the same time as each
     other (one shared file, one port) name one group, ``@pytest.mark.xdist_group("name")``: one
     worker runs them, one after another. Session fixtures are built once per worker, in the
-    worker's own temporary folder (``isolated_env``: its own ``$VIDEOTRAIN_CACHE``)."""
+    worker's own temporary folder (``isolated_env``: its own ``$VIDEOTRAIN_CACHE``).
+
+    The attack matrix (``tests/untrusted``) runs first, on every worker: its cases fork the test
+    process, and a process that has run a fake-tensor backward (the estimate's tests) has
+    started autograd's device threads, after which no forked child can run autograd."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/untrusted/"))  # stable
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue

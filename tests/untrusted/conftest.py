@@ -240,10 +240,29 @@ class Ran:
         return [ln for ln in self.err.splitlines() if ln.startswith("error:")]
 
 
+def _forked_autograd_works() -> bool:
+    """Whether a child forked from this process can run a backward (PyTorch refuses it in a
+    child of a process whose autograd device threads have started)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        with contextlib.suppress(BaseException):
+            import torch
+
+            torch.ones(1, requires_grad=True).sum().backward()
+            code = 0
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
 def run_child(target: Callable[[], object], uid: int | None, cwd: Path, env: dict[str, str],
               wall_s: float = WALL_S) -> Ran:
     """``target()`` in a forked child (``_child``), watched: killed (its whole session) past
     ``wall_s``; its anonymous memory sampled from ``/proc`` until it exits."""
+    if not _forked_autograd_works():
+        pytest.fail("this test process has started autograd's device threads (a fake-tensor "
+                    "backward ran in it), so a forked child cannot run autograd: the untrusted "
+                    "tests must run before any such test (tests/conftest.py orders them first)")
     logs = Path(tempfile.mkdtemp(prefix="videotrain-case-"))
     out, err = logs / "out", logs / "err"
     base = _status_kb("self", "RssAnon") or 0  # the child starts with the parent's pages
