@@ -2,26 +2,13 @@
 a training start pays to read the official annotation files at their real sizes, against a
 plain parse of the same files in the same run.
 
-The files are written in the official formats (docs/data.md, "Real annotation files"):
-
-- Something-Something v2: ``labels/labels.json`` (174 templates), ``labels/train.json``
-  (168,913 entries) and ``labels/validation.json`` (24,777), one entry a line, CRLF;
-- Kinetics-400: the ``train.csv`` that ``prepare kinetics`` writes and ``data=kinetics``
-  reads (``path label`` lines, 240,000 rows) with its ``classes.txt``;
-- Kinetics-700: the release ``train.csv`` (``label,youtube_id,time_start,time_end,split``,
-  labels quoted, 545,000 rows) that ``prepare kinetics`` converts;
-- UCF101 ``ucfTrainTestlist/`` (``classInd.txt``, ``trainlist01.txt`` 9,537 and
-  ``testlist01.txt`` 3,783 lines, CRLF) and HMDB51 ``testTrainMulti_7030_splits/`` (51 classes
-  x 3 folds, ``name.avi 0|1|2 `` lines with the trailing space, names with ``[ ] ( ) ! &``).
-
-Rows: every index build a training start pays (``loaders.read_index``) against ``json.loads``
-/ ``csv.reader`` of the same file(s); ``prepare kinetics`` on the K700 CSV against
-``csv.reader`` of it; the preflight of the K400 list's 240,000 paths with 90% of the videos
-missing, at a first start (every file stat-ed) and a second one (the cache). Each figure is
-the best of ``repeat`` runs in this process, plain parse and build alternating, because the
-machine is shared. The files live in a temporary folder under ``$VIDEOTRAIN_CACHE``, removed
-at the end. ``bench.json`` and ``bench.md`` go to ``outputs/bench_annotations/`` unless
-``--out`` names another folder (the published table: ``docs/results/bench_annotations/``).
+The files are written in the official formats (SSv2's JSON trio, Kinetics-400 and -700 CSVs,
+UCF101's and HMDB51's split lists; docs/data.md, "Real annotation files") into a temporary folder
+under ``$VIDEOTRAIN_CACHE``, removed at the end. Rows: every index build a start pays, ``prepare
+kinetics`` on the K700 CSV, and the preflight of a mostly missing K400 list, first and cached.
+Each figure is the best of ``repeat`` runs, plain parse and build alternating (the machine is
+shared). ``bench.json`` and ``bench.md`` go to ``outputs/bench_annotations/`` unless ``--out``
+names another folder. The files' sizes and rows: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

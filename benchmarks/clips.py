@@ -1,24 +1,14 @@
 """Clip sets shaped like the real datasets, for the data suite (``benchmarks/data.py``).
 
-The synthetic training set (``data/synthetic.py``) is 64 px and 2 s long: decoding it costs
-next to nothing, so it cannot tell how fast a loader feeds a model on Kinetics. These sets copy
-what makes real files expensive to read:
-
-- ``kinetics``: 10 s at 25 fps, 340x256 (the short-side-256 copies most Kinetics users train
-  from), H.264 High profile through libx264 with its defaults (``preset=medium``, ``crf=23``,
-  ``keyint=250``: one keyframe in 10 s, as in clips cut with a default ffmpeg), yuv420p, .mp4;
-- ``ssv2``: 4 s at 12 fps, 427x240, VP9 (libvpx-vp9, its default keyframe distance of 128
-  frames: one keyframe per video), .webm without a stream duration, like Something-Something v2.
-
-The content is a panned multi-scale texture, two moving textured patches, a slow change of
-brightness and grain: motion compensation works only in part, so the bit rates (~400 kb/s for
-the Kinetics-like clips, ~300 kb/s for the SSv2-like ones; recorded in ``spec.json``) and the
-decoding cost are those of real footage, not of flat synthetic frames.
+The synthetic training set (``data/synthetic.py``) is tiny and costs next to nothing to decode,
+so it cannot tell how fast a loader feeds a model on Kinetics. These sets copy what makes real
+files expensive to read: ``kinetics`` (10 s, 340x256, H.264 with one keyframe per clip, .mp4)
+and ``ssv2`` (4 s, 427x240, VP9, .webm without a stream duration), their content textured and
+moving so that the bit rate and the decoding cost are those of real footage.
 
 Sets are written once, in parallel, into ``$VIDEOTRAIN_CACHE/bench-<name>-<hash>/`` in the
-Kinetics layout (``train.csv`` and ``val.csv`` with ``path label`` lines, ``classes.txt``),
-which both this project's reader and ``pytorchvideo.data.Kinetics`` read. ``val.csv`` lists
-the same videos (the test pipeline reads it).
+Kinetics layout, which both this project's reader and ``pytorchvideo.data.Kinetics`` read;
+``val.csv`` lists the same videos. The encoders' settings: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

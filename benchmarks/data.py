@@ -2,31 +2,14 @@
 transformed clips per second through the loaders, one fresh process per row (``--child``)
 like the cost benchmark's rows.
 
-Rows (``data_row``) cross a clip set shaped like a real dataset (``clips.py``:
-Kinetics-like 10 s 340x256 H.264, SSv2-like 4 s 427x240 VP9), a pipeline and a backend:
-
-- ``train``: one random clip of ``data.num_frames`` frames every ``data.sampling_rate``
-  source frames per video, short-side resize and ``RandomResizedCrop`` to ``data.crop_size``:
-  ``(B, T, C, crop, crop)`` batches;
-- ``test``: ``data.val_clips`` uniformly spaced clips x ``data.val_crops`` spatial crops per
-  video (the evaluation transform): ``(B, clips * crops, T, C, crop, crop)``;
-- backends: ``pyav`` (this project's loader, ``VideoClipDataset``), ``pytorchvideo`` (its
-  ``LabeledVideoDataset``, ``pytorchvideo.data.Kinetics`` on the same ``train.csv`` /
-  ``val.csv``, with its PyAV ``EncodedVideo`` decoder, its random or
-  ``ConstantClipsPerVideoSampler`` windows and the same torchvision transforms), and this
-  project's loader with ``data.decoder=torchcodec`` or ``data.sampler=segment``. A backend
-  whose option or module is missing is reported as unavailable with the reason (``unavailable``),
-  never measured as something else.
-
-A row times a fixed number of clips, after the first wave of batches (``data_child.py``, the
-child side: ``measure_data``).
-
-``run_data_bench`` is the parent side: it generates the clip sets (once), prints an estimate
-of the run time, starts a process per row (``python -m benchmarks.data --child SPEC``:
-``data_child.measure_data`` in it), and writes the table, the JSON and the bar chart
-(``data_report.write_data``) with the ratios to pytorchvideo and, given a target rate, the
-workers needed to feed it (``data_report.target_workers``), into ``outputs/bench_data/``
-unless ``--out`` names another folder (the published table: ``docs/results/bench_data/``).
+A row crosses a clip set shaped like a real dataset (``clips.py``), a pipeline (``train``: one
+random clip per video, ``(B, T, C, crop, crop)``; ``test``: the evaluation's views,
+``(B, clips * crops, T, C, crop, crop)``) and a backend (this project's loader, with PyAV,
+torchcodec or TSN segments, and pytorchvideo's on the same files and transforms). A backend whose
+option or module is missing is reported as unavailable with the reason, never measured as
+something else. ``run_data_bench`` is the parent side (clip sets, one process per row, the
+report into ``outputs/bench_data/`` or ``--out``); ``data_child.measure_data`` the child side.
+Details: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

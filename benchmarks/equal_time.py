@@ -1,24 +1,15 @@
 """The accuracy sweep at equal wall-clock time: ``python -m benchmarks.equal_time``.
 
 A user spends time, not steps, so each row other than e2e trains for ``e2e's steps x (e2e's step
-time / the row's step time)`` steps, its learning-rate schedule stretched or shrunk to match. Both
-step times are measured here, on the machine that trains, in one process: forward, loss, backward
-and optimizer step of each row's model on a random batch of the sweep's shape, the median of
-``--steps`` (20) after ``--warmup`` (5), the rows' steps taken in turn so that a change in the
-machine's load reaches them alike.
+time / the row's step time)`` steps, its learning-rate schedule stretched or shrunk to match.
+Both step times are measured here, on the machine that trains, in one process, the rows' steps
+taken in turn so that a change in the machine's load reaches them alike.
 
-What it writes into ``--out`` (default ``outputs/bench_accuracy_time``), and nothing else:
-``step_times.json`` (the step times, threads and steps) and ``conf/row/ROW-at-time.yaml``, each
-the row's config of ``benchmarks/conf/row/`` with ``trainer.max_steps`` and ``trainer.max_epochs``
-set. Then it runs the ordinary accuracy multirun over those rows into ``--out``, which resumes like
-any sweep; e2e is not trained again: the summary pairs the rows with the e2e jobs of the
-equal-step sweep (its steps are the same either way)::
-
-    python -m benchmarks.equal_time --rows sbp-frame-0.5,sbp-frame-0.25 data.synthetic.task=direction seed=0,1,2
-    python scripts/summarize_sweep.py outputs/bench_accuracy outputs/bench_accuracy_time
-
-Step times already in ``step_times.json`` are reused, so a resumed sweep trains the same steps
-(delete the file to measure again); a row added later is scaled to the e2e it was measured beside.
+It writes into ``--out`` (default ``outputs/bench_accuracy_time``) only ``step_times.json`` and
+one ``conf/row/ROW-at-time.yaml`` per row, then runs the ordinary accuracy multirun over those
+rows there; e2e is not trained again (the summary pairs the rows with the equal-step sweep's e2e
+jobs). Step times already in ``step_times.json`` are reused, so a resumed sweep trains the same
+steps. Usage and details: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@
 #          (ACCEPT below) in one bench run, so that their ratios share one e2e (about 575 s).
 #   PART=2: the default job (its data wait against its step, the bottleneck warning),
 #          then the comparison rows (frame dropout, SBP + recomputation, the ViT's recomputation,
-#          memory=auto, torch.compile) with their own e2e; give it BENCH_S = the device time
+#          memory=auto, then the compiled twins of the acceptance rows: trainer.compile=true,
+#          one with CUDA graphs) with their own e2e; give it BENCH_S = the device time
 #          left (status's budget_left_s) - JOB_S - 60, and timeout_s to match.
 # Time: TEST_S seconds for the tests (default 120 in part 1),
 # JOB_S for the default job (default 90 in part 2, at most JOB_STEPS=100 steps; 0 skips it),
@@ -40,7 +41,7 @@ ACCEPT="resnet50/e2e,resnet50/e2e-nchw,resnet50/sbp-frame-0.5,resnet50/sbp-frame
 ACCEPT+=",resnet50/sbp-frame-frozen-0.5,resnet50/checkpoint-sqrt,resnet50/checkpoint-optimal-b0.5"
 ACCEPT+=",vit_b_16/e2e,vit_b_16/sbp-frame-0.5,vit_b_16/sbp-frame-0.25"
 REST="resnet50/frame_dropout-0.5,resnet50/sbp-frame-checkpoint:optimal-0.5"
-REST+=",vit_b_16/checkpoint-optimal-b0.5,resnet50/auto-b0.5,*torch.compile*"
+REST+=",vit_b_16/checkpoint-optimal-b0.5,resnet50/auto-b0.5,*-compiled*"
 if [ "$PART" = 1 ]; then
     TEST_S=${TEST_S:-120}; JOB_S=${JOB_S:-0}; BENCH_S=${BENCH_S:-450}; ONLY=${ONLY:-$ACCEPT}
 else

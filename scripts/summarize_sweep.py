@@ -1,41 +1,19 @@
 #!/usr/bin/env python
 """Tabulate and plot a Hydra multirun of ``python -m videotrain``.
 
-    python scripts/summarize_sweep.py multirun/2024-01-01/12-00-00
+    python scripts/summarize_sweep.py multirun/2024-01-01/12-00-00 [more folders] [--out DIR]
 
-Reads every job's ``results.json`` and ``.hydra/overrides.yaml`` (and ``.hydra/config.yaml``
-for jobs that died before writing results), writes ``summary.md`` (one row per job, sorted by
-strategy and keep ratio; jobs without ``results.json`` are listed as failed) and
-``summary.png`` (val top-1 and peak training memory against keep ratio, one line per
-strategy) into MULTIRUN_DIR, and prints the table.
+Reads every job's ``results.json`` and ``.hydra/overrides.yaml`` (``.hydra/config.yaml`` for a
+job that died first), writes ``summary.md`` (one row per job; failed jobs listed) and
+``summary.png`` (val top-1 and peak memory against keep ratio, one line per strategy), and prints
+the table. Where the jobs hold e2e runs, each job is paired with the e2e job of the same seed and
+other overrides, and the summary adds the paired differences with their 95% Student-t intervals.
 
-keep_ratio comes from the ``memory.keep_ratio`` override, else ``results["memory"]
-["keep_ratio"]``, else the job's resolved config, else 1.0 for e2e. Overrides that vary across
-jobs other than the strategy, keep ratio, granularity and seeds (say ``model/backbone``) split
-the lines; jobs that differ only by seed share a line, which goes through their mean.
-
-Paired against e2e: where the jobs hold e2e runs (``memory=e2e`` or ``row=e2e``) and other rows
-of the same seeds, every job is paired with the e2e job of the same seed and the same other
-overrides (a run of one seed shares the model initialisation and the data order with e2e's), and
-the summary adds a table per metric (val top-1, val loss): per row and per group of the other
-overrides (the tasks of the accuracy sweep, ``benchmarks/conf/sweep/accuracy.yaml``) the mean and
-std over seeds with the paired difference to e2e, and per row the mean difference over every pair
-with its 95% Student-t interval. Several folders are read as one sweep (an equal-time sweep
-beside the equal-step one whose e2e it is paired with); ``--out`` writes the summary elsewhere.
-
-A sweep folder may be someone else's (docs/cluster.md, "A shared run folder is untrusted
-input"), so it is read as data only and bounded: each folder is checked
-(``untrusted.check_run_folder``: no link out of it, no FIFO or device, a folder it cannot list
-refused) and walked without following a link; every job file is read as a regular file of
-bounded size (``untrusted.files``), the YAML without tags, anchors or aliases and its nesting
-counted before anything is built (``untrusted.formats.load_yaml_data``), ``results.json`` by
-``read_json`` against the fields this script uses (``RESULTS``). A job file that fails is not
-an error of the sweep: the job is listed as failed with the reason (the file named, never its
-text). Every text taken from a job (its folder name, strategy, overrides) is escaped and cut
-(``untrusted.shown``), ``|`` included, so no cell breaks the table or the terminal; the
-summary is written through the one writer (``write_bytes``: a link at ``summary.md`` or
-``summary.png`` is replaced, never written through). A folder that cannot be checked, listed
-or written ends the script with one ``error:`` line and exit status 2.
+Invariants: a sweep folder may be someone else's, so it is read as data only, within bounds
+(``videotrain.untrusted``); a job file that fails lists its job as failed with the reason, never
+the file's text; every text taken from a job is escaped; a folder that cannot be checked, listed
+or written ends the script with one ``error:`` line and exit status 2. How keep ratios, lines and
+pairs are found: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

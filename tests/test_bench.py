@@ -206,7 +206,11 @@ GPU_NAMES = [  # the acceptance rows first, then the comparison rows
     "vit_b_16/e2e", "vit_b_16/sbp-frame-0.5", "vit_b_16/sbp-frame-0.25",
     "resnet50/frame_dropout-0.5", "resnet50/sbp-frame-checkpoint:optimal-0.5",
     "vit_b_16/checkpoint-optimal-b0.5",
-    "resnet50/auto-b0.5", "resnet50/e2e-torch.compile", "resnet50/sbp-frame-torch.compile-0.5",
+    "resnet50/auto-b0.5", "resnet50/e2e-compiled", "resnet50/sbp-frame-0.5-compiled",
+    "resnet50/checkpoint-optimal-b0.5-compiled", "resnet50/sbp-frame-0.25-compiled",
+    "resnet50/sbp-frame-frozen-0.5-compiled", "resnet50/checkpoint-sqrt-compiled",
+    "vit_b_16/e2e-compiled", "vit_b_16/sbp-frame-0.5-compiled",
+    "resnet50/e2e-compiled:reduce-overhead",
 ]
 AUTO_ROW = GPU_NAMES.index("resnet50/auto-b0.5")
 
@@ -281,8 +285,12 @@ def test_gpu_suite_rows_compose_and_build() -> None:
         if spec["name"] == "resnet50/sbp-frame-frozen-0.5":
             assert model.strategy.bn_policy == "frozen"
     assert compose_cfg(auto["overrides"]).memory.budget_mb == 4500.0
-    compiled = [s["name"] for s in specs if s.get("compile")]
-    assert compiled == GPU_NAMES[-2:]
+    # every row eager (trainer.compile=false, not auto: CUDA would compile it) but the compiled
+    # twins, which come last
+    compiled = [s["name"] for s in specs if compose_cfg(s["overrides"]).trainer.compile is True]
+    assert compiled == [n for n in GPU_NAMES if "-compiled" in n] == GPU_NAMES[AUTO_ROW + 1:]
+    assert all(compose_cfg(s["overrides"]).trainer.compile is False for s in specs
+               if s["name"] not in compiled)
     # the user's flags and overrides still win over the suite's setting
     spec = suite_specs("gpu", "cuda", batch_size=2, extra=["trainer.precision=32"])[0]
     cfg = compose_cfg(spec["overrides"])
@@ -616,3 +624,31 @@ def test_launch_figures_on_cuda(cuda: torch.device) -> None:
     assert "profile_error" not in got, got
     assert got["kernels_per_step"] >= 3 and got["launches_per_step"] == got["kernels_per_step"]
     assert 0 < got["gpu_busy"] <= 1.0 and got["kernel_ms_per_step"] > 0 and got["ops_per_step"] > 0
+
+
+def test_the_compile_axis() -> None:
+    """--compile both: every row and its compiled twin (trainer.compile=true, named -compiled),
+    the rows eager otherwise; --compile compiled keeps an eager e2e reference; ratios are
+    against the eager e2e, and the table shows the mode, graphs and recompiles."""
+    from videotrain.bench import report
+    from videotrain.bench.cli import parse_args, suite_specs
+    from videotrain.config.build import compose_cfg
+
+    only = ["resnet18/e2e*", "resnet18/sbp-frame-0.5*"]
+    specs = suite_specs("default", "cpu", compile_axis="both", only=only)
+    assert [s["name"] for s in specs] == ["resnet18/e2e", "resnet18/e2e-compiled",
+                                          "resnet18/sbp-frame-0.5", "resnet18/sbp-frame-0.5-compiled"]
+    assert [compose_cfg(s["overrides"]).trainer.compile for s in specs] == [False, True] * 2
+    specs = suite_specs("default", "cpu", compile_axis="compiled", only=["resnet18/sbp-frame-0.5*"])
+    assert [(s["name"], s["compiled"]) for s in specs] == [
+        ("resnet18/e2e", False), ("resnet18/sbp-frame-0.5-compiled", True)]
+    rows = [{"backbone": "r", "strategy": "e2e", "compiled": False, "step_time_s": 2.0},
+            {"backbone": "r", "strategy": "e2e", "compiled": True, "step_time_s": 1.0,
+             "compiled_graphs": 3, "recompiles": 0}]
+    report.add_ratios(rows)
+    assert [r["time_ratio"] for r in rows] == [1.0, 0.5]
+    table = report.markdown(rows)
+    assert "| compile |" in table and "| recompiles |" in table and "| compiled |" in table
+    assert "| compile |" not in report.markdown(rows[:1])
+    with pytest.raises(SystemExit):
+        parse_args(["--compile", "sometimes"])

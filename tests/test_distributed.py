@@ -138,6 +138,32 @@ def test_ddp_resume_and_every_strategy(run_overrides, compose_cfg, tmp_path: Pat
     assert accum["global_batch_size"] == 4 and accum["steps"] == 2
 
 
+COMPILED = {
+    "e2e": [],
+    "sbp": ["model/backbone=resnet10", "model.backbone.temporal_shift=0", "memory=sbp"],
+    "recompute": ["memory=recompute"],
+}
+
+
+def test_ddp_compiled_compiles_once_and_trains_as_eager(run_overrides, tmp_path: Path) -> None:
+    """trainer.compile=true on two ranks: no rank compiles anything after its first step, the
+    losses are eager's and the replicas stay identical."""
+    spec = {"out": str(tmp_path), "overrides": [*run_overrides(), *DDP_RUN], "strategies": COMPILED}
+    done = torchrun([str(ROOT / "tests" / "ddp_compile_worker.py"), json.dumps(spec)], cwd=tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    counts = json.loads((tmp_path / "compile.json").read_text())
+    for name in COMPILED:
+        for rank_counts in counts[f"{name}_compiled"]:
+            assert len(rank_counts) == 4 and rank_counts[0] > 0, (name, rank_counts)
+            assert rank_counts[-1] == rank_counts[0], (name, rank_counts)  # 0 recompiles
+        assert all(c == [0] * 4 for c in counts[f"{name}_eager"]), name
+        eager, compiled = (read_rows(tmp_path / f"{name}_{mode}") for mode in ("eager", "compiled"))
+        losses = [[r["train_loss"] for r in rows if "train_loss" in r] for rows in (eager, compiled)]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4), name
+        res = json.loads((tmp_path / f"{name}_compiled" / "results.json").read_text())
+        assert res["replicas_in_sync"] and res["world_size"] == 2, name
+
+
 # ------------------------------------------------------------------- single-process checks
 
 

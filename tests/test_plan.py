@@ -35,15 +35,14 @@ def test_plan_cli_infeasible_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert not (tmp_path / "p.json").exists()
 
 
-AUTO = ["data.batch_size=1", "data.num_frames=2", "data.crop_size=32", "device=cpu", "memory=auto",
-        "memory.recompute_fracs=[0.5]"]
+AUTO = ["data.batch_size=1", "data.num_frames=2", "data.crop_size=32", "device=cpu", "memory=auto"]
 
 
 def test_plan_cli_auto_prints_the_decision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     assert main(["--out", str(out), *AUTO, "memory.budget_mb=100000"]) == 0  # above the e2e peak
     text = capsys.readouterr().out
-    for word in ("| plan |", "estimated peak MB", "measured peak MB", "estimated step s", "| e2e |",
+    for word in ("| plan |", "estimated peak MB", "+ headroom MB", "relative cost", "| e2e |",
                  "**chosen**", "chosen: e2e fits"):
         assert word in text
     report = json.loads(out.read_text())
@@ -60,12 +59,12 @@ def test_plan_cli_auto_impossible_budget(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_auto_under_bf16_with_too_small_a_budget_says_no_plan_fits(tmp_path, capsys) -> None:
-    """Checkpoint candidates are planned at the profiling step's precision; one whose plan has
-    no room when profiled is skipped, and the decision ends in the "no plan fits" table
-    (status 2), not an InfeasibleBudget from the middle of it."""
+    """Recompute candidates are planned inside their bf16 estimates; one whose plan has no room
+    is skipped, and the decision ends in the "no plan fits" table (status 2), not an
+    InfeasibleBudget from the middle of it."""
     out = tmp_path / "auto.json"
     code = main(["--out", str(out), "memory=auto", "memory.budget_mb=11.8", "model/backbone=resnet10",
                  "data.batch_size=1", "data.num_frames=4", "data.crop_size=32", "device=cpu",
                  "trainer.precision=bf16", "logger.wandb.mode=disabled"])
     assert code == 2
-    assert "budget" in capsys.readouterr().err
+    assert "no plan fits the budget of 11.8 MB" in capsys.readouterr().err

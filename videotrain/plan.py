@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from videotrain.config.build import (
     build_model,
-    build_precision,
     compose_cfg,
     config_mixes_frames,
     group_choices,
@@ -87,20 +86,16 @@ def make_report(cfg: DictConfig) -> dict[str, Any]:
 
 
 def auto_report(cfg: DictConfig) -> dict[str, Any]:
-    """``memory=auto``'s decision for ``cfg`` (raises ``NoPlanFits`` when nothing fits). With
-    ``memory.budget_gb`` it is made from estimates and nothing runs on a device, so
-    ``device=cuda`` plans for a GPU on a machine without one."""
+    """``memory=auto``'s decision for ``cfg`` (raises ``NoPlanFits`` when nothing fits), made
+    from estimates: nothing runs on a device, so ``device=cuda`` with ``memory.budget_gb``
+    plans for a GPU on a machine without one."""
     seed_everything(cfg.seed)
     num_classes = int(cfg.data.get("num_classes") or 2)
     name = str(cfg.device)
-    if OmegaConf.select(cfg, "memory.budget_gb") is not None:
-        device = torch.device(name) if name.startswith("cuda") else resolve_device(name)
-        model = build_model(cfg, num_classes, init=False)  # stays on the CPU: only its structure is read
-        return plan_memory(cfg, model, None, device, num_classes, ConfigEstimator) or {}
-    device = resolve_device(name)
-    precision = build_precision(cfg, device)
-    model = build_model(cfg, num_classes, init=False).to(device)
-    return plan_memory(cfg, model, precision, device, num_classes, ConfigEstimator) or {}
+    gpu_anywhere = name.startswith("cuda") and OmegaConf.select(cfg, "memory.budget_gb") is not None
+    device = torch.device(name) if gpu_anywhere else resolve_device(name)
+    model = build_model(cfg, num_classes, init=False)  # stays on the CPU: only its structure is read
+    return plan_memory(cfg, model, device, num_classes, ConfigEstimator) or {}
 
 
 def is_auto(cfg: DictConfig) -> bool:

@@ -2,21 +2,13 @@
 videos with a trained model and print each one's top-``predict.topk`` classes with their
 probabilities; ``predict.out=FILE.json`` also writes them.
 
-Each video is seen the way ``python -m videotrain.eval`` sees a validation video: ``eval.clips``
-temporal clips x ``eval.crops`` spatial crops, decoded and transformed by the evaluation's own
-dataset class, their softmax aggregated by ``eval.aggregate``. ``video`` is one file or a folder
-(every video file under it). A missing or unreadable file is an error naming it; in a folder it
-is reported (and listed in the JSON's ``errors``) and the others go on.
-
-Which model: ``videotrain.config.trained_run`` loads it, as for ``videotrain.eval``: the training run's
-``config.yaml`` next to the checkpoint, else the config stored in the checkpoint, else the
-composed config describes the model and data; overrides on this command line replace parts of
-it. Either config is checked before anything of it is built (``videotrain.config.files``);
-``run_config=false`` reads neither and builds the model from this command line's config groups.
-The checkpoint supplies the weights (``model.pretrained`` / ``model.pretrained_path`` are not
-loaded again), and the model runs its evaluation forward, whatever memory strategy trained it.
-Class names come from the checkpoint, else the run's ``results.json``, else the dataset's
-annotations, else ``class_<i>``.
+Each video is seen the way ``python -m videotrain.eval`` sees a validation video (``eval.clips``
+x ``eval.crops`` views by the evaluation's own dataset class, aggregated by ``eval.aggregate``).
+``video`` is one file or a folder; a missing or unreadable file is an error naming it, and in a
+folder it is reported (the JSON's ``errors``) while the others go on. The model is loaded by
+``videotrain.config.trained_run``, as for eval: its config is checked before anything of it is
+built, the checkpoint supplies the weights, and the model runs its evaluation forward whatever
+strategy trained it. Which config and which class names: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from videotrain.metrics.dispatch import aten_ops
+from videotrain.metrics.dispatch import aten_ops, bytes_moved
 
 
 def test_counts_forward_and_backward_ops_and_leaves_views_out():
@@ -35,3 +35,35 @@ def test_bare_allocations_are_not_counted_as_launches():
         torch.zeros(3)
     assert "aten.empty" not in ops and "aten.empty_strided" not in ops
     assert ops["aten.zero_"] == 1 or ops["aten.zeros"] == 1 or ops["aten.fill_"] == 1
+
+
+def test_bytes_moved_counts_inputs_and_outputs_of_computing_ops_only():
+    x = torch.randn(4, 8)  # 128 bytes
+    w = torch.randn(8)  # broadcast over the rows: counted once, 32 bytes
+    with bytes_moved() as moved:
+        y = x * w  # reads 128 + 32, writes 128
+        y.t().contiguous()  # the transpose is a view (nothing); the copy reads 128, writes 128
+        y.add_(1.0)  # an in-place op reads and writes y: 128 + 128
+    assert moved["aten.mul"] == 128 + 32 + 128
+    assert moved["aten.clone"] == 128 + 128
+    assert moved["aten.add_"] == 256
+    assert "aten.t" not in moved and "aten.transpose" not in moved
+    assert sum(moved.values()) == 288 + 256 + 256
+
+
+def test_bytes_moved_works_on_fake_tensors_at_any_size():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), bytes_moved() as moved:
+        torch.empty(1024, 1024, 256).relu()  # 1 GiB of fp32, never allocated
+    assert moved["aten.relu"] == 2 * 1024 * 1024 * 256 * 4
+    assert "aten.empty" not in moved
+
+
+def test_bytes_moved_leaves_metadata_reads_out():
+    x = torch.randn(64, 64)
+    with bytes_moved() as moved:
+        torch.ops.prim.device(x)
+        torch.ops.aten.sym_size(x, 0)
+        torch._foreach_add_([x], 1.0)  # in place on a list, returns nothing: still moves x twice
+    assert dict(moved) == {"aten._foreach_add_": 2 * 64 * 64 * 4}

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from videotrain.bench.row_setup import prepare_row
+from videotrain.memory.compiled import compile_counts
 from videotrain.metrics.saved import saved_activation_bytes
 
 
@@ -66,16 +67,17 @@ def plan_figures(strategy: object) -> dict[str, Any]:
     return out
 
 
-def compile_figures(spec: dict[str, Any]) -> dict[str, Any]:
-    """For torch.compile rows: how many graphs dynamo compiled (0 would mean the row silently
-    ran eager) and the activation budget the partitioner was given (None: its default)."""
-    if spec.get("compile_budget") is None and not spec.get("compile"):
+def compile_figures(spec: dict[str, Any], warm: dict[str, int], recompiles: int) -> dict[str, Any]:
+    """For compiled rows: the graphs and frames compiled by the end of the warm-up (0 graphs
+    would mean the row silently ran eager), its graph breaks, the frames compiled again over the
+    measured training steps (``recompiles``; evaluation's own compile left out), and the min-cut
+    peer's activation budget."""
+    if not warm["frames"]:
         return {}
-    from torch._dynamo.utils import counters
-
     budget = spec.get("compile_budget")
-    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
-            "activation_memory_budget": None if budget is None else float(budget)}
+    return {"compiled_graphs": warm["graphs"], "compiled_frames": warm["frames"],
+            "graph_breaks": warm["graph_breaks"], "recompiles": recompiles,
+            **({"activation_memory_budget": float(budget)} if budget is not None else {})}
 
 
 def eval_peak_mb(model: torch.nn.Module, video: torch.Tensor, precision: Any, meter: Any,
@@ -214,6 +216,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     for _ in range(spec["warmup"]):
         step()
+    warm = compile_counts()  # trainer.compile: compiled in the first step, never again
     metered_times: list[float] = []
     peaks: list[float] = []
     fwd_bwd: list[float] = []
@@ -226,8 +229,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if peak is not None and fb is not None:
             peaks.append(peak)
             fwd_bwd.append(fb)
+    recompiles = compile_counts()["frames"] - warm["frames"]  # over the metered steps
     if spec.get("eval_peak") and peaks:
         row_figures["eval_peak_mb"] = eval_peak_mb(model, video, precision, meter, max(peaks))
+    after_eval = compile_counts()["frames"]  # evaluation compiles graphs of its own, once
     if device.type == "cpu":
         keep_freed_memory()
         step()  # the heap grows to the step's working set once
@@ -236,6 +241,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    recompiles += compile_counts()["frames"] - after_eval  # over the timed steps
     if device.type == "cuda":  # absolute: weights, optimizer state and batch included
         row_figures["max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     row_figures.update(launch_figures(step, device, int(spec.get("profile_steps", PROFILE_STEPS))))
@@ -244,7 +250,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         **step_stats(times, peaks, fwd_bwd, spec["batch_size"], metered_times),
         **plan_figures(model.strategy),
-        **compile_figures(spec),
+        **compile_figures(spec, warm, recompiles),
         **row_figures,
         "saved_act_mb": saved / 2**20,
         "memory": model.strategy.describe(),

@@ -18,7 +18,9 @@ from videotrain.bench.child import step_stats
 from videotrain.bench.spawn import child_reply, device_name, machine_info, run_child
 from videotrain.bench.suites import (
     CHILD_KEYS,
+    COMPILE_AXIS,
     SUITES,
+    on_axis,
     own_shape,
     resolve,
     setting_for,
@@ -187,13 +189,16 @@ def start_estimates(specs: list[dict[str, Any]], device: str,
 def suite_specs(suite: str, device: str, batch_size: int | None = None, frames: int | None = None,
                 size: int | None = None, extra: list[str] | None = None,
                 only: list[str] | None = None,
-                rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                rows: list[dict[str, Any]] | None = None,
+                compile_axis: str = "eager") -> list[dict[str, Any]]:
     """The final row specs of ``suite`` (or of ``rows``) at its setting, where ``batch_size``,
-    ``frames`` and ``size`` (None: the suite's) and the user's ``extra`` overrides apply."""
+    ``frames`` and ``size`` (None: the suite's) and the user's ``extra`` overrides apply;
+    ``compile_axis`` (``--compile``): the rows as they are, compiled, or both ways."""
     base = setting_for(suite)
     setting = setting_overrides(batch_size or base.batch_size, frames or base.frames,
                                 size or base.size, device, base.overrides)
-    specs = resolve(rows if rows is not None else SUITES[suite], setting, list(extra or []), only)
+    chosen = on_axis(rows if rows is not None else SUITES[suite], compile_axis)
+    specs = resolve(chosen, setting, list(extra or []), only)
     if not specs:
         raise NoRows(f"no rows left after --only {only}")
     return specs
@@ -206,7 +211,8 @@ def run_bench(
     size: int | None = None, num_classes: int = 10, extra_overrides: list[str] | None = None,
     only: list[str] | None = None, rows: list[dict[str, Any]] | None = None,
     timeout: float | None = None, threads: int | None = None, rounds: int = 1,
-    free_grads: bool = False, time_budget: float | None = None, log=print,
+    free_grads: bool = False, time_budget: float | None = None, compile_axis: str = "eager",
+    log=print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run ``suite`` (or the given row specs). Returns (rows, meta, markdown table).
 
@@ -228,12 +234,12 @@ def run_bench(
     time_budget = base.time_budget if time_budget is None else (time_budget or None)
     deadline = time.monotonic() + time_budget if time_budget else float("inf")
     extra = list(extra_overrides or [])
-    specs = suite_specs(suite, device, batch_size, frames, size, extra, only, rows)
+    specs = suite_specs(suite, device, batch_size, frames, size, extra, only, rows, compile_axis)
     setting = {"suite": suite, "batch_size": batch_size, "frames": frames, "size": size,
                "steps": steps, "warmup": warmup, "num_classes": num_classes, "head": DEFAULT_HEAD,
                "suite_overrides": list(base.overrides), "extra_overrides": extra, "only": only,
                "threads": threads, "rounds": rounds, "free_grads": free_grads, "timeout": timeout,
-               "time_budget": time_budget}
+               "time_budget": time_budget, "compile": compile_axis}
     common = {"steps": steps, "warmup": warmup, "batch_size": batch_size, "frames": frames,
               "size": size, "num_classes": num_classes, "device": device, "seed": 0,
               "threads": threads, "free_grads": free_grads, "eval_peak": True}
@@ -326,6 +332,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="free parameter gradients after each step (zero_grad(set_to_none=True)), "
                    "so the step peak also counts the gradients backward allocates; by default "
                    "they persist between steps like the weights and optimizer state")
+    p.add_argument("--compile", default="eager", choices=COMPILE_AXIS,
+                   help="every row eager (default; the gpu suite has compiled rows of its own), "
+                        "compiled (trainer.compile=true), or both, each with its compiled twin")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row")
     args = p.parse_args(argv)
@@ -347,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             size=args.size, num_classes=args.num_classes, extra_overrides=args.overrides,
             timeout=args.timeout, threads=args.threads, rounds=args.rounds,
             free_grads=args.free_grads, time_budget=args.time_budget, only=only,
+            compile_axis=args.compile,
         )
     except (CudaRequired, NoRows) as err:  # before any row starts
         print(f"error: {err}", file=sys.stderr)

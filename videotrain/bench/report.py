@@ -32,10 +32,11 @@ COLUMNS = [
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """``mem_ratio``, ``time_ratio``, ``act_ratio`` against the e2e row of the same backbone
-    (None where that row failed or is missing)."""
-    refs = {r["backbone"]: r for r in rows
-            if r["strategy"] == "e2e" and not r.get("policy") and not r.get("error")}
+    """``mem_ratio``, ``time_ratio``, ``act_ratio`` against the eager e2e row of the same
+    backbone (None where that row failed or is missing): a compiled row's ratios say what the
+    strategy and the compiler together buy."""
+    refs = {r["backbone"]: r for r in rows if r["strategy"] == "e2e" and not r.get("policy")
+            and not r.get("compiled") and not r.get("error")}
     for r in rows:
         ref = refs.get(r["backbone"])
         for ratio, key in (("mem_ratio", "peak_mem_mb"), ("time_ratio", "step_time_s"),
@@ -69,6 +70,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         columns.insert(at, ("kernels/step" if cuda else "aten ops/step", "launches_per_step", "{:.0f}"))
         if cuda:
             columns.insert(at + 1, ("GPU busy", "gpu_busy", "{:.0%}"))
+    if any(r.get("compiled") for r in rows):  # the compile axis: the mode, graphs, recompiles
+        columns.insert(columns.index(("policy", "policy", "{}")) + 1, ("compile", "compile", "{}"))
+        columns.insert(columns.index(("clips/s", "clips_per_s", "{:.2f}")) + 1,
+                       ("graphs", "compiled_graphs", "{}"))
+        columns.insert(columns.index(("graphs", "compiled_graphs", "{}")) + 1,
+                       ("recompiles", "recompiles", "{}"))
+        rows = [{**r, "compile": compile_label(r)} for r in rows]
     if len({(r.get("batch_size"), r.get("frames")) for r in rows}) > 1:  # rows of their own shape
         columns.insert(1, ("B×T", "shape", "{}"))
         rows = [{**r, "shape": f"{r.get('batch_size')}×{r.get('frames')}"} for r in rows]
@@ -84,6 +92,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append("| " + " | ".join(cell(r.get(k), f) for _, k, f in columns)
                      + f" | {status} |")
     return "\n".join(lines) + "\n"
+
+
+def compile_label(r: dict[str, Any]) -> str:
+    """``eager``, ``compiled`` or ``compiled:MODE`` (``trainer.compile_mode``)."""
+    if not r.get("compiled"):
+        return "eager"
+    return "compiled" + (f":{r['compile_mode']}" if r.get("compile_mode") else "")
 
 
 def _series(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

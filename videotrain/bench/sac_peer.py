@@ -1,25 +1,16 @@
 """torch's own budget planner for activation checkpointing, as a bench peer (``sac_milp`` rows).
 
-As in torch's test_sac_ilp.py, under ``FakeTensorMode``: ``MemTracker`` (two training steps),
-``RuntimeEstimator`` (one) and ``SACEstimator`` (one forward) feed
-``torch.distributed._tools.sac_ilp.sac_milp``, which picks the modules to checkpoint and the
-fraction of each one's activation memory to discard, at the least estimated recompute time.
-The budget is ``frac`` x the e2e activation peak its estimators report, plus the parameters
-and gradients it also counts, so ``frac`` means what it means for ``memory.policy=optimal``.
-Each chosen module then runs under non-reentrant ``torch.utils.checkpoint`` with the selective
-policy of ``get_optimal_checkpointing_policy_per_module``. Needs ``pulp`` and ``pwlf``.
+As in torch's test_sac_ilp.py, under ``FakeTensorMode``, torch's estimators (``MemTracker``,
+``RuntimeEstimator``, ``SACEstimator``) feed ``torch.distributed._tools.sac_ilp.sac_milp``, which
+picks the modules to checkpoint and the fraction of each one's activation memory to discard, at
+the least estimated recompute time. The budget is ``frac`` x the e2e activation peak its
+estimators report, plus the parameters and gradients it also counts, so ``frac`` means what it
+means for ``memory.policy=optimal``. Each chosen module then runs under non-reentrant
+``torch.utils.checkpoint`` with the selective policy torch derives. Needs ``pulp`` and ``pwlf``.
 
-Without these adaptations it does not run on this project's ResNets, or without CUDA (the
-exact errors: docs/benchmarks.md, "torch's sac_milp planner"):
-
-* a module called more than once per forward (one ReLU per torchvision block) keeps its first
-  call in the recorded orders; exact for parameter-free leaves, which are never checkpointed;
-* on CPU the roofline runtime model runs on a datasheet GPU (``CPU_GPU_TYPE``) with its CUDA
-  check bypassed; runtimes only weigh the objective, memory comes from the tracker;
-* the per-module MILP gets a tiny runtime for ops with no cost (pulp leaves them unset) and a
-  kept fraction that covers the in-place ops it must save (BatchNorm's counter);
-* saved tensors that a later in-place op mutates (``relu_`` after a saved BatchNorm) are
-  allowed; only those in-place ops read them in a ResNet, so gradients stay e2e's (tested).
+It runs on this project's ResNets and without CUDA only through a few adaptations (a module
+called twice per forward, the roofline on CPU, ops with no cost, saved tensors mutated in place);
+each, and why gradients stay e2e's: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ policy, ...) and carries the Hydra overrides that build it. Adding a suite is
 adding a list of ``row(...)`` calls to ``SUITES``; every option passed to ``row`` becomes a
 ``trainer.<key>=<value>`` override when it is named ``trainer_<key>``, else a
 ``memory.<key>=<value>`` override and a column of the row.
+
+The compile axis: a row runs eager (``trainer.compile=false``, whatever the device) unless it is
+the compiled twin of a row (:func:`compiled`: ``trainer.compile=true``, named ``...-compiled``);
+``--compile both`` runs every row both ways, the ratios against the eager e2e row.
 """
 
 from __future__ import annotations
@@ -23,16 +27,16 @@ TIMM_PREFIX = "timm:"
 CONVNEXT, TIMM_VIT = f"{TIMM_PREFIX}convnext_atto", f"{TIMM_PREFIX}vit_tiny_patch16_224"
 
 # Fields every row carries, whatever its strategy (None where they do not apply).
-ROW_FIELDS = ("backbone", "strategy", "keep_ratio", "granularity", "policy")
+ROW_FIELDS = ("backbone", "strategy", "keep_ratio", "granularity", "policy", "compiled")
 
 # Row-spec keys that are not Hydra overrides but instructions to the child (bench/child.py) or
 # the runner (bench/cli.py); they tell rows apart like overrides do.
 #   compile_budget:     torch.compile the backbone with this min-cut activation_memory_budget
-#   compile:            torch.compile the backbone, default partitioner
 #   sac_milp:           torch's sac_milp planner at this fraction of its e2e activation
 #                       estimate, or "min" (the smallest it solves)
 #   auto_budget_of_e2e: memory=auto with memory.budget_mb = this x the e2e row's measured peak
-CHILD_KEYS = ("compile_budget", "compile", "sac_milp", "auto_budget_of_e2e")
+CHILD_KEYS = ("compile_budget", "sac_milp", "auto_budget_of_e2e")
+COMPILE_AXIS = ("eager", "compiled", "both")  # --compile
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,22 @@ def row(
         **options,
         "overrides": overrides,
     }
+
+
+def compiled(spec: dict[str, Any], mode: str | None = None) -> dict[str, Any]:
+    """``spec``'s twin on the compile axis: ``trainer.compile=true`` (and ``compile_mode``)."""
+    extra = ["trainer.compile=true", *([f"trainer.compile_mode={mode}"] if mode else [])]
+    return {**spec, "overrides": [*spec["overrides"], *extra]}
+
+
+def on_axis(rows: list[dict[str, Any]], axis: str) -> list[dict[str, Any]]:
+    """``rows`` as ``--compile`` asks: as they are (``eager``), each compiled, or each followed
+    by its compiled twin (``both``)."""
+    if axis not in COMPILE_AXIS:
+        raise ValueError(f"--compile must be one of {', '.join(COMPILE_AXIS)}, got {axis!r}")
+    if axis == "eager":
+        return list(rows)
+    return [r for spec in rows for r in ((compiled(spec),) if axis == "compiled" else (spec, compiled(spec)))]
 
 
 def backbone_overrides(backbone: str) -> list[str]:
@@ -145,7 +165,8 @@ RECOMPUTE_ROWS = [
 # clip on a transformer, e2e against frame-level SBP and the recomputation plan. The acceptance
 # rows (SBP and recomputation against e2e, NHWC against NCHW) come first, so that a run cut
 # short by its time budget still has them; the comparison rows (frame dropout, SBP +
-# recomputation, memory=auto, torch.compile) follow.
+# recomputation, memory=auto) follow, then the compiled twins of the acceptance rows, the
+# costliest to start (a compile each) and the least known, e2e first.
 NCHW_E2E = {**row(R50, "e2e", trainer_channels_last=False), "policy": "nchw"}
 FROZEN_SBP = {**row(R50, "sbp", 0.5, bn_policy="frozen"), "policy": "frozen"}
 VIT_B16_SHAPE = {"batch_size": 8, "frames": 64}
@@ -165,8 +186,10 @@ GPU_ROWS = [
     {**row(R50, "sbp", 0.5, recompute="optimal"), "policy": "checkpoint:optimal"},
     VIT_B16_RECOMPUTE,
     {**row(R50, "auto"), "budget_frac": 0.5, "auto_budget_of_e2e": 0.5},
-    {**row(R50, "e2e"), "policy": "torch.compile", "compile": True},
-    {**row(R50, "sbp", 0.5), "policy": "torch.compile", "compile": True},
+    *(compiled(r) for r in (
+        row(R50, "e2e"), row(R50, "sbp", 0.5), row(R50, "recompute", policy="optimal", budget_frac=0.5),
+        row(R50, "sbp", 0.25), FROZEN_SBP, row(R50, "recompute", policy="sqrt"), *VIT_B16_JUDGED[:2])),
+    compiled(row(R50, "e2e"), "reduce-overhead"),  # CUDA graphs: whether they pay
 ]
 
 SUITES: dict[str, list[dict[str, Any]]] = {
@@ -179,7 +202,7 @@ SUITES["all"] = [r for name in ("default", "recompute") for r in SUITES[name]]
 
 # The GPU suite must finish in 10 minutes on one H100: each row gets at most 240 s (a compile
 # that does not finish), and no row runs past 570 s of the run (30 s left for the report). The
-# rows that cost most and are least known (memory=auto's planning, torch.compile) come last.
+# rows that cost most and are least known (memory=auto's planning, the compiled rows) come last.
 GPU_SETTING = Setting(batch_size=8, frames=16, size=224, device="cuda",
                       overrides=("trainer.precision=bf16",), timeout=240.0, time_budget=570.0,
                       needs_cuda=True, results_root="outputs/bench/gpu")
@@ -235,6 +258,8 @@ def row_name(spec: dict[str, Any]) -> str:
         parts.append("bmin")
     elif spec.get("budget_frac") is not None:
         parts.append(f"b{spec['budget_frac']:g}")
+    if spec.get("compiled"):
+        parts.append("compiled" + (f":{spec['compile_mode']}" if spec.get("compile_mode") else ""))
     return f"{spec['backbone']}/{'-'.join(parts)}"
 
 
@@ -268,6 +293,8 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
             # per-frame unless the user says otherwise: resnet10's config (alone) turns TSM's
             # shift on, and these suites measure the strategies on a per-frame model
             ovs = [*ovs, "model.backbone.temporal_shift=0"]
+        if _value(ovs, "trainer.compile") is None:  # eager unless asked: auto compiles on CUDA
+            ovs = [*ovs, "trainer.compile=false"]
         key = (*sorted(ovs), *(f"{k}={spec.get(k)}" for k in CHILD_KEYS))  # not overrides
         if key in seen:
             continue
@@ -277,6 +304,9 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
         group = _value(ovs, "memory")
         spec["strategy"] = group if group else spec["strategy"]
         spec["granularity"] = granularity_of(spec["strategy"])
+        spec["compiled"] = _value(ovs, "trainer.compile") != "false"
+        mode = _value(ovs, "trainer.compile_mode")
+        spec["compile_mode"] = None if mode in (None, "null") else mode
         for field in ("keep_ratio", "policy"):
             v = _value(ovs, f"memory.{field}")
             if v is not None:
@@ -289,8 +319,8 @@ def resolve(rows: list[dict[str, Any]], base: list[str], extra: list[str],
             for pat in only)]
     for backbone in dict.fromkeys(s["backbone"] for s in out):
         if not any(s["backbone"] == backbone and s["strategy"] == "e2e" and not s.get("policy")
-                   for s in out):
-            keep = [e for e in extra if not override_key(e).startswith("memory")]
+                   and not s["compiled"] for s in out):
+            keep = [e for e in extra if not override_key(e).startswith(("memory", "trainer.compile"))]
             first = next(i for i, s in enumerate(out) if s["backbone"] == backbone)
             ref = resolve([{**row(backbone, "e2e"), **own_shape(out[first])}], base, keep)[0]
             out.insert(first, ref)

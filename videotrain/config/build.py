@@ -357,35 +357,19 @@ def use_sync_bn(cfg: DictConfig, ctx: DistContext, device: torch.device) -> bool
     return True
 
 
-def plan_memory(cfg: DictConfig, model: VideoClassifier, precision: Precision | None,
-                device: torch.device, num_classes: int,
+def plan_memory(cfg: DictConfig, model: VideoClassifier, device: torch.device, num_classes: int,
                 estimator: Callable[[DictConfig, int, str], Callable[[dict[str, Any]], StepMemory]],
                 ) -> dict[str, Any] | None:
-    """Let a self-planning strategy (``memory=auto``) choose its plan before training: from
-    fake-tensor estimates of the configured run at full size (``memory.budget_gb``, or CUDA
-    with no budget), or from profiling steps of the configured model and batch (in
-    ``precision``; estimates need none). A no-op (None) for every other strategy. Raises
-    ``NoPlanFits`` (a ``ValueError``) when no plan fits the budget.
+    """Let a self-planning strategy (``memory=auto``) choose its plan before training, from
+    fake-tensor estimates of the configured run at full size for ``device``'s type; a no-op
+    (None) for every other strategy. Raises ``NoPlanFits`` (a ``ValueError``) when no plan fits.
 
     ``estimator(cfg, num_classes, device_type)`` makes the estimator of a ``memory:`` node's
     step: the commands pass ``videotrain.config.estimate.ConfigEstimator``, which builds
     the model here through this module (so build does not import it)."""
     if not isinstance(model.strategy, SelfPlanning):
         return None
-    d = cfg.data
-    if model.strategy.estimates(device):
-        return model.strategy.plan_estimated(estimator(cfg, num_classes, device.type),
-                                             int(d.num_frames), device)
-    from videotrain.memory.auto.profile import StepProbe
-
-    assert precision is not None, "profiling steps run in the configured precision"
-    probe = StepProbe(
-        model, lambda m: optimizer_from_cfg(cfg, m), precision, device,
-        video_shape=(d.batch_size, d.num_frames, 3, d.crop_size, d.crop_size),
-        num_classes=num_classes, grad_clip=cfg.trainer.grad_clip,
-        label_smoothing=cfg.trainer.label_smoothing, seed=cfg.seed,
-    )
-    return model.strategy.plan(probe)
+    return model.strategy.plan(estimator(cfg, num_classes, device.type), int(cfg.data.num_frames), device)
 
 
 def build_data_from_cfg(cfg: DictConfig, device: torch.device, rank: int = 0,
@@ -501,7 +485,7 @@ def build_training(cfg: DictConfig, ctx: DistContext, out_dir: Path,
     data, bad = build_data_from_cfg(cfg, device, ctx.rank, ctx.world_size, report_dir=out_dir)
     classifier = build_model(cfg, data.num_classes, sync_bn=sync_bn,
                              class_names=data.class_names, strategy=strategy).to(device)
-    plan_memory(cfg, classifier, precision, device, data.num_classes, estimator)  # memory=auto: fails here
+    plan_memory(cfg, classifier, device, data.num_classes, estimator)  # memory=auto: fails here
     optimizer = optimizer_from_cfg(cfg, classifier, ctx.world_size)
     model = wrap_ddp(classifier, device, ctx)  # broadcasts rank 0's parameters and buffers
     wait = float(cfg.data.worker_timeout)

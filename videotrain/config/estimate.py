@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from videotrain.config.build import build_model, compose_cfg, eval_settings, optimizer_from_cfg
 from videotrain.config.files import checked_config
 from videotrain.engine.precision import PRECISIONS
-from videotrain.memory.estimate import StepMemory, simulate_step
+from videotrain.memory.estimate import StepMemory, onednn_target, simulate_step
 from videotrain.models.video import VideoClassifier
 
 
@@ -65,7 +65,7 @@ def simulate_cfg(cfg: DictConfig, target: str, with_eval: bool = True) -> StepMe
                          grad_clip=cfg.trainer.grad_clip,
                          label_smoothing=float(cfg.trainer.label_smoothing),
                          eval_video_shape=eval_shape if with_eval else None,
-                         eval_frame_chunk=eval_settings(cfg).frame_chunk)
+                         eval_frame_chunk=eval_settings(cfg).frame_chunk, onednn=onednn_target(target))
 
 
 Job = tuple[list[str] | dict[str, Any], str]  # (overrides or a resolved config, target device type)

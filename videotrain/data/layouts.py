@@ -2,21 +2,11 @@
 and ``generate`` / ``ensure_synthetic``, which write (once, atomically) and cache a dataset.
 
 Each writer takes the same clips (``synthetic.render_all``) and writes videos and annotation
-files the way the dataset's own download does, so each reader is tested on files that no
-reader wrote:
-
-- ``kinetics``: ``train/<class>/<class>_<i>.mp4`` (and ``val/``), ``train.csv`` / ``val.csv``
-  with ``path label`` lines, ``classes.txt``;
-- ``folder``: the same video tree, without annotation files;
-- ``ucf101``: ``UCF-101/<Class>/v_<Class>_gNN_c01.avi``, ``ucfTrainTestlist/classInd.txt``,
-  ``trainlist0{1,2,3}.txt`` (with 1-based labels), ``testlist0{1,2,3}.txt`` (paths only), CRLF;
-- ``hmdb51``: ``hmdb51_org/<class>/<video>.avi`` and
-  ``testTrainMulti_7030_splits/<class>_test_split{1,2,3}.txt`` (``video.avi 1|2`` lines);
-- ``ssv2``: ``20bn-something-something-v2/<id>.webm`` and ``labels/labels.json``,
-  ``labels/train.json``, ``labels/validation.json`` (one JSON entry per line).
-
-Folds of UCF101 and HMDB51: fold 1 tests on the generator's val clips, so it matches the
-Kinetics layout's split exactly; folds 2 and 3 test on other, rotated, blocks of clips.
+files the way the dataset's own download does (``kinetics``, ``folder``, ``ucf101``,
+``hmdb51``, ``ssv2``), so each reader is tested on files that no reader wrote. Fold 1 of UCF101
+and HMDB51 tests on the generator's val clips, matching the Kinetics layout's split exactly;
+folds 2 and 3 test on other, rotated, blocks of clips. Each layout's files:
+``docs/design/internals.md``.
 """
 
 from __future__ import annotations

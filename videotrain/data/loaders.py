@@ -414,26 +414,17 @@ def build_data(
 ) -> tuple[DataBundle, list[str]]:
     """Build train/val loaders; returns the bundle and the paths found bad by preflight.
 
-    ``fold`` ... ``video_ext`` are reader options (see ``READER_OPTIONS``; None = the reader's
-    default). ``worker_timeout`` (seconds, 0 = none) bounds the wait for one batch from the
-    worker processes, so a decoder that never returns fails the run instead of hanging it.
-    ``decoder`` (``pyav`` | ``torchcodec``) reads the videos; ``sampler`` (``random`` time
-    windows | ``segment``, TSN's one frame per segment of the whole video) picks their frames.
-    ``randaugment`` (ops, magnitude; 0 ops = off) and ``random_erasing`` (probability) are the
-    recipe's per-clip augmentations (``recipe.*``, not data keys).
-    ``preflight_train=False`` skips stat-ing the training files (evaluation only reads val).
-    ``shared(fn)`` runs ``fn`` once and gives every process its result: under DDP only rank 0
-    stats the files and the others receive the list (a dataset of 240k files stat-ed by every
-    rank at once is a storm on a shared filesystem).
-    ``drop_classes`` (``data.drop_classes``): class names left out of both splits and of the
-    metrics (their label numbers stay); a class without readable videos is an error otherwise
-    (``coverage.check_classes``). Validation holds only the val videos that are there.
-    ``hflip_label_map`` (``data.hflip_label_map``, with ``hflip``): class name -> the class
-    of its mirror image (``{move_left: move_right}``; the reverse pairs are implied, unlisted
-    classes are their own mirror): training flips half of the clips and relabels them, so
-    direction classes keep a true label (``flip_label_indices``).
-    ``report_dir`` (the run folder) receives ``missing_videos_<split>.txt``, the full lists of
-    missing or empty videos (the log names a count and the first few).
+    ``fold`` ... ``video_ext`` are reader options (``READER_OPTIONS``; None = the reader's default);
+    ``decoder`` reads the videos and ``sampler`` picks their frames (``random`` windows |
+    ``segment``); ``randaugment`` (ops, magnitude) and ``random_erasing`` are the recipe's per-clip
+    augmentations. ``worker_timeout`` (seconds, 0 = none) bounds the wait for one batch, so a hung
+    decoder fails the run. ``preflight_train=False`` skips stat-ing the training files;
+    ``shared(fn)`` runs ``fn`` once and gives every process its result (under DDP only rank 0 stats
+    the files). ``drop_classes``: class names left out of both splits and the metrics (labels kept);
+    otherwise a class without readable videos is an error. ``hflip_label_map`` (with ``hflip``):
+    class -> its mirror's class (reverse pairs implied); flipped clips are relabelled.
+    ``report_dir`` receives ``missing_videos_<split>.txt``, the full lists the log only counts.
+    Validation holds only the val videos that are there.
     """
     options = dict(fold=fold, train_file=train_file, val_file=val_file, path_prefix=path_prefix,
                    classes_file=classes_file, split_dir=split_dir, video_dir=video_dir,

@@ -1,22 +1,15 @@
 """Synthetic action-recognition data written as real MP4 files.
 
-Why a two-stroke task: a per-frame model with a *mean* head sees only the *set* of frames.
-For a single object moving in one of four directions, that set still reveals the axis
-(a horizontal vs a vertical track), so an order-blind model could reach 50% on four classes.
-Here every clip has two strokes: in the first half a red square moves left or right, in the
-second half a blue square moves up or down, each from a random start over a random texture.
-The class is the pair of directions (4 classes). Reversing either stroke alone maps one class
-onto another while leaving the frame *set* unchanged, so all four classes share one
-distribution of frame sets: an order-blind model is at chance (0.25) by construction, and
-only a head that uses frame order can solve the task. ``SyntheticSpec.task`` picks another
-task of the same construction instead (``temporal_tasks.py``: the accuracy suite's tasks).
+The default task has two strokes: in the first half of a clip a red square moves left or right,
+in the second a blue square moves up or down; the class is the pair of directions (4 classes).
+Reversing either stroke maps one class onto another with the same set of frames, so an
+order-blind model is at chance (0.25) by construction and only a head that uses frame order can
+solve it. ``SyntheticSpec.task`` picks another task of the same construction
+(``temporal_tasks.py``).
 
-Files are written with PyAV, deterministically for a seed. The same clips can be written in
-the layout of each supported dataset (``layouts.py``, which also generates and caches them): by default Kinetics-style,
-``<split>/<class>/<class>_<i>.mp4`` plus ``train.csv`` / ``val.csv`` (``relative/path.mp4
-label``) and ``classes.txt``; also folder-per-class, UCF101 and HMDB51 split files over AVIs,
-and the Something-Something v2 JSON trio over WebM. The readers are thus tested on files
-that no reader wrote.
+Files are written with PyAV, deterministically for a seed, in the layout of each supported
+dataset (``layouts.py``), so the readers are tested on files that no reader wrote. Why this
+task, and the layouts: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from videotrain import NEUTRAL
+from videotrain.memory.compiled import check_compile
 
 RESUME_MODES = ("auto", "force", "false")
 
@@ -62,11 +63,16 @@ class TrainerSettings:
     keep_last_k: int | None = field(default=2, metadata=NEUTRAL)  # step-N.ckpt files kept; None: all
     resume: str | bool = field(default="auto", metadata=NEUTRAL)  # auto | force | false: engine.resume
     channels_last: str | bool = "auto"  # auto | true | false (read by build)
+    # torch.compile of the backbone or the strategy's code (videotrain.memory.compiled): auto |
+    # true | false, auto on CUDA only; the mode null (the compiler's default) or one it names
+    compile: str | bool = field(default="auto", metadata=NEUTRAL)
+    compile_mode: str | None = field(default=None, metadata=NEUTRAL)
     # not a trainer key: build.trainer_settings passes data.max_bad_fraction (left out of the schema)
     max_bad_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         self.resume = resume_mode(self.resume)
+        check_compile(self.compile, self.compile_mode)
         if self.keep_last_k is not None and (isinstance(self.keep_last_k, bool)
                                              or not isinstance(self.keep_last_k, int)
                                              or self.keep_last_k < 1):

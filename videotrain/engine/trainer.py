@@ -32,6 +32,7 @@ from videotrain.engine.preempt import StopSignals, agreed_stop, stop_run
 from videotrain.engine.recipe import BatchMix, RecipeSettings, WeightEMA, soft_target_loss
 from videotrain.engine.settings import TrainerSettings
 from videotrain.memory.base import StepObserver
+from videotrain.memory.compiled import Compiler, compile_model, wants_compile
 from videotrain.metrics.logger import MetricsLogger
 from videotrain.metrics.memory import StepPeakMemory, cpu_meter_reads_high, keep_freed_memory
 from videotrain.untrusted import shown
@@ -122,6 +123,8 @@ class Trainer:
         self.parts = Checkpointed(self.module, optimizer, scheduler, precision.scaler, self.state,
                                   plan.total_steps, self.ema)
         self.resumed = checkpoints.restore(self.parts)
+        if wants_compile(settings.compile, device.type):  # after the EMA's copy: it stays eager
+            compile_model(self.module, Compiler(settings.compile_mode))
 
     @property
     def module(self) -> torch.nn.Module:

@@ -50,17 +50,22 @@ class StepObserver(Protocol):
 
 
 @runtime_checkable
+class CompilesItself(Protocol):
+    """Optional: a strategy that runs code other than the backbone module in training (SBP's
+    generated code, recomputed segments) compiles it itself under ``trainer.compile``
+    (``videotrain.memory.compiled``); ``compiler(module)`` compiles a module in place,
+    ``compiler.function(fn)`` a callable. Without the hook the backbone module is compiled."""
+
+    def compile(self, backbone: nn.Module, compiler: Any) -> None: ...
+
+
+@runtime_checkable
 class SelfPlanning(Protocol):
     """Optional: a strategy that chooses itself before training (``memory=auto``), from
-    measured training steps or, where ``estimates(device)``, from fake-tensor estimates at full
-    size. ``videotrain.config.build.plan_memory`` hands it a ``StepProbe`` or an estimator and records
-    ``plan_report()`` in results.json as ``memory_plan``."""
+    fake-tensor estimates of the configured run at full size. ``videotrain.config.build.plan_memory``
+    hands it an estimator and records ``plan_report()`` in results.json as ``memory_plan``."""
 
-    def plan(self, probe: Any) -> dict[str, Any]: ...
-
-    def estimates(self, device: torch.device) -> bool: ...
-
-    def plan_estimated(self, estimate: Any, num_frames: int, device: torch.device) -> dict[str, Any]: ...
+    def plan(self, estimate: Any, num_frames: int, device: torch.device) -> dict[str, Any]: ...
 
     def plan_report(self) -> dict[str, Any]: ...
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from videotrain.memory.base import mixes_frames, set_clip_length
 from videotrain.metrics.live_bytes import LiveStorageBytes
@@ -94,6 +95,27 @@ def usable_bytes(device_gb: float, target: str = "cuda") -> float:
     return (device_gb - (CUDA_CONTEXT_GIB if target == "cuda" else 0.0)) * GIB
 
 
+class OneDNNConvBackward(TorchDispatchMode):
+    """The CPU target: oneDNN's convolution backward computes a weight gradient in its own
+    blocked layout and reorders it into torch's, so one more weight-sized buffer is alive while
+    the op runs. Counted as a tensor that lives for the op (enter inside the counting mode)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        reorder = None
+        if func is torch.ops.aten.convolution_backward.default and args[-1][1]:  # grad_weight wanted
+            reorder = torch.empty_like(args[2])  # the weight's size
+        try:
+            return func(*args, **kwargs)
+        finally:
+            del reorder
+
+
+def onednn_target(target: str) -> bool:
+    """Whether a step for ``target`` runs its convolutions through oneDNN (a CPU with it on)."""
+    return target == "cpu" and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
 @contextlib.contextmanager
 def _no_weight_init() -> Iterator[None]:
     """``torch.nn.init``'s in-place initialisers do nothing in the body: values do not change
@@ -124,6 +146,7 @@ def simulate_step(
     eval_video_shape: tuple[int, int, int, int, int] | None = None,
     eval_frame_chunk: int | str | None = None,
     fake: bool = True,
+    onednn: bool = False,
 ) -> StepMemory:
     """Count one training step of ``make_model()`` on a ``video_shape`` batch
     ``(B, T, C, H, W)``, as ``Trainer`` takes it, and (with ``eval_video_shape``, the
@@ -131,9 +154,11 @@ def simulate_step(
     ``make_optimizer`` run inside the fake mode, so they must build, not load, their tensors.
     ``eval_frame_chunk`` is the evaluation's frames per backbone forward, as the model's
     (``"auto"``: sized from this step's peak, as the trainer does).
-    ``fake=False`` runs the same steps on real CPU tensors, to check the simulation against."""
+    ``fake=False`` runs the same steps on real CPU tensors, to check the simulation against.
+    ``onednn``: count oneDNN's convolution backward as a CPU runs it (:class:`OneDNNConvBackward`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with mode, LiveStorageBytes() as live:
+    kernels = OneDNNConvBackward() if onednn else contextlib.nullcontext()
+    with mode, LiveStorageBytes() as live, kernels:
         with _no_weight_init():
             model = make_model().train()
         optimizer = make_optimizer(model)

@@ -1,22 +1,14 @@
 """``memory=frame_dropout``: train on a random subset of frames; the rest are never computed.
 
-This is the "Frame Dropout" baseline the SBP paper compares against (as used in VATT). Each
-training clip keeps ``n_keep = clamp(round(r*T), 1, T)`` frames; the dropped frames cost no
-forward, no backward and no memory. The head sees ``(B, n_keep, D)`` features together with
-their *true* frame positions, so position-aware heads (transformer, LSTM) know where in the clip
-each feature came from. Evaluation uses all frames (the model never calls ``encode`` there).
+The "Frame Dropout" baseline of the SBP paper (as used in VATT). Each training clip keeps
+``n_keep = clamp(round(r*T), 1, T)`` frames; the dropped frames cost no forward, no backward and
+no memory. Unlike SBP, the head also sees only the kept frames (a train/test gap for temporal
+heads), given with their true frame positions. Evaluation uses all frames.
 
-How it differs from SBP: SBP still runs the forward pass on every frame, so the head sees the
-whole clip during training and only the backbone's backward is subsampled. Frame dropout also
-changes what the head sees (a train/test gap for temporal heads), but saves the forward too.
-
-BatchNorm needs no policy here: there is one backbone pass per step over the kept frames, so
-batch statistics are those of the kept frames (that *is* frame dropout) and running statistics
-update once. At ``keep_ratio=1`` the strategy is plain e2e, exactly.
-
-With a backbone that mixes frames (TSM's temporal shift) the backbone sees the kept frames only,
-as a clip of ``n_keep`` frames in time order: the shift mixes each kept frame with its kept
-neighbours (which may be several frames apart in the clip), and zeros at the ends.
+Invariants: one backbone pass per step over the kept frames, so BatchNorm's statistics are the
+kept frames' and running statistics update once; ``keep_ratio=1`` is plain e2e, exactly; a
+backbone that mixes frames (TSM's shift) sees the kept frames as one clip in time order.
+Details: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Spatial backbones: torchvision image models turned into per-frame feature extractors (timm
 models: ``videotrain.models.timm_backbone``; local weights: ``videotrain.models.weights``).
 
-Every backbone honours one small contract (the ``FrameBackbone`` base), so memory strategies
-never need ``isinstance`` checks on torchvision classes:
-
-* ``forward(frames)``: ``(N, C, H, W) -> (N, D)``, one feature vector per frame;
-* ``feature_dim``: ``D``;
-* ``blocks()``: the residual / encoder blocks in execution order, which is where per-block
-  recomputation (``memory.policy=blocks``) and TSM's temporal shift attach.
-
-* ``set_clip_length(T)``: the frames per clip of the next calls; strategies call it before
-  every backbone call (``videotrain.memory.base.set_clip_length``). Only a backbone whose frames
-  interact (``mixes_frames``: TSM's temporal shift, ``temporal_shift`` > 0) uses it, and such a
-  backbone must see whole clips in time order.
+Every backbone honours one small contract (``FrameBackbone``), so memory strategies never need
+``isinstance`` checks on torchvision classes: ``forward(frames)`` maps ``(N, C, H, W) -> (N, D)``;
+``feature_dim`` is ``D``; ``blocks()`` lists the residual / encoder blocks in execution order
+(where per-block recomputation and TSM's shift attach); ``set_clip_length(T)`` gives the frames
+per clip of the next calls, used only by a backbone whose frames interact (``mixes_frames``),
+which must then see whole clips in time order.
 
 ``grid`` > 1 pools the last feature map to a ``grid x grid`` map instead of one global average
-(ResNets only). A global average throws away *where* things are, which makes motion direction
-hard to see for a per-frame model; a small grid keeps coarse position at little cost.
+(ResNets only), so that a per-frame model keeps the coarse position that motion needs.
 """
 
 from __future__ import annotations

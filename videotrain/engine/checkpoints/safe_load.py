@@ -3,20 +3,14 @@
 before anything of it is used.
 
 A shared checkpoint is untrusted input (docs/cluster.md, "A shared run folder is untrusted
-input"). Before ``torch.load``: the file must be a regular file (no FIFO or device, which would
-block or never end; no symbolic link out of its folder, except that the user may name a weights
-file behind links with ``follow``) of at most ``MAX_CHECKPOINT_BYTES`` by its length (a sparse
-file's holes count); its zip records must be stored uncompressed, as ``torch.save`` writes them
-(a 3 MB file with a deflated record of 3 GiB of zeros is refused from the zip's directory,
-before anything is inflated); and its pickle (``data.pkl``) is bounded in bytes, and in the
-opcodes torch's unpickler would run and the memory they would build, counted from the pickle
-itself (``pickle_cost``: 40 MB of empty sets would build gigabytes). After it: the whole
-structure once (``check_tensors``: at most so many values, so deep, no container met twice, and
-every tensor holding the values its shape claims: a stride of 0 makes 4 bytes a 10^7-class
-head), then every field videotrain reads against its declared schema (``CHECKPOINT``). A file
-that needs arbitrary unpickling is refused naming the global, read from the pickle itself
-(``pickle_globals``), on every torch. ``videotrain.engine.checkpoints.format`` re-exports all of it;
-the bounds are ``videotrain.untrusted.bounds``'.
+input"). Before ``torch.load``: a regular file (no FIFO, device or link out of its folder) of
+bounded length, zip records stored uncompressed, and a pickle bounded in bytes and in the work
+and memory torch's unpickler would spend (``pickle_cost``). After it: the whole structure once
+(``check_tensors``: bounded values and depth, no shared containers, every tensor holding the
+values its shape claims), then every field videotrain reads against its schema (``CHECKPOINT``).
+A file that needs arbitrary unpickling is refused naming the global (``pickle_globals``).
+``videotrain.engine.checkpoints.format`` re-exports all of it; the bounds are
+``videotrain.untrusted.bounds``'. Each check's reason: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

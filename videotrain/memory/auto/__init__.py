@@ -1,16 +1,12 @@
-"""``memory=auto``: give it a memory budget, get the fastest training plan that fits.
+"""``memory=auto``: give it a memory budget, get the best training plan that fits.
 
-- ``profile.py``: ``StepProbe``, real training steps of the configured model and batch on a
-  copy of the model, measured with the trainer's own peak meter (``Profile``).
 - ``candidates.py``: the candidate plans (e2e, recomputation, SBP at every keep ratio, SBP with
-  recomputation or frozen BN, frame dropout when allowed), their peak and step time estimated
-  from a profile (or none yet, to be simulated), their ranking (best expected accuracy first,
-  fastest among equals) and the decision table.
-- ``choice.py``: the choice, one walk down the ranking with two evaluators: ``MeasuredPeaks``
-  (profiled peaks and profiling steps) and ``SimulatedPeaks`` (each candidate's step simulated at
-  full size on fake tensors, ``videotrain.simulate``; each family bisected).
-- ``strategy.py``: ``AutoStrategy``: plans before training, verifies the choice, swaps the
-  concrete strategy in, and steps down to the next plan if a step exceeds the budget.
+  recomputation or frozen BN, frame dropout when allowed), their ranking (expected accuracy
+  first, then fixed relative costs) and the decision table.
+- ``choice.py``: the choice, one walk down the ranking, each family bisected, every candidate
+  reached estimated on fake tensors at full size (as ``plan --fit`` estimates a row).
+- ``strategy.py``: ``AutoStrategy``: plans before training, swaps the concrete strategy in, and
+  steps down to the next plan if a measured step exceeds the budget.
 """
 
 from videotrain.memory.auto.candidates import NoPlanFits

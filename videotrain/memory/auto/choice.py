@@ -1,125 +1,34 @@
-"""``memory=auto``'s choice: one walk down the ranked candidates, with two ways to know a peak.
+"""``memory=auto``'s choice: one walk down the ranked candidates, each peak a fake-tensor estimate.
 
-:func:`walk` takes the candidates in :func:`~videotrain.memory.auto.candidates.ranked` order
-(expected accuracy, then estimated step time) and chooses the first whose peak fits the budget;
-when none does it raises :class:`~videotrain.memory.auto.candidates.NoPlanFits` with the
-smallest peak known. What tells a candidate's peak is the evaluator:
+:func:`choose` takes the candidates in :func:`~videotrain.memory.auto.candidates.ranked` order
+and chooses the first whose need (its estimated peak plus the share fake tensors cannot see)
+fits the budget; when none does it raises
+:class:`~videotrain.memory.auto.candidates.NoPlanFits` with the smallest need estimated.
 
-- :class:`MeasuredPeaks` (:func:`choose`; ``AutoStrategy.plan``): the peaks estimated from the e2e
-  profile (``candidates.build_candidates``), and one profiling step for a plan that has no
-  estimate when the walk reaches it, and (``verify``) for the plan about to be chosen.
-- :class:`SimulatedPeaks` (:func:`choose_estimated`; ``AutoStrategy.plan_estimated``, with
-  ``memory.budget_gb`` or on CUDA with no budget set): a real profiling step at full size can
-  itself run out of memory, so each candidate reached is simulated on fake tensors instead
-  (:func:`videotrain.memory.estimate.simulate_step`, in a process of its own, through
-  ``videotrain.config.estimate``), its training step and validation forward together, as
-  ``python -m videotrain.plan --fit GB`` estimates its rows. The first steps of training then
-  verify the choice, as for a profiled plan (``AutoStrategy.observe_step``).
-
-Simulated candidates (``candidates.estimated_candidates``) have no timings: nothing is timed,
-so the ranking is expected accuracy (tier, then keep ratio), then the structural order of cost
-(e2e before recomputation, recomputation plans from the largest planner budget down, plain SBP
-before SBP with recomputation). Simulating all of them at full size would take minutes, so each
-*family* (the same plan at falling keep ratios, or the recomputation plans at falling budgets)
-is searched by bisection: its peak falls along the family, so the first member that fits is
-found in ``log2(n)`` simulations, and the members before it are over budget by inference
-(noted as such in the table).
-
-Simulated peaks are on the trainer's ``train_peak_mem_mb`` scale (what a step adds to what is
-held between steps: parameters, gradients, optimizer state), so the re-check compares like
-with like: a candidate's peak is its larger of training step and validation forward, less what
-e2e holds between steps; the budget is the usable device memory (``memory.budget_gb`` less the
-CUDA context, less a share for what fake tensors cannot see), less the same.
+Why bisect: an estimate is a full-size step on fake tensors in a process of its own (seconds),
+so estimating every candidate would take minutes. A *family* (one plan at falling keep ratios,
+or the recomputation plans at falling planner budgets) needs less memory along its rank order,
+so its first member that fits is found in ``log2(n)`` estimates; the members before it are over
+budget by inference, and the table says so. Invariant: a note in the table is never a guess
+presented as an estimate (inferred notes say "inferred").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 from videotrain.memory.auto.candidates import Candidate, NoPlanFits, ranked, render_table
 
 INFEASIBLE = "its plan is infeasible"  # how a recomputation plan below the planner's least is skipped
+MAX_ESTIMATES = 16  # estimates per walk: the family bisections need far fewer
+CAPPED = "not estimated (the walk's cap)"
 
 
-class Evaluator(Protocol):
-    """How the walk learns whether a candidate fits, and what to say when none does."""
+class Estimates:
+    """``estimate(c)`` sets ``c.estimated_peak`` (or ``c.skip``), at most ``max_estimates``
+    times; ``advice`` words the budget that would hold a need in the user's key."""
 
-    def fits(self, c: Candidate, rest: list[Candidate]) -> bool:
-        """Whether ``c`` fits the budget, noting why not on ``c``; ``rest``: ``c`` and the
-        candidates ranked after it."""
-        ...
-
-    def no_plan_fits(self, cands: list[Candidate]) -> NoPlanFits:
-        """The error for a walk that found nothing, with the smallest peak known."""
-        ...
-
-
-def walk(cands: list[Candidate], evaluator: Evaluator) -> Candidate:
-    """The first plan in :func:`ranked` order that ``evaluator`` says fits, noted ``chosen``
-    (the plans after it: not needed). Raises the evaluator's :class:`NoPlanFits` otherwise."""
-    order = [c for c in ranked(cands) if not c.skip]
-    for i, c in enumerate(order):
-        if not evaluator.fits(c, order[i:]):
-            continue
-        c.note = "chosen"
-        for later in order[i + 1:]:
-            later.note = later.note or "not needed: a preferred plan fits"
-        return c
-    raise evaluator.no_plan_fits(cands)
-
-
-class MeasuredPeaks:
-    """Peaks estimated from the e2e profile, or measured: ``measure(c)`` runs one profiling
-    step and sets ``c.measured_peak`` (or ``c.skip``), at most ``max_profiles`` times."""
-
-    def __init__(self, budget: float, measure: Callable[[Candidate], None] | None = None,
-                 verify: bool = True, max_profiles: int = 16) -> None:
-        self.budget, self.measure, self.verify, self.max_profiles = budget, measure, verify, max_profiles
-        self.calls = 0
-
-    def _profiled(self, c: Candidate) -> bool:
-        if self.measure is None or self.calls >= self.max_profiles or c.skip:
-            return False
-        self.calls += 1
-        self.measure(c)
-        return c.measured_peak is not None and not c.skip
-
-    def fits(self, c: Candidate, rest: list[Candidate]) -> bool:
-        if c.peak is None and not self._profiled(c):
-            c.note = c.note or ("skipped: " + c.skip if c.skip else "not profiled (memory.max_profiles)")
-            return False
-        if c.peak > self.budget:
-            c.note = "over budget" + (" (measured)" if c.measured_peak is not None else "")
-            return False
-        if self.verify and c.measured_peak is None:
-            self._profiled(c)  # at the cap it stays unverified
-            if c.skip:
-                c.note = "skipped: " + c.skip
-                return False
-            if c.measured_peak is not None and c.measured_peak > self.budget:
-                c.note = "over budget when measured"
-                return False
-        return True
-
-    def no_plan_fits(self, cands: list[Candidate]) -> NoPlanFits:
-        """The smallest budget that would work, measured where it can be."""
-        while True:
-            known = [c for c in cands if not c.skip and c.peak is not None]
-            if not known:
-                return NoPlanFits(self.budget, None, None, render_table(cands, self.budget))
-            best = min(known, key=lambda c: c.peak)
-            if not self.verify or best.measured_peak is not None or not self._profiled(best):
-                return NoPlanFits(self.budget, best.peak, best.name, render_table(cands, self.budget))
-
-
-class SimulatedPeaks:
-    """Peaks simulated at full size: ``estimate(c)`` sets ``c.estimated_peak`` (or ``c.skip``),
-    at most ``max_estimates`` times. On reaching a family not searched yet, the rest of it is
-    bisected for its first member that fits; ``advice`` words the budget that would work in the
-    caller's units."""
-
-    def __init__(self, budget: float, estimate: Callable[[Candidate], None], max_estimates: int = 16,
+    def __init__(self, budget: float, estimate: Callable[[Candidate], object], max_estimates: int = MAX_ESTIMATES,
                  advice: Callable[[float], str] | None = None) -> None:
         self.budget, self.estimate, self.max_estimates, self.advice = budget, estimate, max_estimates, advice
         self.calls = 0
@@ -128,54 +37,60 @@ class SimulatedPeaks:
     def _fits(self, c: Candidate) -> bool:
         if c.estimated_peak is None and not c.skip:
             if self.calls >= self.max_estimates:
-                c.note = "not estimated (memory.max_profiles)"
+                c.note = CAPPED
                 return False
             self.calls += 1
             self.estimate(c)
-        if c.skip or c.estimated_peak is None:
+        if c.skip or c.need is None:
             c.note = c.note or f"skipped: {c.skip}"
             return False
-        if c.estimated_peak > self.budget:
+        if c.need > self.budget:
             c.note = "over budget (estimated)"
             return False
         return True
 
     def fits(self, c: Candidate, rest: list[Candidate]) -> bool:
+        """Whether ``c`` fits; on reaching a family not searched yet, bisect the rest of it
+        (``rest``: ``c`` and the candidates ranked after it)."""
         key = family_key(c)
         if key not in self.searched:
             self.searched.add(key)
             _bisect([m for m in rest if family_key(m) == key], self._fits)
-        if c.note or c.skip or c.estimated_peak is None or c.estimated_peak > self.budget:
+        if c.note or c.skip or c.need is None or c.need > self.budget:
             c.note = c.note or (f"skipped: {c.skip}" if c.skip else "over budget (estimated)"
-                                if c.estimated_peak is not None else "not estimated (memory.max_profiles)")
+                                if c.need is not None else CAPPED)
             return False
         return True
 
     def no_plan_fits(self, cands: list[Candidate]) -> NoPlanFits:
-        known = [c for c in cands if not c.skip and c.estimated_peak is not None]
-        best = min(known, key=lambda c: c.estimated_peak, default=None)
+        known = [c for c in cands if not c.skip and c.need is not None]
+        best = min(known, key=lambda c: c.need, default=None)
         table = render_table(cands, self.budget)
-        if best is None:
+        if best is None or best.need is None:
             return NoPlanFits(self.budget, None, None, table)
-        return NoPlanFits(self.budget, best.estimated_peak, best.name, table,
-                          advice=None if self.advice is None else self.advice(best.estimated_peak))
+        return NoPlanFits(self.budget, best.need, best.name, table,
+                          advice=None if self.advice is None else self.advice(best.need))
 
 
-def choose(cands: list[Candidate], budget: float, measure: Callable[[Candidate], None] | None = None,
-           verify: bool = True, max_profiles: int = 16) -> Candidate:
-    """The first plan in :func:`ranked` order whose peak fits ``budget`` (bytes), profiling
-    where there is no estimate and (``verify``) before choosing (:class:`MeasuredPeaks`). Raises
-    :class:`NoPlanFits` with the smallest budget that would work (the least estimated peak,
-    measured first where possible)."""
-    return walk(cands, MeasuredPeaks(budget, measure, verify, max_profiles))
+def walk(cands: list[Candidate], estimates: Estimates) -> Candidate:
+    """The first plan in :func:`ranked` order that fits, noted ``chosen`` (the plans after it:
+    not needed). Raises :class:`NoPlanFits` otherwise."""
+    order = [c for c in ranked(cands) if not c.skip]
+    for i, c in enumerate(order):
+        if not estimates.fits(c, order[i:]):
+            continue
+        c.note = "chosen"
+        for later in order[i + 1:]:
+            later.note = later.note or "not needed: a preferred plan fits"
+        return c
+    raise estimates.no_plan_fits(cands)
 
 
-def choose_estimated(cands: list[Candidate], budget: float, estimate: Callable[[Candidate], None],
-                     max_estimates: int = 16, advice: Callable[[float], str] | None = None) -> Candidate:
-    """The first plan in :func:`ranked` order whose simulated peak fits ``budget`` (bytes),
-    each family bisected (:class:`SimulatedPeaks`, at most ``max_estimates`` simulations). Raises
-    :class:`NoPlanFits` with the smallest simulated peak."""
-    return walk(cands, SimulatedPeaks(budget, estimate, max_estimates, advice))
+def choose(cands: list[Candidate], budget: float, estimate: Callable[[Candidate], object],
+           max_estimates: int = MAX_ESTIMATES, advice: Callable[[float], str] | None = None) -> Candidate:
+    """The first plan in :func:`ranked` order whose need fits ``budget`` (bytes), each family
+    bisected. Raises :class:`NoPlanFits` with the smallest need estimated."""
+    return walk(cands, Estimates(budget, estimate, max_estimates, advice))
 
 
 def family_key(c: Candidate) -> tuple:

@@ -356,18 +356,34 @@ def boundary_end(tag: str, value: object) -> object:
 
 class RecomputedForward:
     """Replaces ``module.forward`` (instance attribute): checkpointed in training with grad on,
-    the original forward otherwise (eval and ``no_grad`` are untouched)."""
+    the original forward otherwise (eval and ``no_grad`` are untouched).
+
+    ``compiled`` (``Recompute.compile``): the original forward compiled, run in its place and
+    inside the checkpoint; compiled code that calls the module reaches the checkpoint through a
+    graph break, so the compiler never traces the checkpoint itself."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.original = module.forward
+        self.compiled: Callable[..., Any] | None = None
         self.bns = StatShield(batchnorms(module))
         self.rng = RngProbe()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
-            return recompute_call(self.original, self.bns, *args, rng=self.rng, **kwargs)
-        return self.original(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                return _checkpointed_eagerly(self, *args, **kwargs)
+            return recompute_call(self.compiled or self.original, self.bns, *args, rng=self.rng,
+                                  **kwargs)
+        if self.compiled is None or torch.compiler.is_compiling():
+            return self.original(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _checkpointed_eagerly(forward: RecomputedForward, *args: Any, **kwargs: Any) -> Any:
+    """A checkpointed module called from compiled code: the checkpoint outside the compiler."""
+    return forward(*args, **kwargs)
 
 
 def wrap_forward(module: nn.Module) -> nn.Module:

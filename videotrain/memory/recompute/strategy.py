@@ -19,9 +19,11 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from videotrain.memory.base import FrameFeatures, StatelessStrategy, all_positions, set_clip_length
+from videotrain.memory.compiled import compiled_forward
 from videotrain.memory.recompute.costs import check_cost_model, check_profile_name, profile_for
 from videotrain.memory.recompute.execute import (
     BoundarySkips,
+    RecomputedForward,
     RecomputedSegment,
     boundary_begin,
     boundary_end,
@@ -84,6 +86,7 @@ class Recompute(StatelessStrategy):
         self.lower_set_cap = int(lower_set_cap)
         self.segments = segments
         self._runners: dict[tuple, fx.GraphModule] = {}
+        self._compiler: Any = None  # trainer.compile: segments compiled as they are built
         self.last_report: dict[str, Any] | None = None  # the plan of the last shape, for inspection
 
     # ------------------------------------------------------------------ setup
@@ -105,6 +108,23 @@ class Recompute(StatelessStrategy):
             for block in backbone.blocks():
                 wrap_forward(block)
         return backbone
+
+    def compile(self, backbone: nn.Module, compiler: Any) -> None:
+        """``trainer.compile``: what each checkpoint runs is compiled inside it, never the
+        checkpoint call itself (a graph break there would run the region eagerly): ``blocks``
+        each block's forward, which evaluation runs too (the stem between blocks stays eager);
+        ``sqrt``/``optimal`` every segment of a plan as it is built, without the boundary-op
+        skip (it watches dispatched ops, which compiled code does not show), and the backbone
+        for evaluation."""
+        self._compiler = compiler
+        self._runners.clear()
+        if self.policy == "blocks":
+            for block in backbone.blocks():
+                wrapped = block.__dict__.get("forward")
+                if isinstance(wrapped, RecomputedForward):
+                    wrapped.compiled = compiled_forward(block, wrapped.original, compiler)
+        else:
+            compiler(backbone)
 
     # ------------------------------------------------------------------ planning
     def make_plan(self, backbone: nn.Module, frames: torch.Tensor) -> tuple[fx.GraphModule, Graph, Plan, dict]:
@@ -163,7 +183,7 @@ class Recompute(StatelessStrategy):
             with torch.no_grad():
                 gm, g, chosen, report = self.make_plan(backbone, frames)
             index = report.pop("_index")
-            self._runners[key] = build_runner(gm, g, chosen, index)
+            self._runners[key] = build_runner(gm, g, chosen, index, self._compiler)
             self.last_report = report
         return self._runners[key]
 
@@ -199,8 +219,10 @@ class Recompute(StatelessStrategy):
         }
 
 
-def build_runner(gm: fx.GraphModule, g: Graph, chosen: Plan, index: dict[str, int]) -> fx.GraphModule:
-    """Split ``gm`` into the plan's blocks and recompute every block but the last.
+def build_runner(gm: fx.GraphModule, g: Graph, chosen: Plan, index: dict[str, int],
+                 compiler: Any = None) -> fx.GraphModule:
+    """Split ``gm`` into the plan's blocks and recompute every block but the last; with a
+    ``compiler`` (``Recompute.compile``) every block is compiled, inside its checkpoint.
 
     Vertices go to their block; contracted non-tensor nodes (shapes, sizes) go to the latest
     block among their inputs, which every consumer's block is at or after.
@@ -222,9 +244,14 @@ def build_runner(gm: fx.GraphModule, g: Graph, chosen: Plan, index: dict[str, in
     blocks = chosen.blocks()
     for i, name in enumerate(names[:-1]):
         segment = getattr(split, name)
+        if compiler is not None:
+            setattr(split, name, RecomputedSegment(compiler(segment)))
+            continue
         free = free_boundary(g, blocks[i], chosen.chain[i])
         tags = bracket_free_boundary(segment, {g.names[v] for v in g.members(free)})
         setattr(split, name, RecomputedSegment(segment, BoundarySkips(tags) if tags else None))
+    if compiler is not None:
+        compiler(getattr(split, names[-1]))
     return split
 
 

@@ -1,22 +1,16 @@
 """Record/apply: SBP's general path, where the lockstep code (``sbp/lockstep.py``) cannot run.
 
-``split_forward(fn, x, ...)`` computes ``fn(x)`` for all ``N = B*T`` frames of ``x`` but
-records an autograd graph for the kept rows only: the dropped rows run under ``no_grad`` and
-their activations are never stored. It runs when the kept path is recomputed (SBP composed
-with ``memory.recompute``), on a backbone ``torch.fx`` cannot trace, and for the dropped frames
-in ``nograd_chunk`` pieces.
+``split_forward(fn, x, ...)`` computes ``fn(x)`` for all ``N = B*T`` frames of ``x`` but records
+an autograd graph for the kept rows only: the dropped rows run under ``no_grad`` and their
+activations are never stored. It runs when the kept path is recomputed, on a backbone
+``torch.fx`` cannot trace, and for the dropped frames in ``nograd_chunk`` pieces.
 
-With training-mode BatchNorm (``bn_policy=full_batch``) it runs in two phases:
-
-1. **record**: ``fn`` runs once under ``no_grad`` over *all* rows with the BN layers' own
-   training forward (e2e's: statistics over all frames, running statistics updated once); each
-   BN records its batch ``(mean, rstd)``. The dropped rows' outputs come from this pass.
-2. **apply**: ``fn`` reruns on the kept rows with autograd; each BN normalizes with the
-   recorded statistics and backpropagates through ``KeptRowsBatchNorm`` (``kept_rows.py``, the
-   lockstep code's BN backward too): e2e's BN backward with the dropped rows held constant.
-
-Without train-mode BN (LayerNorm ViTs, ``bn_policy=frozen``) there is nothing to record: the
-dropped rows run under ``no_grad`` in chunks of ``chunk`` frames and the kept rows run once.
+With training-mode BatchNorm it runs in two phases: **record** (``fn`` under ``no_grad`` over all
+rows with BN's own training forward; each BN records its batch statistics; the dropped rows'
+outputs come from here) and **apply** (``fn`` reruns on the kept rows with autograd, normalizing
+with the recorded statistics through ``KeptRowsBatchNorm``). Invariant: values, running
+statistics and gradients are the lockstep code's. Without train-mode BN the dropped rows run
+under ``no_grad`` in chunks and the kept rows once. Details: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations
@@ -196,8 +190,19 @@ class PatchedBN:
         self.orig = bn.__dict__.get("forward")  # None: the class's forward
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.owner.phase is not None and self.bn.training and torch.compiler.is_compiling():
+            return _eager_phase(self, x)  # trainer.compile: a graph break, the phase runs eagerly
+        if self.orig is None and self.owner.phase is None:
+            return type(self.bn).forward(self.bn, x)  # no bound method made: the compiler traces it
         orig = self.orig or MethodType(type(self.bn).forward, self.bn)
         return self.owner.forward(self.bn, orig, x)
+
+
+@torch.compiler.disable
+def _eager_phase(patched: PatchedBN, x: torch.Tensor) -> torch.Tensor:
+    """A record or apply phase's BN outside the compiler: it writes the statistics and reads
+    them back as Python state, and its kept rows' backward is an ``autograd.Function``."""
+    return patched(x)
 
 
 def is_patched_bn(module: nn.Module) -> bool:

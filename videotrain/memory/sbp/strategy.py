@@ -1,24 +1,15 @@
 """``memory=sbp``: Stochastic Backpropagation (Cheng et al., CVPR 2022; Fang et al., NeurIPS 2022).
 
-The forward pass covers every frame; the backward pass runs through the backbone for a random
-subset of ``n_keep = clamp(round(r*T), 1, T)`` frames per clip, and the activations of the
-other frames are never stored. Training memory for the backbone therefore scales with ``r``.
+Every frame runs forward; only ``n_keep = clamp(round(r*T), 1, T)`` frames per clip run the
+backbone's backward, so the other frames' activations are never stored and backbone training
+memory scales with ``r``. What it computes (gradients, BN policies, ``grad_scale``) and how it
+runs are explained once, in ``docs/memory.md`` (``memory=sbp``).
 
-What it computes: the head's gradients equal e2e's; the backbone's gradients are e2e's with the
-dropped frames' activations held constant at every layer (every BN input, every temporal-shift
-input, the backbone's output); the input gradient is exactly zero on dropped frames. Under
-``bn_policy=full_batch`` (default) every BN normalizes with the statistics of all frames and
-updates its running statistics once, so the forward equals e2e's; under ``frozen`` BN runs in
-eval mode. At ``keep_ratio=1`` ``encode`` is e2e's code path. ``grad_scale=inverse_keep``
-multiplies the kept frames' gradient by ``T/n_keep``; ``none`` (default) leaves it.
-
-Which implementation runs is decided once per backbone and logged with its reason: the
-*lockstep* code (``lockstep.py``: one traced forward with kept and dropped twins), or
-*record/apply* (``split.py``) where lockstep cannot run: the kept path recomputed
-(``recompute=blocks|sqrt|optimal``), a backbone ``torch.fx`` cannot trace, or the dropped
-frames in ``nograd_chunk`` pieces (frozen BN or no BN). Both give the same values, statistics
-and gradients (tested against each other). Frames that meet inside the backbone (TSM's shift)
-need the lockstep code. ``docs/memory.md`` has the details and the measured costs.
+Invariants: under ``bn_policy=full_batch`` the forward equals e2e's and running statistics update
+once per step; ``keep_ratio=1`` is e2e's code path; the input gradient is zero on dropped frames.
+The implementation, the lockstep code (``lockstep.py``) or record/apply (``split.py``) where
+lockstep cannot run, is decided once per backbone and logged with the reason; both give the same
+values, statistics and gradients (tested against each other).
 """
 
 from __future__ import annotations
@@ -39,9 +30,11 @@ from videotrain.memory.base import (
     mixes_frames,
     set_clip_length,
 )
+from videotrain.memory.compiled import eagerly
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sampling import FrameSampler, SamplerStateMixin, flat_rows, n_keep
+from videotrain.memory.sbp.compiled import compiled_lockstep
 from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
 from videotrain.memory.sbp.split import (
     BN_POLICIES,
@@ -106,6 +99,7 @@ class StochasticBackprop(SamplerStateMixin):
         self._chunks_said = False  # the no_grad chunks outside the lockstep code, logged once
         self.norm = FullBatchNorm()
         self.last_keep: torch.Tensor | None = None  # the last step's (B, n) kept frame indices
+        self._compiler: Any = None  # trainer.compile: the lockstep code is compiled when built
 
     # ------------------------------------------------------------------ setup
     def prepare(self, backbone: nn.Module) -> nn.Module:
@@ -124,6 +118,16 @@ class StochasticBackprop(SamplerStateMixin):
         if self.recompute is not None:
             self.recompute.prepare(backbone)  # policy=blocks wraps the blocks' forward
         return backbone
+
+    def compile(self, backbone: nn.Module, compiler: Any) -> None:
+        """``trainer.compile``: the backbone (evaluation, ``keep_ratio=1``, record/apply's passes;
+        recomputation's own hook when composed with it) and the lockstep code, region by region
+        (``videotrain.memory.sbp.compiled``) when it is built."""
+        self._compiler, self._traced = compiler, None
+        if self.recompute is not None:
+            self.recompute.compile(backbone, compiler)
+        else:
+            compiler(backbone)
 
     # ------------------------------------------------------------------ training forward
     def encode(self, backbone: nn.Module, video: torch.Tensor) -> FrameFeatures:
@@ -169,8 +173,14 @@ class StochasticBackprop(SamplerStateMixin):
         kept_fn = None
         if self.recompute is not None:  # recompute the kept path (traced for its shape)
             kept_fn = self.recompute.kept_path(backbone, frames[: b * keep])
+        run = backbone
+        if needs_stats and self._compiler is not None:
+            # BN phases break a graph at every BN: the passes run the backbone's code eagerly,
+            # and only a recomputed kept path's own compiled segments stay compiled
+            run = eagerly(backbone)
+            kept_fn = kept_fn or run
         feats = split_forward(
-            backbone, frames, keep_rows, drop_rows, self.norm, needs_stats=needs_stats,
+            run, frames, keep_rows, drop_rows, self.norm, needs_stats=needs_stats,
             chunk=self.nograd_chunk, scale=scale, kept_fn=kept_fn,
         )  # (B*T, D)
         return FrameFeatures(feats.view(b, t, -1), all_positions(video))
@@ -192,6 +202,8 @@ class StochasticBackprop(SamplerStateMixin):
                         "> 0) needs the lockstep code, and it cannot be built for this backbone (the "
                         "reason is logged above): set model.backbone.temporal_shift=0, or use "
                         "memory=recompute or memory=e2e")
+            if twin is not None and self._compiler is not None:
+                twin = compiled_lockstep(twin, self._compiler)
             self._traced = (weakref.ref(backbone), twin)
         return self._traced[1]
 
