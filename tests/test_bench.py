@@ -76,7 +76,8 @@ def test_default_suite_rows() -> None:
     ]
     spec = resolve([row("resnet18", "sbp", 0.5, bn_policy="frozen")], ["device=cpu"], [])[1]
     assert spec["overrides"] == ["device=cpu", "model/backbone=resnet18", "memory=sbp",
-                                 "memory.keep_ratio=0.5", "memory.bn_policy=frozen"]
+                                 "memory.keep_ratio=0.5", "memory.bn_policy=frozen",
+                                 "trainer.compile=false"]  # eager unless it is a compiled twin
     assert spec["name"] == "resnet18/sbp-frame-0.5"  # SBP rows keep the names results are compared by
 
 

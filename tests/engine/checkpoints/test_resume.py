@@ -64,7 +64,8 @@ def test_config_diff_ignores_math_neutral_keys() -> None:
 
 def test_math_neutral_keys_are_the_marked_fields() -> None:
     """MATH_NEUTRAL is derived from the NEUTRAL marks on the fields that declare the keys: the
-    trainer's are the ten it always listed, and marking a field is what makes a key neutral."""
+    trainer's are the ten it always listed and the compiler's two (the same math, compiled),
+    and marking a field is what makes a key neutral."""
     import dataclasses
 
     from videotrain.engine.checkpoints import resume
@@ -73,7 +74,8 @@ def test_math_neutral_keys_are_the_marked_fields() -> None:
     trainer = {k for k in resume.MATH_NEUTRAL if k.startswith("trainer.")}
     assert trainer == {f"trainer.{k}" for k in (
         "max_epochs", "max_steps", "progress", "log_every_n_steps", "checkpoint_every_n_steps",
-        "keep_last_k", "resume", "val_every_n_epochs", "test_after_fit", "cpu_metered_steps")}
+        "keep_last_k", "resume", "val_every_n_epochs", "test_after_fit", "cpu_metered_steps",
+        "compile", "compile_mode")}
     assert resume.is_neutral("trainer.max_epochs") and not resume.is_neutral("trainer.grad_clip")
     assert resume.is_neutral("logger.wandb.mode") and resume.is_neutral("data.num_workers")
     assert {f.name for f in dataclasses.fields(TrainerSettings) if f.metadata.get("math_neutral")} == {
