@@ -4,15 +4,19 @@ Each strategy trains the same tiny model from the same weights eager and compile
 ``aot_eager`` backend (the properties here, what is traced, split, saved and recompiled, are
 the compiler front end's, not inductor's; one test runs inductor itself): every step's loss and
 gradients, the BN statistics and the evaluation logits equal eager's, the measured step peak
-is at most 1.10x eager's, and after the warm-up steps nothing recompiles.
+is at most 1.10x eager's (measured in a fresh process: ``compiled_peaks_worker.py``), and after
+the warm-up steps nothing recompiles.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import statistics
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,14 +140,29 @@ def test_compiled_training_equals_eager(kit, name: str) -> None:
         assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
         assert diff < 1e-4
     kit.assert_close_dicts(kit.bn_buffers(eager), kit.bn_buffers(compiled))
-    eager_peak = statistics.median(p[0] for p in got["peak"][WARMUP:])
-    compiled_peak = statistics.median(p[1] for p in got["peak"][WARMUP:])
-    assert compiled_peak <= PEAK_RATIO * eager_peak, (compiled_peak, eager_peak)
     eager.eval(), compiled.eval()
     video = clips(99, px, frames)[0]
     with torch.no_grad():
         torch.testing.assert_close(compiled(video), eager(video), rtol=1e-4, atol=1e-5)
     assert compile_counts()["graphs"] > got["counts"][-1]["graphs"]  # evaluation compiled too
+
+
+@pytest.fixture(scope="module")
+def fresh_peaks() -> dict[str, dict[str, float]]:
+    """Every strategy's median step peak (MB), eager and compiled, measured in a fresh process
+    (``compiled_peaks_worker.py`` says why)."""
+    worker = Path(__file__).with_name("compiled_peaks_worker.py")
+    done = subprocess.run([sys.executable, str(worker), *STRATEGIES], capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_compiled_peak_is_at_most_eagers(fresh_peaks: dict[str, dict[str, float]], name: str) -> None:
+    """The same plan compiled: its measured step peak at most 1.10x eager's."""
+    peak = fresh_peaks[name]
+    assert peak["compiled"] <= PEAK_RATIO * peak["eager"], peak
 
 
 def compiled_steps(model: nn.Module, steps: int, start: int = 0, px: int = 64) -> list[int]:
