@@ -477,7 +477,7 @@ def test_time_budget_caps_and_skips_rows(monkeypatch: pytest.MonkeyPatch) -> Non
 
     timeouts: list[float] = []
 
-    def fake_child(spec: dict, timeout: float) -> dict:
+    def fake_child(spec: dict, timeout: float, **_: object) -> dict:
         timeouts.append(timeout)
         return {"error": "fake"}
 
@@ -492,6 +492,26 @@ def test_time_budget_caps_and_skips_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     assert 0 < cli.setting_for("gpu").time_budget < 600  # children end by then; the report after
 
 
+def test_rows_run_through_the_child_the_caller_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row runs ``python -m videotrain.bench --child`` unless the caller names its own
+    child and the folder it is found in (a suite beside the package)."""
+    import videotrain.bench.cli as cli
+
+    calls: list[tuple] = []
+
+    def fake_child(spec: dict, timeout: float, module: str = "", pythonpath: object = None) -> dict:
+        calls.append((module, pythonpath))
+        return {"error": "fake"}
+
+    monkeypatch.setattr(cli, "run_child", fake_child)
+    quiet = dict(TINY, log=lambda *a, **k: None)
+    run_bench(rows=[row("resnet18", "sbp", 0.5)], **quiet)
+    assert calls == [("videotrain.bench", None)] * 2  # e2e reference and the row
+    calls.clear()
+    run_bench(rows=[row("resnet18", "sbp", 0.5)], child="lab.suite", child_path="/lab", **quiet)
+    assert calls == [("lab.suite", "/lab")] * 2
+
+
 def test_a_run_writes_after_every_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """bench.json and bench.md after every row (``complete`` false), so a run cut short (a
     device call's time limit) keeps the rows that ran; the last write is complete, with the plot."""
@@ -499,7 +519,7 @@ def test_a_run_writes_after_every_row(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
     seen: list[dict] = []
 
-    def fake_child(spec: dict, timeout: float) -> dict:
+    def fake_child(spec: dict, timeout: float, **_: object) -> dict:
         if (tmp_path / "bench.json").exists():
             seen.append(json.loads((tmp_path / "bench.json").read_text()))
         return {"error": "fake"}
@@ -595,7 +615,7 @@ def test_partial_reports_read_no_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert spawn.machine_info("cuda")["gpu"] == "read"
     seen: list[dict] = []
 
-    def fake_child(spec: dict, timeout: float) -> dict:
+    def fake_child(spec: dict, timeout: float, **_: object) -> dict:
         if (tmp_path / "bench.json").exists():
             seen.append(json.loads((tmp_path / "bench.json").read_text())["meta"]["machine"])
         return {"error": "fake"}

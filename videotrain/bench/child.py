@@ -183,9 +183,14 @@ class Row:
         return fwd_bwd
 
 
-def build_row(spec: dict[str, Any]) -> Row:
-    """Compose the row's config and build its model (with the row's extras), AdamW and the
-    synthetic batch, as training would."""
+# what a row does to the built model besides its strategy: (model, cfg, spec, device, precision)
+# -> the figures to report (``row_setup.prepare_row``, or a suite's own beside the package)
+Prepare = Callable[[torch.nn.Module, Any, dict[str, Any], torch.device, Any], dict[str, Any]]
+
+
+def build_row(spec: dict[str, Any], prepare: Prepare = prepare_row) -> Row:
+    """Compose the row's config and build its model (with the row's extras, ``prepare``), AdamW
+    and the synthetic batch, as training would."""
     from omegaconf import OmegaConf
 
     from videotrain.config.build import (
@@ -205,7 +210,7 @@ def build_row(spec: dict[str, Any]) -> Row:
     if device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # autotuned conv kernels, as training would use
     model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
-    figures = prepare_row(model, cfg, spec, device, precision)
+    figures = prepare(model, cfg, spec, device, precision)
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     optimizer = build_optimizer(model, "adamw", lr=optim.get("lr", 1e-3),
                                 weight_decay=optim.get("weight_decay", 0.0))
@@ -249,9 +254,9 @@ def time_steps(row: Row, steps: int) -> list[float]:
     return times
 
 
-def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """Compose the row's config, build model + AdamW, run warm-up steps, metered steps (memory),
-    then timed steps.
+def measure(spec: dict[str, Any], prepare: Prepare = prepare_row) -> dict[str, Any]:
+    """Compose the row's config, build model + AdamW (the row's extras: ``prepare``), run
+    warm-up steps, metered steps (memory), then timed steps.
 
     Memory and time come from different steps because the CPU meter distorts time: it makes
     glibc hand every large freed tensor back to the OS (so the resident set tracks tensors), and
@@ -267,7 +272,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     parameters, optimizer state, the input batch and, unless ``free_grads``, the parameter
     gradients (zeroed in place, as the trainer does). What remains is what
     a memory strategy controls: stored activations and the transients of the step."""
-    row = build_row(spec)
+    row = build_row(spec, prepare)
     model, device, figures = row.model, row.device, row.figures
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

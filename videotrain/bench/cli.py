@@ -212,7 +212,7 @@ def run_bench(
     only: list[str] | None = None, rows: list[dict[str, Any]] | None = None,
     timeout: float | None = None, threads: int | None = None, rounds: int = 1,
     free_grads: bool = False, time_budget: float | None = None, compile_axis: str = "eager",
-    log=print,
+    child: str = "videotrain.bench", child_path: str | Path | None = None, log=print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run ``suite`` (or the given row specs). Returns (rows, meta, markdown table).
 
@@ -220,7 +220,8 @@ def run_bench(
     for the whole run; 0: none) default to the suite's setting (``suites.setting_for``). A CUDA-only suite raises ``CudaRequired`` before it
     starts anything where there is no CUDA device. ``out``: where to write bench.json/.md/.png;
     None writes nothing, except for a suite with a ``results_root`` (gpu: one folder per GPU
-    model under outputs/bench/gpu/)."""
+    model under outputs/bench/gpu/). ``child`` (found first on ``child_path``) measures each
+    row, ``python -m child --child SPEC``: a suite beside the package names its own."""
     if suite not in SUITES and rows is None:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     base = setting_for(suite)
@@ -279,7 +280,8 @@ def run_bench(
                                                     "time budget was spent"}
             else:
                 res = run_child({**common, **own_shape(spec), "overrides": spec["overrides"],
-                                 **{k: spec.get(k) for k in CHILD_KEYS}}, min(timeout, left))
+                                 **{k: spec.get(k) for k in CHILD_KEYS}}, min(timeout, left),
+                                module=child, pythonpath=child_path)
             per_row[i].append(res)
             tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
             if res.get("error"):
