@@ -146,7 +146,7 @@ def estimated_steps(specs: list[dict[str, Any]], device: str, free_grads: bool =
     """Each row's step peak (MB, the scale of its measured ``peak_mem_mb``) as
     ``python -m videotrain.plan --fit`` estimates it on fake tensors, for the same model, batch
     and step (AdamW, no clipping). None for rows the config alone does not describe: the peers
-    that change the model when they run (torch.compile, sac_milp) and memory=auto (it chooses
+    that change the model when they run (torch.compile, a suite's peer) and memory=auto (it chooses
     its plan then); and all rows with ``free_grads`` (the estimate keeps gradients)."""
     from videotrain.config.estimate import run_isolated
 
@@ -310,7 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "peak, torch.compile), written to outputs/bench/gpu/<gpu>/ unless --out; "
                         "exits with status 2 at once where there is no CUDA GPU. The lab's "
                         "suites are beside the package: python -m benchmarks.data, python -m "
-                        "benchmarks.annotations (from the repository root)")
+                        "benchmarks.annotations, python -m benchmarks.sac_milp (from the "
+                        "repository root)")
     p.add_argument("--out", help="write bench.json, bench.md and bench.png here (default: "
                                  "nothing written; gpu suite: outputs/bench/gpu/<gpu name>/)")
     p.add_argument("--steps", type=int, help="timed steps per row (default: 20 on CUDA, 5 on a CPU)")
