@@ -7,6 +7,8 @@ Each suite is a module with its own small command line, run from the repository 
   Kinetics-like and SSv2-like videos generated once (``clips.py``);
 - ``python -m benchmarks.annotations``: what a training start pays to read the official
   annotation files at their real sizes (``annotations.py``);
+- ``python -m benchmarks.sac_milp``: torch's sac_milp checkpointing planner (``sac_peer.py``)
+  as a peer of the recomputation rows, through the cost benchmark's runner (``sac_milp.py``);
 - the accuracy sweep, an ordinary Hydra multirun over ``conf/`` (``python -m videotrain -m
   --config-dir benchmarks/conf +sweep=accuracy``; at equal time ``python -m
   benchmarks.equal_time``), summarised by ``scripts/summarize_sweep.py``.

@@ -352,106 +352,6 @@ def test_gpu_slug_and_default_folder(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_out("gpu", "cpu") is None and default_out("default", "cuda") is None
 
 
-# ---------------------------------------------------------------------- torch's sac_milp peer
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pulp 3.x, as torch calls it
-def test_sac_milp_plan_keeps_e2e_gradients() -> None:
-    """torch's planner at its smallest feasible budget checkpoints some modules; gradients
-    stay e2e's and the forward keeps fewer bytes."""
-    pytest.importorskip("pulp")
-    pytest.importorskip("pwlf")
-    import contextlib
-    import copy
-
-    from videotrain.bench.sac_peer import apply_sac_milp
-
-    def make() -> torch.nn.Module:
-        return resnet(layers=[1, 1, 1, 1])
-
-    torch.manual_seed(0)
-    ref = make().train()
-    sac = copy.deepcopy(ref)
-    frames = torch.randn(8, 3, 32, 32)
-    figures = apply_sac_milp(sac, make, tuple(frames.shape), torch.device("cpu"), "min",
-                             contextlib.nullcontext)
-    plan = figures["sac_milp_plan"]
-    assert plan["modules"] and 0 < figures["min_budget_frac"] == plan["budget_frac"] <= 1
-    assert plan["estimated_act_peak_mb"] <= plan["budget_frac"] * plan["estimated_e2e_act_mb"] + 1e-6
-    assert saved_activation_bytes(sac, frames) < saved_activation_bytes(ref, frames)
-    for m in (ref, sac):
-        m(frames).square().sum().backward()
-    for (name, a), (_, b) in zip(ref.named_parameters(), sac.named_parameters(), strict=True):
-        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pulp 3.x, as torch calls it
-def test_sac_milp_infeasible_budget_names_smallest() -> None:
-    pytest.importorskip("pulp")
-    pytest.importorskip("pwlf")
-    import contextlib
-
-    from videotrain.bench.sac_peer import SacMilpFailed, apply_sac_milp
-
-    backbone = resnet(layers=[1, 1, 1, 1])
-    with pytest.raises(SacMilpFailed, match=r"no plan at 0.1 x .*Infeasible.*smallest fraction "
-                                            r"it solves 0\.\d+"):
-        apply_sac_milp(backbone, lambda: resnet(layers=[1, 1, 1, 1]), (8, 3, 32, 32),
-                       torch.device("cpu"), 0.1, contextlib.nullcontext)
-
-
-def test_sac_first_calls_only_for_parameter_free_leaves() -> None:
-    from videotrain.bench.sac_peer import SacMilpFailed, _first_calls
-
-    def info(*order: str) -> dict:
-        return {"mod_order": {k: list(order) for k in ("fw_pre_order", "bw_pre_order",
-                                                       "fw_post_order", "bw_post_order")}}
-
-    root = torch.nn.Module()
-    root.relu, root.fc = torch.nn.ReLU(), torch.nn.Linear(2, 2)
-    ok = info("Root", "Root.relu", "Root.relu")
-    _first_calls(ok, root)
-    assert ok["mod_order"]["fw_pre_order"] == ["Root", "Root.relu"]
-    with pytest.raises(SacMilpFailed, match="Root.fc runs 2 times"):
-        _first_calls(info("Root", "Root.fc", "Root.fc"), root)
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pulp 3.x, as torch calls it
-def test_sac_op_plan_on_batchnorm_ops() -> None:
-    """torch's per-module MILP fails on a BatchNorm module as it stands (an op with no cost,
-    an 8-byte in-place counter that must be saved); op_plan gives a plan even at keep 0."""
-    pytest.importorskip("pulp")
-    from torch.distributed._tools.sac_estimator import SACStats
-
-    from videotrain.bench.sac_peer import op_plan
-
-    stats = SACStats(  # conv, num_batches_tracked.add_, empty, batch_norm, relu_
-        func_names=["convolution", "add_", "empty", "native_batch_norm", "relu_"],
-        runtimes=[0.03, 1e-9, 0.0, 0.004, 0.004], memory=[100, 8, 0, 100, 100],
-        view_like_ops=[], rand_ops=[], saved_autograd_ops=[],
-        inplace_ops=[(1, 1), (4, 3)], force_store_random=False)
-    save = op_plan(stats, 0.0)  # everything recomputed but the counter (and the free `empty`)
-    assert len(save) == 5 and save[1] == 1 and save[0] == save[3] == save[4] == 0
-    assert op_plan(stats, 1.0)[0] == 1
-
-
-def test_sac_milp_row_tiny(tmp_path: Path) -> None:
-    """The checkpoint suite's sac_milp row through the runner (fresh processes): its plan,
-    measured like every row, with the budget it found."""
-    pytest.importorskip("pulp")
-    pytest.importorskip("pwlf")
-    from videotrain.bench.suites import RECOMPUTE_ROWS
-
-    sac_min = next(r for r in RECOMPUTE_ROWS if r.get("sac_milp") == "min")
-    rows, _, table = run_bench(rows=[sac_min], extra_overrides=["model/backbone=resnet10"],
-                               log=lambda *a, **k: None, **TINY)
-    e2e, sac = rows
-    assert e2e["name"] == "resnet10/e2e" and sac["name"] == "resnet10/e2e-sac_milp-bmin"
-    assert not sac.get("error"), sac.get("error")
-    plan = sac["sac_milp_plan"]
-    assert plan["modules"] and sac["budget_frac"] == plan["budget_frac"] == sac["min_budget_frac"]
-    assert sac["peak_mem_mb"] > 0 and sac["step_time_s"] > 0 and sac["mem_ratio"] is not None
-    assert "| sac_milp |" in table
-
-
 def test_estimated_step_peak_within_15_percent_and_eval_within_training() -> None:
     """The fit predictor (fake tensors) against the CPU meter the trainer uses, at the bench's
     setting (resnet18 + transformer head, 2 x 16 frames at 112 px, fp32, AdamW): every row
@@ -477,7 +377,7 @@ def test_time_budget_caps_and_skips_rows(monkeypatch: pytest.MonkeyPatch) -> Non
 
     timeouts: list[float] = []
 
-    def fake_child(spec: dict, timeout: float) -> dict:
+    def fake_child(spec: dict, timeout: float, **_: object) -> dict:
         timeouts.append(timeout)
         return {"error": "fake"}
 
@@ -492,6 +392,26 @@ def test_time_budget_caps_and_skips_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     assert 0 < cli.setting_for("gpu").time_budget < 600  # children end by then; the report after
 
 
+def test_rows_run_through_the_child_the_caller_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row runs ``python -m videotrain.bench --child`` unless the caller names its own
+    child and the folder it is found in (a suite beside the package)."""
+    import videotrain.bench.cli as cli
+
+    calls: list[tuple] = []
+
+    def fake_child(spec: dict, timeout: float, module: str = "", pythonpath: object = None) -> dict:
+        calls.append((module, pythonpath))
+        return {"error": "fake"}
+
+    monkeypatch.setattr(cli, "run_child", fake_child)
+    quiet = dict(TINY, log=lambda *a, **k: None)
+    run_bench(rows=[row("resnet18", "sbp", 0.5)], **quiet)
+    assert calls == [("videotrain.bench", None)] * 2  # e2e reference and the row
+    calls.clear()
+    run_bench(rows=[row("resnet18", "sbp", 0.5)], child="lab.suite", child_path="/lab", **quiet)
+    assert calls == [("lab.suite", "/lab")] * 2
+
+
 def test_a_run_writes_after_every_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """bench.json and bench.md after every row (``complete`` false), so a run cut short (a
     device call's time limit) keeps the rows that ran; the last write is complete, with the plot."""
@@ -499,7 +419,7 @@ def test_a_run_writes_after_every_row(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
     seen: list[dict] = []
 
-    def fake_child(spec: dict, timeout: float) -> dict:
+    def fake_child(spec: dict, timeout: float, **_: object) -> dict:
         if (tmp_path / "bench.json").exists():
             seen.append(json.loads((tmp_path / "bench.json").read_text()))
         return {"error": "fake"}
@@ -595,7 +515,7 @@ def test_partial_reports_read_no_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert spawn.machine_info("cuda")["gpu"] == "read"
     seen: list[dict] = []
 
-    def fake_child(spec: dict, timeout: float) -> dict:
+    def fake_child(spec: dict, timeout: float, **_: object) -> dict:
         if (tmp_path / "bench.json").exists():
             seen.append(json.loads((tmp_path / "bench.json").read_text())["meta"]["machine"])
         return {"error": "fake"}

@@ -3,6 +3,7 @@ exists, and the layering rules it states hold in the import graph (lazy imports 
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -105,6 +106,26 @@ def test_the_map_lists_the_layers_in_this_order() -> None:
     listed = re.findall(r"^\d+\. \*\*[^*]+\*\*: (.*)$", text, flags=re.M)
     named = [tuple(re.findall(r"`([\w.]+?)/?`", line)) for line in listed]
     assert named == [tuple(layer) for layer in reversed(LAYERS)]
+
+
+def lab_imports(files: dict[str, Path]) -> list[str]:
+    """Every import of the lab beside the package (``benchmarks``) in ``files``, lazy ones too."""
+    found = []
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            found += [f"{module} imports {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    return sorted(found)
+
+
+def test_the_package_never_imports_the_lab(tmp_path: Path) -> None:
+    """benchmarks/ builds on the package, never the other way: the wheel has no benchmarks/."""
+    assert lab_imports(module_files()) == []
+    lab = tmp_path / "m.py"
+    lab.write_text("def f():\n    from benchmarks.sac_peer import apply_sac_milp\n")
+    assert lab_imports({"videotrain.m": lab}) == ["videotrain.m imports benchmarks.sac_peer"]
 
 
 def test_build_does_not_import_the_config_simulator_and_commands_share_one_loader() -> None:

@@ -86,6 +86,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     "benchmarks.data": EntryPoint("python -m benchmarks.data", module="benchmarks.data"),
     "benchmarks.equal_time": EntryPoint("python -m benchmarks.equal_time",
                                         module="benchmarks.equal_time"),
+    "benchmarks.sac_milp": EntryPoint("python -m benchmarks.sac_milp", module="benchmarks.sac_milp"),
     "summarize_sweep": EntryPoint("python scripts/summarize_sweep.py",
                                   script="scripts/summarize_sweep.py"),
     "check_sbp_autocast_grads": EntryPoint("python scripts/check_sbp_autocast_grads.py",

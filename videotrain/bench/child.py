@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -152,9 +153,110 @@ def launch_figures(step: Callable[[], Any], device: torch.device, steps: int = P
     return out
 
 
-def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """Compose the row's config, build model + AdamW, run warm-up steps, metered steps (memory),
-    then timed steps.
+@dataclass
+class Row:
+    """One row's model, AdamW, precision, batch and step-peak meter on its device, and the
+    figures its setup reported (``prepare_row``)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    precision: Any
+    device: torch.device
+    video: torch.Tensor  # (B, T, C, H, W)
+    labels: torch.Tensor  # (B,)
+    meter: Any
+    figures: dict[str, Any]
+    free_grads: bool
+
+    def step(self, measured: bool = False) -> float | None:
+        """One training step; ``measured``: returns the meter's high-water mark read before the
+        optimizer step (forward and backward), not reset."""
+        with self.precision.autocast():
+            logits = self.model(self.video)  # (B, K)
+        self.precision.backward(F.cross_entropy(logits.float(), self.labels))
+        fwd_bwd = self.meter.read() if measured else None
+        self.precision.scaler.step(self.optimizer)
+        self.precision.scaler.update()
+        self.optimizer.zero_grad(set_to_none=self.free_grads)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return fwd_bwd
+
+
+# what a row does to the built model besides its strategy: (model, cfg, spec, device, precision)
+# -> the figures to report (``row_setup.prepare_row``, or a suite's own beside the package)
+Prepare = Callable[[torch.nn.Module, Any, dict[str, Any], torch.device, Any], dict[str, Any]]
+
+
+def build_row(spec: dict[str, Any], prepare: Prepare = prepare_row) -> Row:
+    """Compose the row's config and build its model (with the row's extras, ``prepare``), AdamW
+    and the synthetic batch, as training would."""
+    from omegaconf import OmegaConf
+
+    from videotrain.config.build import (
+        build_model,
+        build_precision,
+        compose_cfg,
+        resolve_device,
+        seed_everything,
+    )
+    from videotrain.engine.optim import build_optimizer
+    from videotrain.metrics.memory import StepPeakMemory
+
+    cfg = compose_cfg(list(spec["overrides"]))
+    device = resolve_device(cfg.device)
+    precision = build_precision(cfg, device)
+    seed_everything(cfg.seed)
+    if device.type == "cuda" and not cfg.deterministic:
+        torch.backends.cudnn.benchmark = True  # autotuned conv kernels, as training would use
+    model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
+    figures = prepare(model, cfg, spec, device, precision)
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    optimizer = build_optimizer(model, "adamw", lr=optim.get("lr", 1e-3),
+                                weight_decay=optim.get("weight_decay", 0.0))
+    video, labels = synthetic_batch(spec["batch_size"], spec["frames"], spec["size"],
+                                    spec["num_classes"], spec.get("seed", 0))
+    return Row(model, optimizer, precision, device, video.to(device), labels.to(device),
+               StepPeakMemory(device), figures, bool(spec.get("free_grads", False)))
+
+
+def meter_steps(row: Row, steps: int) -> tuple[list[float], list[float], list[float]]:
+    """``steps`` steps under the meter: their times, whole-step peaks and forward-backward
+    peaks (a step the meter could not read is left out of the peaks)."""
+    times: list[float] = []
+    peaks: list[float] = []
+    fwd_bwd: list[float] = []
+    for _ in range(steps):
+        row.meter.start()
+        t0 = time.perf_counter()
+        fb = row.step(measured=True)
+        times.append(time.perf_counter() - t0)
+        peak = row.meter.stop()
+        if peak is not None and fb is not None:
+            peaks.append(peak)
+            fwd_bwd.append(fb)
+    return times, peaks, fwd_bwd
+
+
+def time_steps(row: Row, steps: int) -> list[float]:
+    """``steps`` steps' times, unmetered; on the CPU after ``keep_freed_memory()`` and one step
+    that grows the heap to the step's working set."""
+    from videotrain.metrics.memory import keep_freed_memory
+
+    if row.device.type == "cpu":
+        keep_freed_memory()
+        row.step()
+    times: list[float] = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        row.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(spec: dict[str, Any], prepare: Prepare = prepare_row) -> dict[str, Any]:
+    """Compose the row's config, build model + AdamW (the row's extras: ``prepare``), run
+    warm-up steps, metered steps (memory), then timed steps.
 
     Memory and time come from different steps because the CPU meter distorts time: it makes
     glibc hand every large freed tensor back to the OS (so the resident set tracks tensors), and
@@ -170,93 +272,36 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     parameters, optimizer state, the input batch and, unless ``free_grads``, the parameter
     gradients (zeroed in place, as the trainer does). What remains is what
     a memory strategy controls: stored activations and the transients of the step."""
-    from omegaconf import OmegaConf
-
-    from videotrain.config.build import (
-        build_model,
-        build_precision,
-        compose_cfg,
-        resolve_device,
-        seed_everything,
-    )
-    from videotrain.engine.optim import build_optimizer
-    from videotrain.metrics.memory import StepPeakMemory, keep_freed_memory
-
-    cfg = compose_cfg(list(spec["overrides"]))
-    device = resolve_device(cfg.device)
-    precision = build_precision(cfg, device)
-    seed_everything(cfg.seed)
-    if device.type == "cuda" and not cfg.deterministic:
-        torch.backends.cudnn.benchmark = True  # autotuned conv kernels, as training would use
-    model = build_model(cfg, num_classes=spec["num_classes"]).to(device).train()
-    row_figures = prepare_row(model, cfg, spec, device, precision)
-    optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    optimizer = build_optimizer(model, "adamw", lr=optim.get("lr", 1e-3),
-                                weight_decay=optim.get("weight_decay", 0.0))
-    video, labels = synthetic_batch(spec["batch_size"], spec["frames"], spec["size"],
-                                    spec["num_classes"], spec.get("seed", 0))
-    video, labels = video.to(device), labels.to(device)  # (B, T, C, H, W), (B,)
-    meter = StepPeakMemory(device)
-    scaler = precision.scaler
-
+    row = build_row(spec, prepare)
+    model, device, figures = row.model, row.device, row.figures
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-
-    def step(measured: bool = False) -> float | None:
-        with precision.autocast():
-            logits = model(video)  # (B, K)
-        precision.backward(F.cross_entropy(logits.float(), labels))
-        fwd_bwd = meter.read() if measured else None  # high-water mark so far, not reset
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=bool(spec.get("free_grads", False)))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return fwd_bwd
-
     for _ in range(spec["warmup"]):
-        step()
+        row.step()
     warm = compile_counts()  # trainer.compile: compiled in the first step, never again
-    metered_times: list[float] = []
-    peaks: list[float] = []
-    fwd_bwd: list[float] = []
-    for _ in range(spec["steps"]):  # memory
-        meter.start()
-        t0 = time.perf_counter()
-        fb = step(measured=True)
-        metered_times.append(time.perf_counter() - t0)
-        peak = meter.stop()
-        if peak is not None and fb is not None:
-            peaks.append(peak)
-            fwd_bwd.append(fb)
+    metered_times, peaks, fwd_bwd = meter_steps(row, spec["steps"])
     recompiles = compile_counts()["frames"] - warm["frames"]  # over the metered steps
     if spec.get("eval_peak") and peaks:
-        row_figures["eval_peak_mb"] = eval_peak_mb(model, video, precision, meter, max(peaks))
+        figures["eval_peak_mb"] = eval_peak_mb(model, row.video, row.precision, row.meter,
+                                               max(peaks))
     after_eval = compile_counts()["frames"]  # evaluation compiles graphs of its own, once
-    if device.type == "cpu":
-        keep_freed_memory()
-        step()  # the heap grows to the step's working set once
-    times: list[float] = []
-    for _ in range(spec["steps"]):  # time
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = time_steps(row, spec["steps"])
     recompiles += compile_counts()["frames"] - after_eval  # over the timed steps
     if device.type == "cuda":  # absolute: weights, optimizer state and batch included
-        row_figures["max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-    row_figures.update(launch_figures(step, device, int(spec.get("profile_steps", PROFILE_STEPS))))
-    with precision.autocast():
-        saved = saved_activation_bytes(model, video)
+        figures["max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    figures.update(launch_figures(row.step, device, int(spec.get("profile_steps", PROFILE_STEPS))))
+    with row.precision.autocast():
+        saved = saved_activation_bytes(model, row.video)
     return {
         **step_stats(times, peaks, fwd_bwd, spec["batch_size"], metered_times),
         **plan_figures(model.strategy),
         **compile_figures(spec, warm, recompiles),
-        **row_figures,
+        **figures,
         "saved_act_mb": saved / 2**20,
         "memory": model.strategy.describe(),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "device": str(device),
-        "precision": precision.key,
+        "precision": row.precision.key,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,

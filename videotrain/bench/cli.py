@@ -146,7 +146,7 @@ def estimated_steps(specs: list[dict[str, Any]], device: str, free_grads: bool =
     """Each row's step peak (MB, the scale of its measured ``peak_mem_mb``) as
     ``python -m videotrain.plan --fit`` estimates it on fake tensors, for the same model, batch
     and step (AdamW, no clipping). None for rows the config alone does not describe: the peers
-    that change the model when they run (torch.compile, sac_milp) and memory=auto (it chooses
+    that change the model when they run (torch.compile, a suite's peer) and memory=auto (it chooses
     its plan then); and all rows with ``free_grads`` (the estimate keeps gradients)."""
     from videotrain.config.estimate import run_isolated
 
@@ -212,7 +212,7 @@ def run_bench(
     only: list[str] | None = None, rows: list[dict[str, Any]] | None = None,
     timeout: float | None = None, threads: int | None = None, rounds: int = 1,
     free_grads: bool = False, time_budget: float | None = None, compile_axis: str = "eager",
-    log=print,
+    child: str = "videotrain.bench", child_path: str | Path | None = None, log=print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """Run ``suite`` (or the given row specs). Returns (rows, meta, markdown table).
 
@@ -220,7 +220,8 @@ def run_bench(
     for the whole run; 0: none) default to the suite's setting (``suites.setting_for``). A CUDA-only suite raises ``CudaRequired`` before it
     starts anything where there is no CUDA device. ``out``: where to write bench.json/.md/.png;
     None writes nothing, except for a suite with a ``results_root`` (gpu: one folder per GPU
-    model under outputs/bench/gpu/)."""
+    model under outputs/bench/gpu/). ``child`` (found first on ``child_path``) measures each
+    row, ``python -m child --child SPEC``: a suite beside the package names its own."""
     if suite not in SUITES and rows is None:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     base = setting_for(suite)
@@ -279,7 +280,8 @@ def run_bench(
                                                     "time budget was spent"}
             else:
                 res = run_child({**common, **own_shape(spec), "overrides": spec["overrides"],
-                                 **{k: spec.get(k) for k in CHILD_KEYS}}, min(timeout, left))
+                                 **{k: spec.get(k) for k in CHILD_KEYS}}, min(timeout, left),
+                                module=child, pythonpath=child_path)
             per_row[i].append(res)
             tag = f"[{i + 1}/{len(specs)}" + (f" round {rnd + 1}/{rounds}]" if rounds > 1 else "]")
             if res.get("error"):
@@ -308,7 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "peak, torch.compile), written to outputs/bench/gpu/<gpu>/ unless --out; "
                         "exits with status 2 at once where there is no CUDA GPU. The lab's "
                         "suites are beside the package: python -m benchmarks.data, python -m "
-                        "benchmarks.annotations (from the repository root)")
+                        "benchmarks.annotations, python -m benchmarks.sac_milp (from the "
+                        "repository root)")
     p.add_argument("--out", help="write bench.json, bench.md and bench.png here (default: "
                                  "nothing written; gpu suite: outputs/bench/gpu/<gpu name>/)")
     p.add_argument("--steps", type=int, help="timed steps per row (default: 20 on CUDA, 5 on a CPU)")

@@ -32,10 +32,10 @@ ROW_FIELDS = ("backbone", "strategy", "keep_ratio", "granularity", "policy", "co
 # Row-spec keys that are not Hydra overrides but instructions to the child (bench/child.py) or
 # the runner (bench/cli.py); they tell rows apart like overrides do.
 #   compile_budget:     torch.compile the backbone with this min-cut activation_memory_budget
-#   sac_milp:           torch's sac_milp planner at this fraction of its e2e activation
-#                       estimate, or "min" (the smallest it solves)
+#   peer:               a peer that a suite beside the package applies in its own child
+#                       (run_bench(child=...); benchmarks/sac_milp.py: torch's sac_milp plan)
 #   auto_budget_of_e2e: memory=auto with memory.budget_mb = this x the e2e row's measured peak
-CHILD_KEYS = ("compile_budget", "sac_milp", "auto_budget_of_e2e")
+CHILD_KEYS = ("compile_budget", "peer", "auto_budget_of_e2e")
 COMPILE_AXIS = ("eager", "compiled", "both")  # --compile
 
 
@@ -139,11 +139,8 @@ DEFAULT_ROWS = [
 # min-cut activation budget as a peer (``compile_budget``: not a memory option, the child sets
 # ``torch._functorch.config.activation_memory_budget`` and compiles the backbone).
 # ``budget="min"``: the optimal plan at the smallest feasible budget; the child reports the
-# budget_frac that turned out to be.
-# ``sac_milp``: the peer from torch itself (torch.distributed._tools.sac_ilp.sac_milp fed by
-# SACEstimator, applied as selective activation checkpointing; bench/sac_peer.py), at the
-# budgets of the optimal rows, as fractions of the e2e activation peak its estimator reports
-# ("min": the smallest fraction its MILP solves).
+# budget_frac that turned out to be. The peer from torch itself, its sac_milp planner, is the
+# lab's: ``python -m benchmarks.sac_milp``, at this suite's setting.
 RECOMPUTE_ROWS = [
     row(R18, "e2e"),
     row(R18, "recompute", policy="blocks"),
@@ -153,8 +150,6 @@ RECOMPUTE_ROWS = [
     {**row(R18, "e2e"), "policy": "torch.compile", "budget_frac": 0.5, "compile_budget": 0.5},
     *({**row(R18, "sbp", 0.5, recompute=c), "policy": f"checkpoint:{c}"}
       for c in ("blocks", "optimal")),
-    *({**row(R18, "e2e"), "policy": "sac_milp", "budget_frac": f, "sac_milp": f} for f in (0.7, 0.5)),
-    {**row(R18, "e2e"), "policy": "sac_milp", "budget": "min", "sac_milp": "min"},
 ]
 
 # The GPU acceptance suite (``--suite gpu``, CUDA only): resnet50 + transformer head, B=8 x

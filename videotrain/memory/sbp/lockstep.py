@@ -203,157 +203,201 @@ def lockstep_graph(backbone: nn.Module, full_batch: bool = True) -> fx.GraphModu
 
 
 def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
-    src = gm.graph
-    if sum(n.op == "placeholder" for n in src.nodes) != 1:
+    """``gm`` rewritten into the twin module (module doc): each node copied where it reads no
+    split value, else run once over all rows or queued as kept and dropped twins."""
+    if sum(n.op == "placeholder" for n in gm.graph.nodes) != 1:
         raise _Unsupported("forward(frames) only")
-    g = fx.Graph()
-    frames, rows = g.placeholder("frames"), g.placeholder("rows")
-    # the parts are gathered here, not by the caller, so that the dropped frames' copy is freed
-    # after its first op instead of living through the pass
-    kept_in = g.call_function(take_rows, (frames, rows, True))
-    # original node -> new node, or (kept node, dropped node or None: a view of its full value)
-    env: dict[fx.Node, Any] = {}
-    full: dict[fx.Node, fx.Node] = {}  # original node -> its value on all N rows, no graph
-    owned: set[fx.Node] = set()  # full values that are a tensor of their own (may be overwritten)
-    pending: list[fx.Node] = []  # per-frame nodes of the current segment, not yet emitted
+    t = _Twins(gm, full_batch)
+    for node in gm.graph.nodes:
+        if node in t.env:  # emitted with the node before it (a residual add's ReLU)
+            continue
+        if node.op == "placeholder":
+            t.env[node] = (t.kept_in, None)
+        elif node.op == "output":
+            t.output(node)
+        elif node.op == "get_attr" or not t.is_split(node):
+            t.env[node] = t.g.node_copy(node, lambda n: t.env[n])
+        else:
+            t.split(node)
+    return fx.GraphModule(gm, t.g, "SBPLockstep")
 
-    def dropped_of(n: fx.Node) -> fx.Node:
-        kept, dropped = env[n]
-        if dropped is None:  # made where first needed: the dropped frames' copy lives from here
-            dropped = (g.call_function(dropped_rows, (full[n], rows)) if n in full
-                       else g.call_function(take_rows, (frames, rows, False)))
-            env[n] = (kept, dropped)
+
+class _Twins:
+    """The twin graph ``g`` being built from ``gm``, what each original node became, and the
+    segment of per-frame nodes not yet emitted."""
+
+    def __init__(self, gm: fx.GraphModule, full_batch: bool) -> None:
+        self.gm, self.full_batch = gm, full_batch
+        self.g = g = fx.Graph()
+        self.frames, self.rows = g.placeholder("frames"), g.placeholder("rows")
+        # the parts are gathered here, not by the caller, so that the dropped frames' copy is
+        # freed after its first op instead of living through the pass
+        self.kept_in = g.call_function(take_rows, (self.frames, self.rows, True))
+        # original node -> new node, or (kept node, dropped node or None: a view of its full value)
+        self.env: dict[fx.Node, Any] = {}
+        self.full: dict[fx.Node, fx.Node] = {}  # original node -> its value on all N rows, no graph
+        # full values that are a tensor of their own (may be overwritten)
+        self.owned: set[fx.Node] = set()
+        self.pending: list[fx.Node] = []  # per-frame nodes of the current segment, not yet emitted
+        self.after_bn = False  # the current segment starts at a BN meet
+
+    def dropped_of(self, n: fx.Node) -> fx.Node:
+        """``n``'s dropped node, made where first needed: the dropped frames' copy lives from
+        here."""
+        kept, dropped = self.env[n]
+        if dropped is None:
+            g, rows = self.g, self.rows
+            dropped = (g.call_function(dropped_rows, (self.full[n], rows)) if n in self.full
+                       else g.call_function(take_rows, (self.frames, rows, False)))
+            self.env[n] = (kept, dropped)
         return dropped
 
-    def part(value: Any, i: int) -> Any:
+    def part(self, value: Any, i: int) -> Any:
+        """``value`` (args or kwargs) with each split node replaced by its kept (``i == 0``) or
+        dropped twin."""
         def pick(n: fx.Node) -> Any:
-            if not isinstance(env[n], tuple):
-                return env[n]
-            return env[n][0] if i == 0 else dropped_of(n)
+            if not isinstance(self.env[n], tuple):
+                return self.env[n]
+            return self.env[n][0] if i == 0 else self.dropped_of(n)
         return map_arg(value, pick)
 
-    def is_split(node: fx.Node) -> bool:
-        return any(isinstance(env[a], tuple) for a in node.all_input_nodes)
+    def is_split(self, node: fx.Node) -> bool:
+        """Whether ``node`` reads a value that has kept and dropped parts."""
+        return any(isinstance(self.env[a], tuple) for a in node.all_input_nodes)
 
-    def set_full(node: fx.Node, kept: fx.Node, value: fx.Node) -> None:
-        env[node], full[node] = (kept, None), value
-        owned.add(node)
+    def set_full(self, node: fx.Node, kept: fx.Node, value: fx.Node) -> None:
+        """Record ``node`` as known on all rows: ``kept`` with a graph, ``value`` (its own tensor)
+        without."""
+        self.env[node], self.full[node] = (kept, None), value
+        self.owned.add(node)
 
-    after_bn = False  # the current segment starts at a BN meet
+    def call(self, fn: Any, args: tuple) -> tuple[fx.Node, fx.Node]:
+        """A call of ``fn`` that returns a pair, as two nodes."""
+        both = self.g.call_function(fn, args)
+        return (self.g.call_function(operator.getitem, (both, 0)),
+                self.g.call_function(operator.getitem, (both, 1)))
 
-    def flush() -> None:
+    def module(self, node: fx.Node) -> nn.Module | None:
+        """The module ``node`` calls, or ``None``."""
+        return self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+
+    def feeds_fused_bn(self, node: fx.Node) -> bool:
+        """Whether ``node``'s one reader is a BN meet that reads it alone."""
+        users = list(node.users)
+        return (self.full_batch and len(users) == 1
+                and isinstance(self.module(users[0]), _BatchNorm)
+                and _fusable_bn(self.module(users[0]))
+                and users[0].args == (node,) and not users[0].kwargs)
+
+    def flush(self) -> None:
         """Emit the segment's twins: the dropped ones under ``no_grad``, where a ReLU or add may
         run in place (``_in_place_twin``). After a BN meet the kept twins go first, since a
         kept input may be a view of the meet's output, whose dropped rows are then overwritten;
         elsewhere the dropped twins go first, so that their transient is gone before the kept
         twins store anything (a ViT's whole network is one segment)."""
-        if not pending:
+        if not self.pending:
             return
-
-        def kept() -> None:
-            for node in pending:
-                env[node] = (g.create_node(node.op, node.target, part(node.args, 0), part(node.kwargs, 0)),
-                             env[node][1])
-
-        def dropped() -> None:
-            g.call_function(torch._C._set_grad_enabled, (False,))
-            for node in pending:
-                args = part(node.args, 1)
-                op = _in_place_twin(node, gm, bn_source_ok=after_bn or not full_batch)
-                twin = (g.call_function(op, args) if op is not None
-                        else g.create_node(node.op, node.target, args, part(node.kwargs, 1)))
-                env[node] = (env[node][0], twin)
-            g.call_function(torch._C._set_grad_enabled, (True,))
-
-        for emit in ((kept, dropped) if after_bn else (dropped, kept)):
+        for emit in ((self._kept, self._dropped) if self.after_bn else (self._dropped, self._kept)):
             emit()
-        pending.clear()
+        self.pending.clear()
 
-    def call(fn: Any, args: tuple) -> tuple[fx.Node, fx.Node]:
-        both = g.call_function(fn, args)
-        return g.call_function(operator.getitem, (both, 0)), g.call_function(operator.getitem, (both, 1))
+    def _kept(self) -> None:
+        """The segment's kept twins, with autograd."""
+        for node in self.pending:
+            self.env[node] = (self.g.create_node(node.op, node.target, self.part(node.args, 0),
+                                                 self.part(node.kwargs, 0)), self.env[node][1])
 
-    def module(node: fx.Node) -> nn.Module | None:
-        return gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+    def _dropped(self) -> None:
+        """The segment's dropped twins, under ``no_grad``; a ReLU or add in place where it may."""
+        g = self.g
+        g.call_function(torch._C._set_grad_enabled, (False,))
+        for node in self.pending:
+            args = self.part(node.args, 1)
+            op = _in_place_twin(node, self.gm, bn_source_ok=self.after_bn or not self.full_batch)
+            twin = (g.call_function(op, args) if op is not None
+                    else g.create_node(node.op, node.target, args, self.part(node.kwargs, 1)))
+            self.env[node] = (self.env[node][0], twin)
+        g.call_function(torch._C._set_grad_enabled, (True,))
 
-    def feeds_fused_bn(node: fx.Node) -> bool:
-        users = list(node.users)
-        return (full_batch and len(users) == 1 and isinstance(module(users[0]), _BatchNorm)
-                and _fusable_bn(module(users[0])) and users[0].args == (node,) and not users[0].kwargs)
+    def output(self, node: fx.Node) -> None:
+        """The graph's output: the kept and the dropped part of the backbone's one tensor."""
+        self.flush()
+        out = node.args[0]
+        if not isinstance(out, fx.Node) or not isinstance(self.env[out], tuple):
+            raise _Unsupported("the backbone must return one tensor computed from its input")
+        self.g.output((self.env[out][0], self.dropped_of(out)))
 
-    for node in src.nodes:
-        if node in env:  # emitted with the node before it (a residual add's ReLU)
-            continue
-        if node.op == "placeholder":
-            env[node] = (kept_in, None)
-        elif node.op == "output":
-            flush()
-            out = node.args[0]
-            if not isinstance(out, fx.Node) or not isinstance(env[out], tuple):
-                raise _Unsupported("the backbone must return one tensor computed from its input")
-            g.output((env[out][0], dropped_of(out)))
-        elif node.op == "get_attr" or not is_split(node):
-            env[node] = g.node_copy(node, lambda n: env[n])
+    def split(self, node: fx.Node) -> None:
+        """A node that reads a split value: once over all rows where e2e's kernel can run so
+        (the cases below), else queued as twins for the next flush."""
+        mod, full = self.module(node), self.full
+        arg = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if isinstance(mod, _BatchNorm) and self.full_batch:
+            self._bn_meet(node, mod, arg)
+        elif (plain_conv(mod) and len(node.args) == 1 and not node.kwargs
+              and self.feeds_fused_bn(node) and arg in full):
+            # a convolution into a BN meet: once over all rows, as the BN's input
+            self.flush()
+            kept, out = self.call(conv_parts, (self.g.get_attr(str(node.target)), self.env[arg][0],
+                                               full[arg]))
+            self.set_full(node, kept, out)
+        elif type(mod) is nn.Identity and arg in full and len(node.args) == 1:
+            # e.g. timm's disabled drop_block and anti-aliasing layers: the value itself
+            self.env[node], full[node] = self.env[arg], full[arg]
+            if arg in self.owned and len(arg.users) == 1:
+                self.owned.add(node)
+        elif (_is_relu(node, self.gm) and arg in full) or (
+                type(mod) is nn.MaxPool2d and not mod.return_indices and arg in full
+                and len(node.args) == 1 and not node.kwargs):
+            self._per_row_on_all(node, mod, arg)
+        elif (_is_add(node) and len(node.users) == 1 and _is_relu(next(iter(node.users)), self.gm)
+              and all(isinstance(a, fx.Node) and a in full for a in node.args)
+              and node.args[0] is not node.args[1]):
+            # a residual add and its ReLU over all rows at once (KeptRowsAddReLU)
+            self.flush()
+            a, b = node.args
+            in_place = a in self.owned and len(a.users) == 1
+            kept, out = self.call(add_relu_parts, (self.env[a][0], self.env[b][0], full[a], full[b],
+                                                   in_place))
+            self.set_full(next(iter(node.users)), kept, out)
+        elif mod is not None and callable(getattr(mod, "lockstep_parts", None)):
+            self.flush()
+            x = self.env[arg]
+            self.env[node] = self.call(module_parts, (self.g.get_attr(str(node.target)), x[0],
+                                                      self.dropped_of(arg), self.rows))
+            self.after_bn = False
         else:
-            mod = module(node)
-            arg = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-            if isinstance(mod, _BatchNorm) and full_batch:
-                # the meet: BN's training kernel once over all rows
-                if not _fusable_bn(mod) or len(node.args) != 1 or node.kwargs:
-                    raise _Unsupported(f"cannot fuse {type(mod).__name__}")
-                flush()
-                x = env[arg]
-                whole = full.get(arg)
-                if whole is None:  # the dropped block's last use
-                    whole = g.call_function(join_rows, (x[0], dropped_of(arg)))
-                kept, out = call(batchnorm_parts, (g.get_attr(str(node.target)), x[0], whole, rows,
-                                                   _view_safe(node, gm)))
-                set_full(node, kept, out)
-                after_bn = True
-            elif (plain_conv(mod) and len(node.args) == 1 and not node.kwargs
-                  and feeds_fused_bn(node) and arg in full):
-                # a convolution into a BN meet: once over all rows, as the BN's input
-                flush()
-                kept, out = call(conv_parts, (g.get_attr(str(node.target)), env[arg][0], full[arg]))
-                set_full(node, kept, out)
-            elif type(mod) is nn.Identity and arg in full and len(node.args) == 1:
-                # e.g. timm's disabled drop_block and anti-aliasing layers: the value itself
-                env[node], full[node] = env[arg], full[arg]
-                if arg in owned and len(arg.users) == 1:
-                    owned.add(node)
-            elif (_is_relu(node, gm) and arg in full) or (
-                    type(mod) is nn.MaxPool2d and not mod.return_indices and arg in full
-                    and len(node.args) == 1 and not node.kwargs):
-                # a cheap per-row op of a value known on all rows: its kept rows with a graph,
-                # then all rows (in place where nothing else reads them), for the layers after it
-                flush()
-                kept = g.create_node(node.op, node.target, (env[arg][0],), dict(node.kwargs))
-                g.call_function(torch._C._set_grad_enabled, (False,))
-                if mod is not None:  # a max pool, or a ReLU module (its hooks see both calls)
-                    out = g.call_module(str(node.target), (full[arg],))
-                else:  # the kept rows read their input first: it may be a view of full[arg]
-                    in_place = arg in owned and len(arg.users) == 1
-                    out = g.call_function(torch.relu_ if in_place else torch.relu, (full[arg],))
-                g.call_function(torch._C._set_grad_enabled, (True,))
-                set_full(node, kept, out)
-            elif (_is_add(node) and len(node.users) == 1 and _is_relu(next(iter(node.users)), gm)
-                  and all(isinstance(a, fx.Node) and a in full for a in node.args)
-                  and node.args[0] is not node.args[1]):
-                # a residual add and its ReLU over all rows at once (KeptRowsAddReLU)
-                flush()
-                a, b = node.args
-                in_place = a in owned and len(a.users) == 1
-                kept, out = call(add_relu_parts, (env[a][0], env[b][0], full[a], full[b], in_place))
-                set_full(next(iter(node.users)), kept, out)
-            elif mod is not None and callable(getattr(mod, "lockstep_parts", None)):
-                flush()
-                x = env[arg]
-                env[node] = call(module_parts, (g.get_attr(str(node.target)), x[0], dropped_of(arg), rows))
-                after_bn = False
-            else:
-                pending.append(node)
-                env[node] = (node, node)  # a marker: split, emitted at the next flush
-    return fx.GraphModule(gm, g, "SBPLockstep")
+            self.pending.append(node)
+            self.env[node] = (node, node)  # a marker: split, emitted at the next flush
+
+    def _bn_meet(self, node: fx.Node, mod: nn.Module, arg: fx.Node | None) -> None:
+        """The meet: BN's training kernel once over all rows (the kept rows' graph beside it)."""
+        if not _fusable_bn(mod) or len(node.args) != 1 or node.kwargs:
+            raise _Unsupported(f"cannot fuse {type(mod).__name__}")
+        self.flush()
+        x = self.env[arg]
+        whole = self.full.get(arg)
+        if whole is None:  # the dropped block's last use
+            whole = self.g.call_function(join_rows, (x[0], self.dropped_of(arg)))
+        kept, out = self.call(batchnorm_parts, (self.g.get_attr(str(node.target)), x[0], whole,
+                                                self.rows, _view_safe(node, self.gm)))
+        self.set_full(node, kept, out)
+        self.after_bn = True
+
+    def _per_row_on_all(self, node: fx.Node, mod: nn.Module | None, arg: fx.Node) -> None:
+        """A cheap per-row op (ReLU, max pool) of a value known on all rows: its kept rows with a
+        graph, then all rows (in place where nothing else reads them), for the layers after it."""
+        self.flush()
+        g = self.g
+        kept = g.create_node(node.op, node.target, (self.env[arg][0],), dict(node.kwargs))
+        g.call_function(torch._C._set_grad_enabled, (False,))
+        if mod is not None:  # a max pool, or a ReLU module (its hooks see both calls)
+            out = g.call_module(str(node.target), (self.full[arg],))
+        else:  # the kept rows read their input first: it may be a view of full[arg]
+            in_place = arg in self.owned and len(arg.users) == 1
+            out = g.call_function(torch.relu_ if in_place else torch.relu, (self.full[arg],))
+        g.call_function(torch._C._set_grad_enabled, (True,))
+        self.set_full(node, kept, out)
 
 
 def lockstep_forward(twin: fx.GraphModule, x: torch.Tensor, rows: PartRows,

@@ -1,4 +1,5 @@
-"""torch's own budget planner for activation checkpointing, as a bench peer (``sac_milp`` rows).
+"""torch's own budget planner for activation checkpointing, as a bench peer (the rows of
+``python -m benchmarks.sac_milp``).
 
 As in torch's test_sac_ilp.py, under ``FakeTensorMode``, torch's estimators (``MemTracker``,
 ``RuntimeEstimator``, ``SACEstimator``) feed ``torch.distributed._tools.sac_ilp.sac_milp``, which
