@@ -9,7 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from videotrain.memory.sbp.kept_rows import add_relu_parts, conv_parts, plain_conv
+from videotrain.memory.sbp.kept_rows import (
+    BatchNormCoefficients,
+    KeptRowsBatchNorm,
+    add_relu_parts,
+    conv_parts,
+    fused_bn_backward,
+    plain_conv,
+    split_bn_backward,
+)
 
 N, n = 6, 2  # rows, of which the first n are kept
 
@@ -104,3 +112,92 @@ def test_add_relu_parts_gives_the_kept_rows_gradient(in_place: bool, b_shape: tu
     torch.relu(a2 + b2).backward(g)
     torch.testing.assert_close(a.grad, a2.grad)
     torch.testing.assert_close(b.grad, b2.grad)
+
+
+def _bn_case(device: torch.device, dtype: torch.dtype, affine: bool = True):
+    """A full batch ``(N, 4, 5, 5)`` in ``dtype``, its fp32 (fp64 for fp64) statistics, and the
+    kept-rows BN function's inputs."""
+    torch.manual_seed(0)
+    full = (torch.randn(N, 4, 5, 5, device=device) * 2 + 1).to(dtype)
+    bn = nn.BatchNorm2d(4, affine=affine).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
+    if affine:
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-0.5, 0.5)
+    acc = torch.promote_types(dtype, torch.float32)
+    var, mean = torch.var_mean(full.to(acc), dim=(0, 2, 3), correction=0)
+    return full, bn, mean, torch.rsqrt(var + bn.eps)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_kept_rows_bn_gives_e2e_gradient_with_the_dropped_rows_constant(
+        affine: bool, fmt: torch.memory_format, device: torch.device) -> None:
+    """``KeptRowsBatchNorm`` (on CPU the BN backward kernel plus ``addcmul_``, on CUDA the fused
+    SyncBatchNorm kernels, whose channels_last path is a kernel of its own) against autograd
+    through BN over all rows, the dropped ones detached."""
+    full, bn, mean, rstd = _bn_case(device, torch.float32, affine)
+    full = full.contiguous(memory_format=fmt)
+    x = _kept_input(full)
+    kept = KeptRowsBatchNorm.apply(x, bn.weight, bn.bias, None, mean, rstd,
+                                   BatchNormCoefficients(n, N), bn.eps)
+    g = torch.randn_like(kept)
+    kept.backward(g)
+    got = (x.grad, *(p.grad for p in bn.parameters()))
+    bn.zero_grad()
+    x2 = _kept_input(full)
+    ref = nn.functional.batch_norm(torch.cat((x2, full[n:])), None, None, bn.weight, bn.bias, True)
+    torch.testing.assert_close(kept.detach(), ref[:n].detach(), rtol=1e-5, atol=1e-5)
+    ref[:n].backward(g)
+    for a, b in zip(got, (x2.grad, *(p.grad for p in bn.parameters())), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _reference_reduce(grad, x, mean, invstd, weight, input_g, weight_g, bias_g):
+    """``torch.batch_norm_backward_reduce`` as ATen's CUDA kernel computes it (sums in the
+    statistics' dtype; the weight gradient in the weight's)."""
+    dims = [0, *range(2, x.dim())]
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    g, xmu = grad.to(mean.dtype), x.to(mean.dtype) - mean.view(shape)
+    sum_dy, sum_dy_xmu = g.sum(dims), (g * xmu).sum(dims)
+    gw = (sum_dy_xmu * invstd).to(weight.dtype) if weight_g else None
+    gb = sum_dy.to(weight.dtype) if bias_g else None
+    return (sum_dy if input_g else None), (sum_dy_xmu if input_g else None), gw, gb
+
+
+def _reference_elemt(grad, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    """``torch.batch_norm_backward_elemt``: normalised by the sum of ``count`` (int32)."""
+    assert count.dtype == torch.int32
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    total = count.sum().item()
+    scale = invstd if weight is None else invstd * weight
+    dx = (grad.to(mean.dtype) - (sum_dy / total).view(shape)
+          - (x.to(mean.dtype) - mean.view(shape)) * (invstd * invstd * sum_dy_xmu / total).view(shape))
+    return (dx * scale.view(shape)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("mask", [[True, True, True], [True, False, False], [False, True, True]])
+def test_fused_bn_backward_equals_the_split_form(dtype: torch.dtype, affine: bool, mask: list[bool],
+                                                 monkeypatch) -> None:
+    """The CUDA form of the kept-rows BN backward (``fused_bn_backward``: the SyncBatchNorm
+    kernels, with the full batch's count) against the CPU form (``split_bn_backward``), on CPU
+    with the two kernels replaced by their ATen CUDA definitions: the same gradients, in each
+    dtype and mask. The gpu-marked twin of the test above runs the kernels themselves."""
+    monkeypatch.setattr(torch, "batch_norm_backward_reduce", _reference_reduce)
+    monkeypatch.setattr(torch, "batch_norm_backward_elemt", _reference_elemt)
+    full, bn, mean, rstd = _bn_case(torch.device("cpu"), dtype, affine)
+    mask = [mask[0], mask[1] and affine, mask[2] and affine]
+    x = full[:n].clone()
+    grad = torch.randn_like(x)
+    got = {}
+    for form in (fused_bn_backward, split_bn_backward):
+        coefs = BatchNormCoefficients(n, N)
+        i = coefs.add(bn.weight if affine else None, rstd)
+        got[form] = form(grad, x, mean, rstd, coefs, i, bn.eps, mask)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    for a, b, wanted in zip(got[fused_bn_backward], got[split_bn_backward], mask, strict=True):
+        assert (a is not None) == (b is not None) == wanted
+        if wanted:
+            torch.testing.assert_close(a, b, **tol)
+

@@ -22,15 +22,19 @@ from torch import nn
 
 
 class BatchNormCoefficients:
-    """The per-channel factors of one step's kept-rows BN backwards (:class:`KeptRowsBatchNorm`),
-    ``rho * w`` and ``w * rstd`` of every BN, computed for all of them by two ``_foreach`` ops
-    at the first BN backward instead of two small ops per BN (and for the BNs added since, when
-    a recomputed segment runs its BNs again in backward)."""
+    """One step's kept-rows BN backwards (:class:`KeptRowsBatchNorm`): ``kept`` of ``total`` rows
+    kept (``rho = kept / total``). On CPU, the per-channel factors ``rho * w`` and ``w * rstd``
+    of every BN, computed for all of them by two ``_foreach`` ops at the first BN backward
+    instead of two small ops per BN (and for the BNs added since, when a recomputed segment runs
+    its BNs again in backward); on CUDA, the full batch's element counts the fused kernels take,
+    one small tensor per count."""
 
-    def __init__(self, rho: float) -> None:
-        self.rho = rho
+    def __init__(self, kept: int, total: int) -> None:
+        self.kept, self.total = kept, total
+        self.rho = kept / total
         self.layers: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (weight, rstd) per BN
         self._coefs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._counts: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def add(self, weight: torch.Tensor | None, rstd: torch.Tensor) -> int:
         self.layers.append((weight, rstd))
@@ -49,6 +53,16 @@ class BatchNormCoefficients:
                                 else (r.new_full(r.shape, self.rho), r) for w, r in layers]
         return self._coefs[i]
 
+    def count(self, x: torch.Tensor) -> torch.Tensor:
+        """``(1,)`` int32: the elements per channel of the full batch whose kept rows are
+        ``x (kept, C, *)``, as ``batch_norm_backward_elemt`` takes them."""
+        per_row = x.numel() // max(1, x.shape[0] * x.shape[1])
+        key = (per_row, x.device)
+        if key not in self._counts:
+            self._counts[key] = torch.full((1,), per_row * self.total, dtype=torch.int32,
+                                           device=x.device)
+        return self._counts[key]
+
 
 class KeptRowsBatchNorm(torch.autograd.Function):
     """The kept rows ``y`` of a full-batch BN output, with the graph of the kept input ``x``
@@ -61,13 +75,15 @@ class KeptRowsBatchNorm(torch.autograd.Function):
         dx = w rstd (g - rho m_k(g) - rho xhat m_k(g xhat))            (e2e's BN backward,
            = rho * bn_backward_train(g; weight w) + (1 - rho) w rstd g   dropped rows constant)
 
-    ATen's training-mode BN backward with the saved statistics and weight ``rho * w`` gives the
-    first term and, in the same kernel, the weight and bias gradients (``sum(g xhat)``,
-    ``sum(g)``, independent of the weight passed); one ``addcmul_`` adds the second. The
-    per-channel factors come from the step's :class:`BatchNormCoefficients`. Only ``x`` (and
-    the per-channel statistics) is saved, like native BN. The SyncBatchNorm kernels that would
-    do this on several parts (``batch_norm_stats`` and friends) have no CPU kernels (torch
-    2.11-2.14), so this formulation is the one that runs, and counts, the same on both devices."""
+    On CUDA, SyncBatchNorm's two backward kernels compute the first line as it stands:
+    ``batch_norm_backward_reduce`` (the sums, and the weight and bias gradients) and
+    ``batch_norm_backward_elemt`` with the full batch's element count, the two kernels native BN's
+    backward runs. They have no CPU kernels, so on CPU the second line runs: ATen's training-mode
+    BN backward with the saved statistics and weight ``rho * w`` (the first term, and the weight
+    and bias gradients, ``sum(g xhat)`` and ``sum(g)``, independent of the weight passed), then one
+    ``addcmul_`` for the second, with the per-channel factors of the step's
+    :class:`BatchNormCoefficients`. The two forms are tested against each other. Only ``x`` (and
+    the per-channel statistics) is saved, like native BN."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -84,17 +100,44 @@ class KeptRowsBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, mean, rstd = ctx.saved_tensors
-        rho = ctx.coefs.rho
-        w_rho, w_rstd = ctx.coefs[ctx.index]  # (C,), (C,)
-        need_w = ctx.has_weight and ctx.needs_input_grad[1]
-        need_b = ctx.has_bias and ctx.needs_input_grad[2]
-        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            grad, x, w_rho, None, None, mean, rstd, True, ctx.eps,
-            [ctx.needs_input_grad[0], need_w, need_b])
-        if gx is not None and rho < 1.0:
-            shape = (1, -1) + (1,) * (x.dim() - 2)  # (C,) over (n, C, *)
-            gx = gx.addcmul_(grad, w_rstd.view(shape), value=1.0 - rho)
-        return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, None
+        mask = [ctx.needs_input_grad[0], ctx.has_weight and ctx.needs_input_grad[1],
+                ctx.has_bias and ctx.needs_input_grad[2]]
+        bn_backward = fused_bn_backward if grad.is_cuda else split_bn_backward
+        gx, gw, gb = bn_backward(grad, x, mean, rstd, ctx.coefs, ctx.index, ctx.eps, mask)
+        return gx, gw if mask[1] else None, gb if mask[2] else None, None, None, None, None, None
+
+
+BNGrads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def fused_bn_backward(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                      coefs: BatchNormCoefficients, index: int, eps: float, mask: list[bool]) -> BNGrads:
+    """:class:`KeptRowsBatchNorm`'s backward in SyncBatchNorm's kernels (CUDA): the kept rows'
+    sums, then the elementwise pass normalised by the full batch's count."""
+    weight = coefs.layers[index][0]
+    if weight is not None:
+        weight = weight.detach()
+        weight = weight if weight.dtype == mean.dtype else weight.to(mean.dtype)  # as SyncBatchNorm
+    sum_dy, sum_dy_xmu, gw, gb = torch.batch_norm_backward_reduce(
+        grad, x, mean, rstd, weight, mask[0], mask[1], mask[2])
+    gx = None
+    if mask[0]:
+        gx = torch.batch_norm_backward_elemt(grad, x, mean, rstd, weight, sum_dy, sum_dy_xmu,
+                                             coefs.count(x))
+    return gx, gw, gb
+
+
+def split_bn_backward(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                      coefs: BatchNormCoefficients, index: int, eps: float, mask: list[bool]) -> BNGrads:
+    """:class:`KeptRowsBatchNorm`'s backward in kernels every device has: the training-mode BN
+    backward with weight ``rho * w``, plus ``(1 - rho) w rstd g``."""
+    w_rho, w_rstd = coefs[index]  # (C,), (C,)
+    gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+        grad, x, w_rho, None, None, mean, rstd, True, eps, mask)
+    if gx is not None and coefs.rho < 1.0:
+        shape = (1, -1) + (1,) * (x.dim() - 2)  # (C,) over (n, C, *)
+        gx = gx.addcmul_(grad, w_rstd.view(shape), value=1.0 - coefs.rho)
+    return gx, gw, gb
 
 
 def plain_conv(module: nn.Module) -> bool:

@@ -48,7 +48,7 @@ class PartRows:
         self.n_keep = int(keep_rows.numel())
         self.n_rows = self.n_keep + int(drop_rows.numel())
         self._neighbours: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.bn = BatchNormCoefficients(self.n_keep / self.n_rows)
+        self.bn = BatchNormCoefficients(self.n_keep, self.n_rows)
 
     def neighbours(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(next, prev)``, each ``(N,)``: for every part row, the part row of the same

@@ -87,7 +87,7 @@ class FullBatchNorm:
         if self.phase is not None:
             raise RuntimeError(f"nested SBP BatchNorm phases ({self.phase!r} -> 'apply')")
         self.phase, self.kept_rows = "apply", kept_rows
-        self.coefs = BatchNormCoefficients(kept_rows / total_rows)
+        self.coefs = BatchNormCoefficients(kept_rows, total_rows)
         try:
             yield
         finally:
