@@ -269,3 +269,20 @@ def test_inductor_trains_sbp_as_eager(kit) -> None:
     for (a, b), diff in zip(got["loss"], got["grad_diff"], strict=True):
         assert b == pytest.approx(a, rel=1e-4)
         assert diff < 5e-3, got["grad_diff"]  # fused kernels sum in another order
+
+
+def test_an_untraceable_block_is_compiled_as_its_forward_and_says_so(caplog) -> None:
+    """A block fx cannot trace (control flow on a value) still runs compiled, as its bound
+    forward, with one log line naming it and the reason."""
+    from videotrain.memory.compiled import compiled_forward
+
+    class Gate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 if x.sum() > 0 else x
+
+    block = Gate()
+    with caplog.at_level("INFO", logger="videotrain.memory.compiled"):
+        run = compiled_forward(block, block.forward, Compiler(backend="aot_eager"))
+    assert "Gate is compiled as its forward" in caplog.text and "TraceError" in caplog.text
+    x = torch.ones(3)
+    assert torch.equal(run(x), x * 2) and torch.equal(run(-x), -x)

@@ -16,6 +16,7 @@ graph that holds a no-grad pass and a grad pass over the same blocks raises the 
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from videotrain.memory.base import CompilesItself, MemoryStrategy
+
+log = logging.getLogger(__name__)
 
 # trainer.compile_mode: None is the compiler's default
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -97,8 +100,11 @@ def compiled_forward(module: nn.Module, forward: Callable[..., Any],
     if getattr(forward, "__func__", None) is type(module).forward:
         try:
             return compiler(fx.GraphModule(module, fx.Tracer().trace(module)))
-        except Exception:  # noqa: BLE001 - untraceable: the forward itself, compiled
-            pass
+        except Exception as err:  # noqa: BLE001 - untraceable: the forward itself, compiled
+            # said, since blocks sharing one code object may recompile past the limit (eager)
+            log.info("trainer.compile: %s is compiled as its forward, not as an fx trace of its "
+                     "own (%s: %s)", type(module).__name__, type(err).__name__,
+                     str(err).splitlines()[0][:200] if str(err) else "")
     return compiler.function(forward)
 
 
