@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.data_child import TIMED_CLIPS, measure_data, set_overrides, unavailable
+from videotrain.bench.cli import finish
 from videotrain.bench.spawn import child_reply
 
 # ---------------------------------------------------------------------- the rows
@@ -261,12 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # --only naming no row: before any row starts
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(table, end="")
-    failed = [r["name"] for r in rows if r.get("error")]
-    if failed:
-        print(f"{len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return finish(rows, table)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 from benchmarks.sac_peer import apply_sac_milp
 from videotrain.bench import row, run_bench
 from videotrain.bench.child import measure
-from videotrain.bench.cli import NoRows
+from videotrain.bench.cli import NoRows, finish
 from videotrain.bench.row_setup import prepare_row as bench_prepare_row
 from videotrain.bench.spawn import child_reply
 from videotrain.bench.suites import R18
@@ -117,12 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except NoRows as err:  # before any row starts
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(table, end="")
-    failed = [r["name"] for r in rows if r.get("error")]
-    if failed:
-        print(f"{len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return finish(rows, table)
 
 
 if __name__ == "__main__":

@@ -347,6 +347,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def finish(rows: list[dict[str, Any]], table: str) -> int:
+    """Print a bench's table; the exit status: 1 (naming them on stderr) if rows failed, else 0."""
+    print(table, end="")
+    failed = [r["name"] for r in rows if r.get("error")]
+    if failed:
+        print(f"{len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
@@ -364,9 +374,4 @@ def main(argv: list[str] | None = None) -> int:
     except (CudaRequired, NoRows) as err:  # before any row starts
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(table, end="")
-    failed = [r["name"] for r in rows if r.get("error")]
-    if failed:
-        print(f"{len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return finish(rows, table)
