@@ -249,7 +249,9 @@ def test_a_run_trains_and_validates_compiled_as_eager(run_overrides, compose_cfg
         results[mode] = run.train(compose_cfg(run_overrides(trainer__compile=mode, **extra)), tmp_path / mode)
         frames[mode] = compile_counts()["frames"] - before
         rows[mode] = [r["train_loss"] for r in metrics_rows(tmp_path / mode) if "train_loss" in r]
-    assert frames["false"] == 0 and frames["true"] >= 3  # lockstep regions, then validation
+    # at least one lockstep region, then validation's backbone (how many regions dynamo counts
+    # as frames differs between torch versions: 2 on torch 2.11, 3 on 2.14)
+    assert frames["false"] == 0 and frames["true"] >= 2
     assert rows["true"] == pytest.approx(rows["false"], rel=1e-5) and len(rows["true"]) == 3
     for key in ("val_loss", "val_top1", "steps"):
         assert results["true"][key] == pytest.approx(results["false"][key], rel=1e-5), key
