@@ -13,7 +13,6 @@ record/apply's BN backward (``videotrain.memory.sbp.split``).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -43,14 +42,18 @@ class BatchNormCoefficients:
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rho * w, w * rstd)`` of BN ``i`` (``w = 1`` without affine weights)."""
         if i >= len(self._coefs):
-            with torch.no_grad():
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # a backward's constants (no detach op per weight)
+            try:
                 layers = self.layers[len(self._coefs):]
                 affine = [(w, r) for w, r in layers if w is not None]
-                ws, rs = [w.detach() for w, _ in affine], [r for _, r in affine]
+                ws, rs = [w for w, _ in affine], [r for _, r in affine]
                 w_rho = iter(torch._foreach_mul(ws, self.rho) if ws else [])
                 w_r = iter(torch._foreach_mul(ws, rs) if ws else [])
                 self._coefs += [(next(w_rho), next(w_r)) if w is not None
                                 else (r.new_full(r.shape, self.rho), r) for w, r in layers]
+            finally:
+                torch._C._set_grad_enabled(grad)
         return self._coefs[i]
 
     def count(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +68,9 @@ class BatchNormCoefficients:
 
 
 class KeptRowsBatchNorm(torch.autograd.Function):
-    """The kept rows ``y`` of a full-batch BN output, with the graph of the kept input ``x``
-    (``y=None``: computed here from the statistics, record/apply's apply phase).
+    """The kept rows ``full[:n]`` of a full-batch BN output ``full``, with the graph of the
+    kept input ``x (n, C, *)``: a view (``view_ok``) or rows of their own; ``full=None``:
+    computed here from the statistics (record/apply's apply phase).
 
     ``mean``, ``rstd`` are the full batch's statistics (``N`` rows, ``rho = n / N`` of them
     kept). Backward, with ``xhat = (x - mean) * rstd``, ``g`` the output gradient and ``m_k``
@@ -87,15 +91,16 @@ class KeptRowsBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                y: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
-                coefs: BatchNormCoefficients, eps: float) -> torch.Tensor:
+                full: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+                coefs: BatchNormCoefficients, eps: float, view_ok: bool = True) -> torch.Tensor:
         ctx.save_for_backward(x, mean, rstd)
         ctx.coefs, ctx.index = coefs, coefs.add(weight, rstd)
         ctx.eps, ctx.has_weight, ctx.has_bias = eps, weight is not None, bias is not None
-        if y is None:  # record/apply: normalize the kept rows with the recorded statistics
+        if full is None:  # record/apply: normalize the kept rows with the recorded statistics
             var = rstd.pow(-2).sub_(eps).clamp_(min=0.0)  # (C,): rstd = 1 / sqrt(var + eps)
             return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)  # (n, C, *)
-        return y  # (n, C, *): the full-batch forward's kept rows, returned as is (a view for autograd)
+        y = full[: x.shape[0]]  # (n, C, *): the full-batch forward's kept rows
+        return y if view_ok else y.clone(memory_format=torch.preserve_format)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -104,7 +109,7 @@ class KeptRowsBatchNorm(torch.autograd.Function):
                 ctx.has_bias and ctx.needs_input_grad[2]]
         bn_backward = fused_bn_backward if grad.is_cuda else split_bn_backward
         gx, gw, gb = bn_backward(grad, x, mean, rstd, ctx.coefs, ctx.index, ctx.eps, mask)
-        return gx, gw if mask[1] else None, gb if mask[2] else None, None, None, None, None, None
+        return gx, gw if mask[1] else None, gb if mask[2] else None, None, None, None, None, None, None
 
 
 BNGrads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -114,10 +119,9 @@ def fused_bn_backward(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
                       coefs: BatchNormCoefficients, index: int, eps: float, mask: list[bool]) -> BNGrads:
     """:class:`KeptRowsBatchNorm`'s backward in SyncBatchNorm's kernels (CUDA): the kept rows'
     sums, then the elementwise pass normalised by the full batch's count."""
-    weight = coefs.layers[index][0]
-    if weight is not None:
-        weight = weight.detach()
-        weight = weight if weight.dtype == mean.dtype else weight.to(mean.dtype)  # as SyncBatchNorm
+    weight = coefs.layers[index][0]  # a constant here: the backward runs without grad mode
+    if weight is not None and weight.dtype != mean.dtype:
+        weight = weight.to(mean.dtype)  # as SyncBatchNorm
     sum_dy, sum_dy_xmu, gw, gb = torch.batch_norm_backward_reduce(
         grad, x, mean, rstd, weight, mask[0], mask[1], mask[2])
     gx = None
@@ -148,18 +152,18 @@ def plain_conv(module: nn.Module) -> bool:
 
 
 class KeptRowsConv(torch.autograd.Function):
-    """The kept rows ``y (n, C', H', W')`` of ``conv`` over all rows, with the graph of the
-    kept input ``x (n, C, H, W)``: the convolution's backward on the kept rows
+    """The kept rows ``(n, C', H', W')`` of ``full``, ``conv`` over all rows, as rows of their
+    own with the graph of the kept input ``x (n, C, H, W)``: the convolution's backward on the kept rows
     (``aten.convolution_backward``, the kernel e2e's backward runs). ``x`` is saved in the
     dtype the convolution ran in (an autocast cast, as autocast saves its cast input); the
     weight is cast in the backward, and its gradient goes back to the parameter's dtype."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                y: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-        ctx.save_for_backward(x if x.dtype == y.dtype else x.to(y.dtype), weight)
+                full: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+        ctx.save_for_backward(x if x.dtype == full.dtype else x.to(full.dtype), weight)
         ctx.conv, ctx.has_bias = conv, bias is not None
-        return y
+        return full[: x.shape[0]].clone(memory_format=torch.preserve_format)  # (n, C', H', W')
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -203,7 +207,9 @@ class KeptRowsAddReLU(torch.autograd.Function):
 
 def sums_into(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a + b`` has ``a``'s shape and dtype, so it may be written into ``a``."""
-    return a.shape == torch.broadcast_shapes(a.shape, b.shape) and a.dtype == torch.result_type(a, b)
+    if a.dtype != b.dtype and a.dtype != torch.result_type(a, b):
+        return False
+    return a.shape == b.shape or a.shape == torch.broadcast_shapes(a.shape, b.shape)
 
 
 def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -218,17 +224,13 @@ def add_relu_parts(a: torch.Tensor, b: torch.Tensor, full_a: torch.Tensor, full_
     else reads ``full_a``, so the sum is written into it, as e2e's ``out += identity`` does."""
     if in_place and sums_into(full_a, full_b):
         return KeptRowsAddReLU.apply(a, b, full_a, full_b), full_a
-    with torch.no_grad():
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
         s = full_a + full_b  # (N, ...)
+    finally:
+        torch._C._set_grad_enabled(grad)
     return KeptRowsAddReLU.apply(a, b, s, None), s
-
-
-def _uncached_autocast(device_type: str) -> contextlib.AbstractContextManager:
-    """The enclosing autocast with its weight-cast cache off; nothing outside autocast."""
-    if not torch.is_autocast_enabled(device_type):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
-                          cache_enabled=False)
 
 
 def conv_parts(conv: nn.Conv2d, kept: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,9 +239,15 @@ def conv_parts(conv: nn.Conv2d, kept: torch.Tensor, full: torch.Tensor) -> tuple
     :class:`KeptRowsConv`'s graph from ``kept (n, C, H, W)`` and storage of their own, which
     the BN after the convolution saves.
 
-    Under autocast the weight is cast for this call alone (the cache off here): the kept rows'
-    backward casts it again, so a cached copy would only be held to the end of the forward."""
-    with torch.no_grad(), _uncached_autocast(full.device.type):
+    Under autocast the weight is cast for this call alone (the cast cache off here): the kept
+    rows' backward casts it again, so a cached copy would only be held to the end of the forward.
+    Grad mode and the cache are switched by torch's C functions: a meet runs once per layer."""
+    grad, cache = torch.is_grad_enabled(), torch.is_autocast_cache_enabled()
+    torch._C._set_grad_enabled(False)
+    torch.set_autocast_cache_enabled(False)
+    try:
         out = conv(full)  # (N, C', H', W')
-    y = out[: kept.shape[0]].clone(memory_format=torch.preserve_format)  # (n, C', H', W')
-    return KeptRowsConv.apply(kept, conv.weight, conv.bias, y, conv), out
+    finally:
+        torch.set_autocast_cache_enabled(cache)
+        torch._C._set_grad_enabled(grad)
+    return KeptRowsConv.apply(kept, conv.weight, conv.bias, out, conv), out

@@ -98,18 +98,22 @@ def batchnorm_parts(bn: _BatchNorm, kept: torch.Tensor, full: torch.Tensor, rows
     stay a view of the full output; otherwise it gets its own storage, so that what autograd
     saves holds only kept rows. A BN in eval mode normalises each row alone: the kept rows with
     a graph, all rows without. Returns ``(kept (n, C, *), full (N, C, *))``."""
-    n = kept.shape[0]
     if rows.n_rows != full.shape[0]:
         raise RuntimeError(f"lockstep SBP: {type(bn).__name__} got {full.shape[0]} rows, not the "
                            f"step's {rows.n_rows} frames")
-    if not bn.training:
-        with torch.no_grad():
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch's C switch: a meet runs once per layer
+    try:
+        if not bn.training:
             out = bn(full)
+        else:
+            out, mean, rstd = train_bn_forward(bn, full)  # (N, C, *) in [kept | dropped] order
+    finally:
+        torch._C._set_grad_enabled(grad)
+    if not bn.training:
         return bn(kept), out
-    with torch.no_grad():
-        out, mean, rstd = train_bn_forward(bn, full)  # (N, C, *) in [kept | dropped] order
-    y = out[:n] if view_ok else out[:n].clone()
-    return KeptRowsBatchNorm.apply(kept, bn.weight, bn.bias, y, mean, rstd, rows.bn, bn.eps), out
+    return KeptRowsBatchNorm.apply(kept, bn.weight, bn.bias, out, mean, rstd, rows.bn, bn.eps,
+                                   view_ok), out
 
 
 def module_parts(module: nn.Module, kept: Any, dropped: Any, rows: PartRows) -> tuple[Any, Any]:
@@ -219,7 +223,28 @@ def _twin_module(gm: fx.GraphModule, full_batch: bool) -> fx.GraphModule:
             t.env[node] = t.g.node_copy(node, lambda n: t.env[n])
         else:
             t.split(node)
-    return fx.GraphModule(gm, t.g, "SBPLockstep")
+    return _flat_module_names(fx.GraphModule(gm, t.g, "SBPLockstep"))
+
+
+def _flat_module_names(twin: fx.GraphModule) -> fx.GraphModule:
+    """``twin`` with each module it calls or passes to a meet registered once more under a
+    flat name (``net_layer1_0_conv1``), the same module object: the generated code reads one
+    attribute per call instead of one per level of ``net.layer1.0.conv1``."""
+    for node in twin.graph.nodes:
+        if node.op not in ("call_module", "get_attr") or "." not in str(node.target):
+            continue
+        module = twin.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if node.op == "get_attr":
+            owner, _, leaf = str(node.target).rpartition(".")
+            module = twin.get_submodule(owner)._modules.get(leaf)
+        if module is None:  # a parameter or buffer
+            continue
+        flat = "_m_" + str(node.target).replace(".", "_")
+        if flat not in twin._modules:
+            twin.add_module(flat, module)
+        node.target = flat
+    twin.recompile()
+    return twin
 
 
 class _Twins:

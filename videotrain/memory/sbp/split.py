@@ -160,15 +160,18 @@ def train_bn_forward(bn: _BatchNorm, x: torch.Tensor) -> tuple[torch.Tensor, tor
     bookkeeping, so output, running statistics and ``num_batches_tracked`` are the layer's own,
     bit for bit, and the batch statistics come with them."""
     bn._check_input_dim(x)
+    buffers = bn._buffers  # read once: a module attribute is a Python call per read
+    tracked = buffers.get("num_batches_tracked")
+    running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
     factor = 0.0 if bn.momentum is None else bn.momentum
-    if bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
+    if bn.track_running_stats and tracked is not None:
+        tracked.add_(1)
         if bn.momentum is None:  # cumulative moving average
-            factor = 1.0 / float(bn.num_batches_tracked)
-    if bn.running_mean is not None and bn.running_var is not None:
-        return torch.ops.aten._native_batch_norm_legit(
-            x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, factor, bn.eps)
-    return torch.ops.aten._native_batch_norm_legit.no_stats(  # track_running_stats=False
+            factor = 1.0 / float(tracked)
+    if running_mean is not None and running_var is not None:
+        return torch._native_batch_norm_legit(
+            x, bn.weight, bn.bias, running_mean, running_var, True, factor, bn.eps)
+    return torch._native_batch_norm_legit(  # track_running_stats=False: the no_stats overload
         x, bn.weight, bn.bias, True, factor, bn.eps)
 
 
