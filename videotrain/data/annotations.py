@@ -60,6 +60,26 @@ _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
 BOM = "\ufeff"
 
 
+def _wide_bom(path: str | Path, head: bytes) -> None:
+    """Refuse a file that starts with a UTF-16/32 byte-order mark (Excel's "Unicode Text")."""
+    for mark, encoding in _WIDE_BOMS:
+        if head.startswith(mark):
+            raise AnnotationError(
+                f"{shown(path)}: starts with a {encoding} byte-order mark (BOM): the file is {encoding} "
+                "text (as Excel's 'Unicode Text' saves it); save it as UTF-8 (Excel: 'CSV UTF-8')")
+
+
+def _not_utf8(path: str | Path, line: int, byte: int) -> AnnotationError:
+    return AnnotationError(f"{shown(path)}:{line}: byte 0x{byte:02x} is not UTF-8 (saved as Latin-1 or "
+                           "Windows-1252?); save the file as UTF-8")
+
+
+def _inner_bom(path: str | Path, line: int) -> AnnotationError:
+    return AnnotationError(
+        f"{shown(path)}:{line}: a byte-order mark (BOM, U+FEFF) inside the file, not at its start "
+        "(were files re-saved by Excel concatenated?); delete it")
+
+
 def read_text(path: str | Path, limit: int = MAX_ANNOTATION_BYTES) -> str:
     """The text of an annotation file, as every reader gets it: UTF-8, with or without the
     byte-order mark (BOM) that Excel puts in front of a CSV it re-saves, so that the first
@@ -69,23 +89,13 @@ def read_text(path: str | Path, limit: int = MAX_ANNOTATION_BYTES) -> str:
     BOM."""
     # a regular file (behind links, as datasets often are), never a FIFO or device, bounded
     data = read_bytes(path, limit, "annotation file", follow=True)
-    for mark, encoding in _WIDE_BOMS:
-        if data.startswith(mark):
-            raise AnnotationError(
-                f"{shown(path)}: starts with a {encoding} byte-order mark (BOM): the file is {encoding} "
-                "text (as Excel's 'Unicode Text' saves it); save it as UTF-8 (Excel: 'CSV UTF-8')")
+    _wide_bom(path, data)
     try:
         text = data.decode("utf-8-sig")  # drops one leading UTF-8 BOM
     except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise AnnotationError(
-            f"{shown(path)}:{line}: byte 0x{data[err.start]:02x} is not UTF-8 (saved as Latin-1 or "
-            "Windows-1252?); save the file as UTF-8") from None
+        raise _not_utf8(path, data.count(b"\n", 0, err.start) + 1, data[err.start]) from None
     if BOM in text:
-        line = text.count("\n", 0, text.index(BOM)) + 1
-        raise AnnotationError(
-            f"{shown(path)}:{line}: a byte-order mark (BOM, U+FEFF) inside the file, not at its start "
-            "(were files re-saved by Excel concatenated?); delete it")
+        raise _inner_bom(path, text.count("\n", 0, text.index(BOM)) + 1)
     return text
 
 
@@ -126,13 +136,7 @@ def annotation_lines(path: str | Path) -> Iterator[tuple[int, str]]:
     unread. Errors name the file, the line and the bound, never the text."""
     with open_regular(path, MAX_ANNOTATION_BYTES, "annotation file", follow=True) as f:
         _count_lines(f, path)
-        head = f.read(4)
-        for mark, encoding in _WIDE_BOMS:
-            if head.startswith(mark):
-                raise AnnotationError(
-                    f"{shown(path)}: starts with a {encoding} byte-order mark (BOM): the file is "
-                    f"{encoding} text (as Excel's 'Unicode Text' saves it); save it as UTF-8 "
-                    "(Excel: 'CSV UTF-8')")
+        _wide_bom(path, f.read(4))
         f.seek(0)
         # universal newlines: LF, CRLF and a CR alone (old Mac Excel) each end a line
         text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="strict", newline=None)
@@ -146,17 +150,11 @@ def annotation_lines(path: str | Path) -> Iterator[tuple[int, str]]:
                                           f"{MAX_ANNOTATION_LINE_CHARS} characters (the bound of "
                                           "one annotation line); not read further")
                 if BOM in body:
-                    raise AnnotationError(
-                        f"{shown(path)}:{lineno}: a byte-order mark (BOM, U+FEFF) inside the "
-                        "file, not at its start (were files re-saved by Excel concatenated?); "
-                        "delete it")
+                    raise _inner_bom(path, lineno)
                 yield lineno, body
         except UnicodeDecodeError:
             text.detach()
-            line, byte = _bad_byte_line(f)
-            raise AnnotationError(
-                f"{shown(path)}:{line}: byte 0x{byte:02x} is not UTF-8 (saved as Latin-1 or "
-                "Windows-1252?); save the file as UTF-8") from None
+            raise _not_utf8(path, *_bad_byte_line(f)) from None
 
 
 TOO_DEEP = "nested too deep (expected a flat list or mapping of entries)"
@@ -187,6 +185,14 @@ def under(root: Path, rel: str | None) -> Path:
         return root
     path = Path(rel).expanduser()
     return path if path.is_absolute() else root / path
+
+
+def video_folder(root: Path, rel: str | None, key: str) -> Path:
+    """The folder of the videos, ``rel`` under ``root`` (``key``: the setting that names it)."""
+    path = under(root, rel)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{key}: video folder not found: {shown(path)}")
+    return path
 
 
 def check_class_count(names: list[str], num_classes: int | None, source: str,
@@ -361,9 +367,7 @@ def kinetics_index(
     names = names or folder_class_names(items, n) or [str(i) for i in range(n)]
     if len(names) != n:
         raise AnnotationError(f"{shown(names_file)}: lists {len(names)} classes, expected {n}")
-    prefix = under(root, path_prefix)
-    if not prefix.is_dir():
-        raise FileNotFoundError(f"data.path_prefix: video folder not found: {shown(prefix)}")
+    prefix = video_folder(root, path_prefix, "data.path_prefix")
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(csv))
 
 

@@ -31,6 +31,7 @@ from videotrain.data.annotations import (
     check_split,
     require_file,
     under,
+    video_folder,
 )
 from videotrain.untrusted import shown
 
@@ -60,13 +61,6 @@ def _parent_name(rel: str) -> str:
         return head
     parts = [p for p in rel.split("/") if p and p != "."]
     return parts[-2] if len(parts) > 1 else ""
-
-
-def _video_dir(root: Path, video_dir: str | None) -> Path:
-    path = under(root, video_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"data.video_dir: video folder not found: {shown(path)}")
-    return path
 
 
 def ucf101_class_index(path: Path) -> list[str]:
@@ -132,7 +126,7 @@ def ucf101_index(
     if not items:
         raise AnnotationError(f"{shown(path)}: no videos")
     check_class_count(names, num_classes, str(lists / "classInd.txt"))
-    prefix = _video_dir(root, video_dir)
+    prefix = video_folder(root, video_dir, "data.video_dir")
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(path))
 
 
@@ -188,5 +182,5 @@ def hmdb51_index(
                               f"*_test_split{fold}.txt files")
     check_class_count(names, num_classes, f"{shown(lists)}: split files", verb="name")
     source = str(lists / f"*_test_split{fold}.txt")
-    prefix = _video_dir(root, video_dir)
+    prefix = video_folder(root, video_dir, "data.video_dir")
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, source)
