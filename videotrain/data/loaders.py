@@ -22,11 +22,7 @@ from videotrain.data.coverage import check_classes, drop_override, dropped_label
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
 from videotrain.data.decode import check_decoder
 from videotrain.data.layouts import default_cache_root, ensure_synthetic
-from videotrain.data.preflight import (  # noqa: F401 (callers import these from here)
-    BadDataError,
-    check_bad_fraction,
-    preflight,
-)
+from videotrain.data.preflight import preflight
 from videotrain.data.split_files import hmdb51_index, ucf101_index
 from videotrain.data.ssv2 import ssv2_index
 from videotrain.data.transforms import eval_transform, train_transform
