@@ -14,7 +14,7 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO
 
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
@@ -157,6 +157,23 @@ def annotation_lines(path: str | Path) -> Iterator[tuple[int, str]]:
             raise _not_utf8(path, *_bad_byte_line(f)) from None
 
 
+def nonblank_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, stripped text) of the non-blank lines of :func:`annotation_lines`."""
+    for lineno, raw in annotation_lines(path):
+        if raw.strip():
+            yield lineno, raw.strip()
+
+
+def parent_name(rel: str) -> str:
+    """``PurePosixPath(rel).parent.name`` by string operations (a path object per line made the
+    9,537-line trainlist take 10x as long as reading it)."""
+    head, sep, name = rel.rpartition("/")
+    if sep and head and "/" not in head and head != "." and name not in ("", "."):  # "Class/v_x.avi"
+        return head
+    parts = [p for p in rel.split("/") if p and p != "."]
+    return parts[-2] if len(parts) > 1 else ""
+
+
 TOO_DEEP = "nested too deep (expected a flat list or mapping of entries)"
 
 
@@ -214,7 +231,7 @@ def read_class_names(path: Path) -> list[str]:
     if path.suffix == ".json":
         names = names_by_index(path, "class name")
     else:
-        names = [line.strip() for _, line in annotation_lines(path) if line.strip()]
+        names = [line for _, line in nonblank_lines(path)]
     if len(set(names)) != len(names):  # which, by position: the file's text is never echoed
         first: dict[str, int] = {}
         for k, name in enumerate(names, 1):
@@ -291,9 +308,8 @@ def parse_label_csv(path: Path) -> list[tuple[str, int]]:
     if not path.exists():
         raise FileNotFoundError(f"annotation file not found: {shown(path)}")
     items = []
-    for lineno, raw in annotation_lines(path):
-        line = raw.strip()
-        if not line or line.startswith("#"):
+    for lineno, line in nonblank_lines(path):
+        if line.startswith("#"):
             continue
         if not items:
             release_csv_hint(path, lineno, line)
@@ -321,7 +337,7 @@ def folder_class_names(items: list[tuple[str, int]], n: int) -> list[str] | None
     every label has exactly one folder and no two labels share one; else None."""
     folders: dict[int, set[str]] = {}
     for rel, label in items:
-        parent = PurePosixPath(rel.replace("\\", "/")).parent.name
+        parent = parent_name(rel.replace("\\", "/"))
         if not parent:
             return None
         folders.setdefault(label, set()).add(parent)
