@@ -249,12 +249,11 @@ def names_by_index(path: Path, key: str) -> list[str]:
     index order; every index an integer, each of ``0..n-1`` once. Errors name the file and the
     entry's position, never its text."""
     expected = f"expected a JSON object {{{key}: index}}"
+    text = read_json_text(path)
     try:
-        mapping = json.loads(text := read_json_text(path))
+        mapping = json.loads(text)
     except json.JSONDecodeError as err:
         raise json_error(path, err, text) from None
-    except AnnotationError:
-        raise
     except ValueError:  # an integer of more than 4300 digits
         raise AnnotationError(f"{shown(path)}: a number too long to read ({expected})") from None
     except RecursionError:
