@@ -304,8 +304,6 @@ def release_csv_hint(path: Path, lineno: int, line: str) -> None:
 
 def parse_label_csv(path: Path) -> list[tuple[str, int]]:
     """Parse ``relative/path.mp4 label`` (or ``path,label``) lines; blank and ``#`` lines skip."""
-    if not path.exists():
-        raise FileNotFoundError(f"annotation file not found: {shown(path)}")
     items = []
     for lineno, line in nonblank_lines(path):
         if line.startswith("#"):
