@@ -212,7 +212,8 @@ def run_annotation_bench(out: str | Path | None = None, scale: float = 1.0, repe
     and ``bench.md`` into ``out``; returns (rows, meta, markdown table)."""
     from videotrain.bench.spawn import machine_info
     from videotrain.data.layouts import default_cache_root
-    from videotrain.data.loaders import preflight, read_index
+    from videotrain.data.loaders import read_index
+    from videotrain.data.preflight import preflight
     from videotrain.prepare.kinetics import prepare_kinetics, read_release_csv
 
     def size(key: str) -> int:

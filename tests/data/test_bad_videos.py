@@ -32,8 +32,9 @@ from videotrain.data.annotations import AnnotationError, VideoIndex
 from videotrain.data.dataset import SampleKey, VideoClipDataset
 from videotrain.data.decode import VideoFile
 from videotrain.data.layouts import generate
-from videotrain.data.loaders import BadDataError, build_data
+from videotrain.data.loaders import build_data
 from videotrain.data.media_budget import VideoTooLarge, limit_ffmpeg_allocations
+from videotrain.data.preflight import BadDataError
 from videotrain.data.synthetic import SyntheticSpec, render_clip, write_video
 from videotrain.engine.inference import UnreadableVideo, ViewReader
 from videotrain.engine.trainer import Trainer

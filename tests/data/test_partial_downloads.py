@@ -17,7 +17,8 @@ import pytest
 import videotrain.run as run
 from videotrain.config.build import clean_errors
 from videotrain.data.annotations import AnnotationError
-from videotrain.data.loaders import BadDataError, preflight, read_index
+from videotrain.data.loaders import read_index
+from videotrain.data.preflight import BadDataError, preflight
 
 # the class of the tiny dataset that loses its videos, as each layout names it
 VICTIM = {"ucf101": "LeftThenUp", "hmdb51": "left_then_up"}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from videotrain.data.loaders import BadDataError, preflight, read_index
+from videotrain.data.loaders import read_index
+from videotrain.data.preflight import BadDataError, preflight
 
 
 def write_split(root: Path, n: int, missing_every: int = 10) -> None:

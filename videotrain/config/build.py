@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from videotrain.config import schema
-from videotrain.data.loaders import BadDataError, DataBundle, build_data, check_data_values
+from videotrain.data.loaders import DataBundle, build_data, check_data_values
+from videotrain.data.preflight import BadDataError
 from videotrain.engine import distributed
 from videotrain.engine.distributed import (  # noqa: F401 (the commands')
     SINGLE_PROCESS,

@@ -20,6 +20,7 @@ from pathlib import Path
 from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 
 from videotrain.data.annotations import AnnotationError, VideoIndex
+from videotrain.data.preflight import missing_list
 from videotrain.untrusted import quoted, shown
 
 
@@ -70,26 +71,23 @@ def _names(labels: list[int], detail: dict[int, str]) -> str:
 
 
 def _listing(report_dir: str | Path | None, split: str) -> str:
-    if report_dir is None:
-        return "the warnings above"
-    return str(Path(report_dir) / f"missing_videos_{split}.txt")
+    return "the warnings above" if report_dir is None else str(missing_list(report_dir, split))
 
 
 def check_classes(train: VideoIndex, val: VideoIndex, bad: Collection[str], drop: set[int],
                   train_checked: bool = True, report_dir: str | Path | None = None) -> None:
-    """Raise an ``AnnotationError`` naming the classes (and the list file) that have no
-    readable training videos while listed in either split, or that are listed in val with
-    none readable there; the message gives the ``data.drop_classes`` override that goes on
-    without them. ``train_checked=False`` (evaluation: training files are not stat-ed) judges
-    the training split by its lists alone."""
+    """Raise an ``AnnotationError`` naming the classes (and the list file) whose listed
+    training videos are all missing or empty, or that are listed in val with none readable
+    there; the message gives the ``data.drop_classes`` override that goes on without them.
+    ``train_checked=False`` (evaluation: training files are not stat-ed) judges the training
+    split by its lists alone. A class listed in val only was refused before, from the lists
+    (``loaders.check_val_classes``)."""
     names = train.class_names
     train_listed, train_ok = counts(train, bad if train_checked else ())
     val_listed, val_ok = counts(val, bad)
-    no_train = [k for k in range(len(names)) if k not in drop and train_ok[k] == 0
-                and (train_listed[k] or val_listed[k])]
+    no_train = [k for k in range(len(names)) if k not in drop and train_listed[k] and train_ok[k] == 0]
     if no_train:
-        detail = {k: f"{train_listed[k]} listed, all missing or empty" if train_listed[k]
-                  else f"none listed, {val_listed[k]} in val" for k in no_train}
+        detail = {k: f"{train_listed[k]} listed, all missing or empty" for k in no_train}
         raise AnnotationError(
             f"{shown(Path(train.source))}: {len(no_train)} class(es) have no readable training videos: "
             f"{_names(no_train, detail)}; the model would never learn them and their val "

@@ -19,18 +19,11 @@ from typing import NamedTuple
 import torch
 
 from videotrain.data.annotations import VideoIndex
-from videotrain.data.clip_sampling import (
-    check_sampler,
-    clip_windows,
-    segment_indices,
-    uniform_indices,
-)
+from videotrain.data.clip_sampling import check_sampler, clip_windows, segment_indices
 from videotrain.data.decode import check_decoder, open_video
 from videotrain.data.decode_torchcodec import DecoderUnavailable
 from videotrain.data.transforms import frame_short_side
 from videotrain.untrusted import shown
-
-__all__ = ["BadVideo", "SampleKey", "VideoClipDataset", "collate", "uniform_indices"]
 
 log = logging.getLogger(__name__)
 

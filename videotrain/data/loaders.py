@@ -22,13 +22,9 @@ from videotrain.data.coverage import check_classes, drop_override, dropped_label
 from videotrain.data.dataset import SampleKey, VideoClipDataset, collate
 from videotrain.data.decode import check_decoder
 from videotrain.data.layouts import default_cache_root, ensure_synthetic
-from videotrain.data.preflight import (  # noqa: F401 (callers import these from here)
-    BadDataError,
-    check_bad_fraction,
-    preflight,
-)
-from videotrain.data.split_files import hmdb51_index, ucf101_index
-from videotrain.data.ssv2 import ssv2_index
+from videotrain.data.preflight import preflight
+from videotrain.data.split_files import FOLDS, hmdb51_index, ucf101_index
+from videotrain.data.ssv2 import VIDEO_EXTS, ssv2_index
 from videotrain.data.transforms import eval_transform, train_transform
 from videotrain.untrusted import quoted, shown, shown_name
 
@@ -176,8 +172,8 @@ DATA_VALUE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_bad_fraction": (lambda v: _is_number(v) and 0 <= v <= 1, "a fraction in [0, 1]"),
     "worker_timeout": (lambda v: _is_number(v) and v >= 0, ">= 0 seconds (0: none)"),
     "num_classes": (lambda v: _is_int(v) and v >= 1, "null or an integer >= 1"),
-    "fold": (lambda v: v in (1, 2, 3), "1, 2 or 3"),
-    "video_ext": (lambda v: v in ("webm", "mp4", "auto"), "webm, mp4 or auto"),
+    "fold": (lambda v: v in FOLDS, "1, 2 or 3"),
+    "video_ext": (lambda v: v in (*VIDEO_EXTS, "auto"), "webm, mp4 or auto"),
     "drop_classes": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
                      "a list of class names"),
     "hflip_label_map": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(x, str)

@@ -103,6 +103,11 @@ def _read_cache(cache: Path | None) -> dict[str, Any] | None:
     return saved if isinstance(saved, dict) and "folders" in saved and "bad" in saved else None
 
 
+def missing_list(report_dir: str | Path, split: str) -> Path:
+    """Where a split's missing or empty videos are listed in full (the run folder)."""
+    return Path(report_dir) / f"missing_videos_{split}.txt"
+
+
 SHOWN_BAD = 5  # bad videos named in the log; all of them go to the run folder's list
 
 
@@ -115,7 +120,7 @@ def report_bad(bad: list[str], listed: int, source: str, split: str,
         return None
     listing = None
     if report_dir is not None:
-        listing = Path(report_dir) / f"missing_videos_{split}.txt"
+        listing = missing_list(report_dir, split)
         # the run folder: no link at it or in it is followed (the one writer refuses it)
         write_text(listing, "".join(f"{p}\n" for p in bad), root=report_dir)
     shown = ", ".join(bad[:SHOWN_BAD]) + (", ..." if len(bad) > SHOWN_BAD else "")

@@ -26,11 +26,13 @@ from pytorchvideo.data.labeled_video_paths import LabeledVideoPaths
 from videotrain.data.annotations import (
     AnnotationError,
     VideoIndex,
-    annotation_lines,
     check_class_count,
     check_split,
+    nonblank_lines,
+    parent_name,
     require_file,
     under,
+    video_folder,
 )
 from videotrain.untrusted import shown
 
@@ -44,35 +46,10 @@ def check_fold(fold: int) -> int:
     return int(fold)
 
 
-def _lines(path: Path):
-    """(line number, stripped text) of the non-blank lines (the official files use CRLF), read
-    one at a time within the annotation bounds (``annotations.annotation_lines``)."""
-    for lineno, raw in annotation_lines(path):
-        if raw.strip():
-            yield lineno, raw.strip()
-
-
-def _parent_name(rel: str) -> str:
-    """``PurePosixPath(rel).parent.name`` by string operations (a path object per line made the
-    9,537-line trainlist take 10x as long as reading it)."""
-    head, sep, name = rel.rpartition("/")
-    if sep and head and "/" not in head and head != "." and name not in ("", "."):  # "Class/v_x.avi"
-        return head
-    parts = [p for p in rel.split("/") if p and p != "."]
-    return parts[-2] if len(parts) > 1 else ""
-
-
-def _video_dir(root: Path, video_dir: str | None) -> Path:
-    path = under(root, video_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"data.video_dir: video folder not found: {shown(path)}")
-    return path
-
-
 def ucf101_class_index(path: Path) -> list[str]:
     """``classInd.txt``: ``<1-based index> <ClassName>`` lines, indices 1..K in order."""
     names: list[str] = []
-    for lineno, line in _lines(require_file(path, "data.split_dir")):
+    for lineno, line in nonblank_lines(require_file(path, "data.split_dir")):
         parts = line.split()
         if len(parts) != 2 or not parts[0].isdigit():
             raise AnnotationError(f"{shown(path)}:{lineno}: expected 'index ClassName' (a "
@@ -107,12 +84,12 @@ def ucf101_index(
     path = require_file(lists / f"{'trainlist' if split == 'train' else 'testlist'}0{fold}.txt",
                         "data.split_dir")
     items: list[tuple[str, int]] = []
-    for lineno, line in _lines(path):
+    for lineno, line in nonblank_lines(path):
         parts = line.split()
         if len(parts) not in (1, 2):
             raise AnnotationError(f"{shown(path)}:{lineno}: expected 'Class/video.avi [label]'")
         rel = parts[0]
-        folder = _parent_name(rel)
+        folder = parent_name(rel)
         if folder not in by_name:
             raise AnnotationError(f"{shown(path)}:{lineno}: expected 'Class/video.avi [label]' "
                                   f"with a Class of {shown(lists / 'classInd.txt')}: its class "
@@ -132,7 +109,7 @@ def ucf101_index(
     if not items:
         raise AnnotationError(f"{shown(path)}: no videos")
     check_class_count(names, num_classes, str(lists / "classInd.txt"))
-    prefix = _video_dir(root, video_dir)
+    prefix = video_folder(root, video_dir, "data.video_dir")
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, str(path))
 
 
@@ -172,7 +149,7 @@ def hmdb51_index(
     items: list[tuple[str, int]] = []
     for label, name in enumerate(names):
         path, lines = by_name[name], 0
-        for lineno, line in _lines(path):
+        for lineno, line in nonblank_lines(path):
             lines += 1
             parts = line.rsplit(None, 1)
             if len(parts) != 2 or parts[1] not in ("0", "1", "2"):
@@ -188,5 +165,5 @@ def hmdb51_index(
                               f"*_test_split{fold}.txt files")
     check_class_count(names, num_classes, f"{shown(lists)}: split files", verb="name")
     source = str(lists / f"*_test_split{fold}.txt")
-    prefix = _video_dir(root, video_dir)
+    prefix = video_folder(root, video_dir, "data.video_dir")
     return VideoIndex(LabeledVideoPaths(items, path_prefix=str(prefix)), names, source)

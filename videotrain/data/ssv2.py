@@ -35,8 +35,8 @@ from videotrain.data.annotations import (
     json_error,
     names_by_index,
     read_json_text,
-    require_file,
     under,
+    video_folder,
 )
 from videotrain.untrusted import shown
 
@@ -44,10 +44,6 @@ VIDEO_EXTS = ("webm", "mp4")
 # the data keys of the three files, and their names in older releases
 FILE_KEYS = {"labels": "data.labels_file", "train": "data.train_file", "validation": "data.val_file"}
 OLD_NAMES = {part: f"something-something-v2-{part}.json" for part in FILE_KEYS}
-
-
-def _decode_error(path: Path, err: json.JSONDecodeError) -> AnnotationError:
-    return json_error(path, err, err.doc)
 
 
 _WHITESPACE = re.compile(r"[ \t\r\n]*")
@@ -82,7 +78,7 @@ def json_array_lines(path: Path) -> list[tuple[int, Any]]:
         try:
             entry, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as err:
-            raise _decode_error(path, err) from None
+            raise json_error(path, err, err.doc) from None
         except ValueError:  # an integer of more than 4300 digits
             raise AnnotationError(f"{shown(path)}:{line_at(i)}: a number too long to read "
                                   "(expected an object with 'id' and 'template')") from None
@@ -129,11 +125,6 @@ def json_array_entries(path: Path) -> tuple[list[Any], Callable[[int], int]]:
         return lines[k]
 
     return entries, line_of
-
-
-def read_labels(path: Path) -> list[str]:
-    """``labels.json``: template (brackets removed) -> index; returns names by index."""
-    return names_by_index(require_file(path, "data.labels_file"), "template")
 
 
 def require_json(root: Path, rel: str, key: str) -> Path:
@@ -187,13 +178,12 @@ def ssv2_index(
     if video_ext not in (*VIDEO_EXTS, "auto"):
         raise ValueError(f"data.video_ext must be one of webm, mp4, auto; got {shown(video_ext)}")
     root = Path(root)
-    names = read_labels(require_json(root, labels_file, "data.labels_file"))
+    # labels.json: template (brackets removed) -> index
+    names = names_by_index(require_json(root, labels_file, "data.labels_file"), "template")
     index = {n: i for i, n in enumerate(names)}
     key = "data.train_file" if split == "train" else "data.val_file"
     path = require_json(root, train_file if split == "train" else val_file, key)
-    videos = under(root, video_dir)
-    if not videos.is_dir():
-        raise FileNotFoundError(f"data.video_dir: video folder not found: {shown(videos)}")
+    videos = video_folder(root, video_dir, "data.video_dir")
     # one listing of the folder, not a stat per video (220,847 files in the full release)
     present = set(os.listdir(videos)) if video_ext == "auto" else set()
     items: list[tuple[str, int]] = []

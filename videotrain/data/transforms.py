@@ -58,15 +58,7 @@ def train_transform(
         steps.append(v2.RandAugment(num_ops=ops, magnitude=magnitude))  # on uint8 frames
     if random_erasing > 0:
         steps.append(v2.RandomErasing(p=random_erasing, value=list(MEAN_PIXEL)))
-    return v2.Compose([v2.Lambda(_as_video), *steps, v2.Lambda(_as_plain)])
-
-
-def _as_video(clip: torch.Tensor) -> tv_tensors.Video:
-    return tv_tensors.Video(clip)
-
-
-def _as_plain(clip: torch.Tensor) -> torch.Tensor:
-    return clip.as_subclass(torch.Tensor)
+    return v2.Compose([v2.Lambda(tv_tensors.Video), *steps, v2.ToPureTensor()])
 
 
 class SpatialCrops(torch.nn.Module):
@@ -112,7 +104,7 @@ def frame_short_side(transform: object) -> int | None:
     RGB (:func:`resize_frames`). Any other transform (a custom callable, another first step)
     gets its frames at the source's size, as before."""
     steps = list(transform.transforms) if isinstance(transform, v2.Compose) else [transform]
-    steps = [s for s in steps if not (isinstance(s, v2.Lambda) and s.lambd is _as_video)]
+    steps = [s for s in steps if not (isinstance(s, v2.Lambda) and s.lambd is tv_tensors.Video)]
     first = steps[0] if steps else None
     if (type(first) is v2.Resize and first.size is not None and len(first.size) == 1
             and first.max_size is None and first.antialias is True

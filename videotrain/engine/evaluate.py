@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from videotrain import NEUTRAL
-from videotrain.data.loaders import DataBundle, check_bad_fraction
+from videotrain.data.loaders import DataBundle
+from videotrain.data.preflight import check_bad_fraction
 from videotrain.data.transforms import clips_to_device
 from videotrain.engine.precision import Precision
 from videotrain.metrics.accuracy import AGGREGATES, MultiViewAccuracy

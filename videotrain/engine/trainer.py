@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from videotrain.data.loaders import DataBundle, check_bad_fraction
+from videotrain.data.loaders import DataBundle
+from videotrain.data.preflight import check_bad_fraction
 from videotrain.data.transforms import clips_to_device
 from videotrain.engine.checkpoints.run import Checkpointed, RunCheckpoints, TrainState
 from videotrain.engine.distributed import Comm

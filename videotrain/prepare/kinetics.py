@@ -18,7 +18,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from videotrain.data.annotations import VIDEO_EXTENSIONS, AnnotationError, annotation_lines
+from videotrain.data.annotations import (
+    VIDEO_EXTENSIONS,
+    AnnotationError,
+    annotation_lines,
+    nonblank_lines,
+)
 from videotrain.prepare.reencode import EncodeResult, EncodeSettings, encode_all
 from videotrain.untrusted import shown
 from videotrain.untrusted.files import make_dirs, remove, write_text
@@ -200,7 +205,7 @@ def class_names(rows: Iterable[Row], out: Path) -> list[str]:
     existing = out / "classes.txt"
     if existing.is_file():
         try:
-            names = [ln.strip() for _, ln in annotation_lines(existing) if ln.strip()]
+            names = [ln for _, ln in nonblank_lines(existing)]
         except AnnotationError as err:
             raise KineticsCsvError(str(err)) from None
         unknown = set(labels) - set(names)
