@@ -35,6 +35,7 @@ from videotrain.memory.recompute.costs import (
     profile_for,
     time_call,
 )
+from videotrain.metrics.live_bytes import LiveStorageBytes
 
 
 @dataclass
@@ -198,8 +199,6 @@ def input_devices(args: object) -> list[torch.device]:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
@@ -269,11 +268,13 @@ class _SavedProp(ShapeProp):
             self._param_keys = {_storage_key(p) for p in self.module.get_submodule(str(n.target)).parameters()}
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    TransientBytes() as fwd:
+                    LiveStorageBytes() as fwd:
                 result = super().run_node(n)
         finally:
             leaves, self._lifted = self._lifted, None
-        n.meta["work_fwd"] = fwd.above_end()
+        # the op's temporaries: the peak of the storages created, less those alive at the end
+        # (its saved internals and output, which the planner charges on their own)
+        n.meta["work_fwd"] = float(fwd.peak - fwd.now())
         packed_keys = {_storage_key(t) for t in packed}
         arg_keys: dict[fx.Node, set[int]] = {}  # input node -> storages of its value
         input_keys: set[int] = set()
@@ -336,11 +337,12 @@ class _SavedProp(ShapeProp):
 
 
 class TransientBytes(TorchDispatchMode):
-    """One op's temporaries (not ``metrics.live_bytes.LiveStorageBytes``, which follows a whole
-    step's live bytes and their peak): the storages created by the ops run under it, as a
-    timeline per op; ``transient()`` is the peak of those that are
-    freed again before the end (workspace, internals), i.e. what outputs do not account for,
-    plus, at each moment, the ``watch``ed storages (created earlier) still alive.
+    """One op's backward temporaries: the storages created by the ops run under it, as a
+    timeline per op; ``transient()`` is the peak of those that are freed again before the end
+    (workspace, internals), i.e. what outputs do not account for, plus, at each moment, the
+    ``watch``ed storages (created earlier) still alive. Not ``LiveStorageBytes``, which forgets
+    a storage when it dies: which storages survive is known only at the end, so every weak
+    reference is kept to it (a storage key is then never reused for another).
     Dispatch modes are thread-local: on CUDA the backward runs on the autograd device thread and
     is not seen (its internals are then not charged)."""
 
@@ -368,14 +370,6 @@ class TransientBytes(TorchDispatchMode):
         self.timeline.append([k for k, (r, _) in self.refs.items() if not r.expired()])
         self.watched.append(sum(b for r, b in self.watch.values() if not r.expired()))
         return out
-
-    def above_end(self) -> float:
-        """Peak of all storages created under the mode, less what is still alive at the end
-        (an op's saved internals and output, which the planner charges on their own): the
-        op's temporaries beyond them, never counting one that becomes saved twice."""
-        end = sum(b for r, b in self.refs.values() if not r.expired())
-        alive = [sum(self.refs[k][1] for k in live) for live in self.timeline]
-        return float(max(alive, default=0) - end)
 
     def transient(self) -> float:
         end = {k for k, (r, _) in self.refs.items() if not r.expired()}
