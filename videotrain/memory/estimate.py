@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,9 +78,6 @@ class StepMemory:
             eval_peak = scale(eval_peak)
         return StepMemory(held, self.batch + grow, scale(self.fwd_bwd_peak), self.opt_peak + grow,
                           eval_peak, round(self.eval_batch * factor) if frames else self.eval_batch)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "train_peak": self.train_peak, "step_increase": self.step_increase}
 
 
 def device_need(mem: StepMemory) -> float:

@@ -51,9 +51,3 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "give it a memory budget: it picks the fastest plan of the others that fits", _RANK),
 )}
 
-
-def strategy_class(name: str) -> type:
-    """The class of ``memory=name`` (``KeyError`` naming the known names otherwise)."""
-    if name not in STRATEGIES:
-        raise KeyError(f"no memory strategy {name!r}; the strategies are {', '.join(STRATEGIES)}")
-    return STRATEGIES[name].cls

@@ -393,10 +393,6 @@ def wrap_forward(module: nn.Module) -> nn.Module:
     return module
 
 
-def is_wrapped(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), RecomputedForward)
-
-
 class RecomputedSegment(nn.Module):
     """A segment of a split fx graph, run under :func:`recompute_call` when grad is on.
 

@@ -110,9 +110,6 @@ class Graph:
         the push-aware ∂(L) when inner = outer = L)."""
         return sum(1 << v for v in self.members(inner) if self.succ_mask[v] & ~outer)
 
-    def is_lower(self, s: int) -> bool:
-        return all(self.pred_mask[v] & ~s == 0 for v in self.members(s))
-
     def ancestors(self, v: int) -> int:
         """Ancestor closure of ``v`` including ``v`` (a lower set)."""
         closure = 1 << v
