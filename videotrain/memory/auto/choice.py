@@ -56,11 +56,7 @@ class Estimates:
         if key not in self.searched:
             self.searched.add(key)
             _bisect([m for m in rest if family_key(m) == key], self._fits)
-        if c.note or c.skip or c.need is None or c.need > self.budget:
-            c.note = c.note or (f"skipped: {c.skip}" if c.skip else "over budget (estimated)"
-                                if c.need is not None else CAPPED)
-            return False
-        return True
+        return not c.note and self._fits(c)  # the bisection noted (or estimated) all before it
 
     def no_plan_fits(self, cands: list[Candidate]) -> NoPlanFits:
         known = [c for c in cands if not c.skip and c.need is not None]
