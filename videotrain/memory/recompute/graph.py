@@ -379,7 +379,7 @@ class TransientBytes(TorchDispatchMode):
 
 def trace(backbone: nn.Module, example: torch.Tensor, cost_model: str = "roofline",
           profile: DeviceProfile | None = None) -> tuple[fx.GraphModule, Graph, dict[str, int]]:
-    """fx-trace ``backbone`` (with its own tracer, :func:`fx_tracer`), make it out of place,
+    """fx-trace ``backbone`` (with its own tracer: ``memory.fx.symbolic_trace``), make it out of place,
     propagate shapes for ``example (N,C,H,W)``.
 
     Returns the traced module (sharing parameters and buffers with ``backbone``), the tensor DAG,

@@ -24,7 +24,7 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.fx import fx_tracer, make_out_of_place
+from videotrain.memory.fx import make_out_of_place, symbolic_trace
 from videotrain.memory.sbp.kept_rows import (
     BatchNormCoefficients,
     KeptRowsBatchNorm,
@@ -190,10 +190,7 @@ def lockstep_graph(backbone: nn.Module, full_batch: bool = True) -> fx.GraphModu
     fuse). ``full_batch``: training-mode BN layers meet both parts (``bn_policy=full_batch``);
     otherwise BN runs per part like any layer (frozen BN, eval mode)."""
     try:
-        tracer = fx_tracer(backbone)  # timm backbones bring their own tracer
-        graph = tracer.trace(backbone)
-        gm = make_out_of_place(fx.GraphModule(tracer.root, graph))
-        return _twin_module(gm, full_batch)
+        return _twin_module(make_out_of_place(symbolic_trace(backbone)), full_batch)
     except Exception as err:  # noqa: BLE001 - any failure to trace or rewrite: record/apply
         reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
         log.info("memory=sbp: record/apply, since the lockstep code of %s cannot be built (%s%s)",
