@@ -43,8 +43,12 @@ class DeviceProfile:
     op_s: float
     segment_s: float
 
-    def seconds(self, flops: float, bytes_moved: float, half: bool) -> float:
-        """Roofline time of one op: compute- or bandwidth-bound, at least one launch."""
+    def seconds(self, flops: float, bytes_moved: float, half: bool,
+                measured_s: float | None = None) -> float:
+        """A node's cost: the measured time when there is one, else the roofline (compute- or
+        bandwidth-bound); never less than one launch."""
+        if measured_s is not None:
+            return max(measured_s, self.op_s)
         peak = self.flops_half if half else self.flops_fp32
         return max(flops / peak, bytes_moved / self.bandwidth, self.op_s)
 
@@ -85,15 +89,6 @@ def profile_for(device: torch.device | str, name: str = "auto") -> DeviceProfile
         return PROFILES["cpu"]
     gpu = torch.cuda.get_device_name(device).lower() if torch.cuda.is_available() else ""
     return next((PROFILES[k] for k in ("h200", "h100") if k in gpu), PROFILES["cuda"])
-
-
-def node_seconds(flops: float, bytes_moved: float, half: bool, profile: DeviceProfile,
-                 measured_s: float | None = None) -> float:
-    """A node's cost in seconds: the measured time when there is one, else the roofline; never
-    less than one launch."""
-    if measured_s is not None:
-        return max(measured_s, profile.op_s)
-    return profile.seconds(flops, bytes_moved, half)
 
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:

@@ -31,7 +31,6 @@ from videotrain.memory.fx import make_out_of_place, symbolic_trace
 from videotrain.memory.recompute.costs import (
     DeviceProfile,
     check_cost_model,
-    node_seconds,
     profile_for,
     time_call,
 )
@@ -190,11 +189,6 @@ def _flops(node: fx.Node, gm: fx.GraphModule, out_bytes: int) -> float:
     return float(out_numel)
 
 
-def input_devices(args: object) -> list[torch.device]:
-    """Devices of the tensors in ``args`` (where a node's forward runs, for timing it)."""
-    return [t.device for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-
-
 def _storage_key(t: torch.Tensor) -> int:
     return StorageWeakRef(t.untyped_storage()).cdata
 
@@ -289,8 +283,9 @@ class _SavedProp(ShapeProp):
         n.meta["bytes_in"] = self._bytes_in(n)
         if self.measure:
             args, kwargs = super().fetch_args_kwargs_from_env(n)
-            n.meta["measured_s"] = time_call(lambda: getattr(self, n.op)(n.target, args, kwargs),
-                                             next(iter(input_devices(args)), torch.device("cpu")))
+            device = next((t.device for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)),
+                          torch.device("cpu"))  # where the node runs
+            n.meta["measured_s"] = time_call(lambda: getattr(self, n.op)(n.target, args, kwargs), device)
         n.meta["alias"] = bool(out_keys) and out_keys <= input_keys
         n.meta["alias_of"] = [a for a, keys in arg_keys.items() if keys & out_keys] if n.meta["alias"] else []
         known = input_keys | out_keys | self._param_keys
@@ -447,7 +442,7 @@ def trace(backbone: nn.Module, example: torch.Tensor, cost_model: str = "rooflin
             else:
                 half = _is_half(node.meta["tensor_meta"])
                 moved = out_bytes + node.meta.get("bytes_in", 0.0)
-                cost.append(node_seconds(flops[-1], moved, half, profile, node.meta.get("measured_s")))
+                cost.append(profile.seconds(flops[-1], moved, half, node.meta.get("measured_s")))
         else:
             tensor_preds[node.name] = ps
     segment = profile.segment_s if cost_model != "flops" else 0.0
