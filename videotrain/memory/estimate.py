@@ -229,7 +229,7 @@ def no_grad_peak(backbone: nn.Module, frames: int, frame_shape: tuple[int, ...],
                  autocast_dtype: torch.dtype | None = None) -> int:
     """Peak bytes of a ``no_grad`` forward of ``backbone`` over ``frames`` frames of
     ``frame_shape (C, H, W)`` above what is held before it, its input included; counted on fake
-    tensors (enter a ``FakeTensorMode`` first, or see :func:`frames_within`)."""
+    tensors (enter a ``FakeTensorMode`` first)."""
     device = next(backbone.parameters()).device  # fake frames where the weights are
     was_training = backbone.training
     backbone.eval()
@@ -245,26 +245,23 @@ def no_grad_peak(backbone: nn.Module, frames: int, frame_shape: tuple[int, ...],
 
 
 def frames_within(backbone: nn.Module, frame_shape: tuple[int, ...], budget: float,
-                  most: int, autocast_dtype: torch.dtype | None = None,
-                  in_fake_mode: bool = False, per: int = 1) -> int:
-    """The most frames (1 to ``most``) a ``no_grad`` forward of ``backbone`` may take at once
-    to stay within ``budget`` bytes, by binary search over the peak counted on fake tensors.
-    Searched, not extrapolated: the peak is the largest of the layers' (fixed + per-frame)
-    costs, so which layer sets it changes with the number of frames (in bf16 autocast's weight
-    copies set it for a few frames, the first activations for many). Nothing runs on the device.
-    ``in_fake_mode``: the caller has entered a ``FakeTensorMode`` (and its model is fake).
-    ``per``: count in units of ``per`` frames (whole clips, for a backbone that mixes frames)."""
+                  most: int, autocast_dtype: torch.dtype | None, per: int) -> int:
+    """The most frames (1 to ``most``) a ``no_grad`` forward of ``backbone`` (fake, in the
+    caller's ``FakeTensorMode``) may take at once to stay within ``budget`` bytes, by binary
+    search over the peak counted on fake tensors, in units of ``per`` frames (whole clips, for a
+    backbone that mixes frames). Searched, not extrapolated: the peak is the largest of the
+    layers' (fixed + per-frame) costs, so which layer sets it changes with the number of frames
+    (in bf16 autocast's weight copies set it for a few frames, the first activations for many)."""
     def fits(n: int) -> bool:
         return no_grad_peak(backbone, n * per, frame_shape, autocast_dtype) <= budget
 
-    with _fake_tensors(in_fake_mode):
-        if fits(most):
-            return most
-        low, high = 1, most  # fits(low) is assumed (at least a frame), fits(high) is false
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid)
-        return low
+    if fits(most):
+        return most
+    low, high = 1, most  # fits(low) is assumed (at least a frame), fits(high) is false
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
@@ -286,4 +283,4 @@ def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
             model.head(feats, positions)
             shared = live.peak - base
         return per * frames_within(model.backbone, tuple(video_shape[2:]), budget - shared,
-                                   b * t // per, autocast_dtype, in_fake_mode=True, per=per)
+                                   b * t // per, autocast_dtype, per)
