@@ -34,8 +34,12 @@ from videotrain.memory.compiled import eagerly
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sampling import FrameSampler, SamplerStateMixin, flat_rows, n_keep
-from videotrain.memory.sbp.compiled import compiled_lockstep
-from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
+from videotrain.memory.sbp.lockstep import (
+    PartRows,
+    compiled_lockstep,
+    lockstep_forward,
+    lockstep_graph,
+)
 from videotrain.memory.sbp.split import (
     BN_POLICIES,
     FullBatchNorm,
@@ -122,7 +126,7 @@ class StochasticBackprop(SamplerStateMixin):
     def compile(self, backbone: nn.Module, compiler: Any) -> None:
         """``trainer.compile``: the backbone (evaluation, ``keep_ratio=1``, record/apply's passes;
         recomputation's own hook when composed with it) and the lockstep code, region by region
-        (``videotrain.memory.sbp.compiled``) when it is built."""
+        (``lockstep.compiled_lockstep``) when it is built."""
         self._compiler, self._traced = compiler, None
         if self.recompute is not None:
             self.recompute.compile(backbone, compiler)
