@@ -146,19 +146,13 @@ def recompute_call(fn: Callable[..., Any], bns: list[_BatchNorm] | StatShield, *
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint; recomputes leave BN stats alone
     and re-enter the forward-time contexts registered with :func:`replay_on_recompute`.
 
-    The inputs are let go once the recompute is done. ``torch.utils.checkpoint`` would keep
-    them until the whole segment's backward is over, although the recomputed ops already hold
-    whatever they save; releasing them is what lets a boundary tensor die as soon as the last
-    segment that reads it has been recomputed (the planner's cost model counts on it: a stem cut
-    ``conv, BN | ReLU`` frees the BN output before the stem's backward). So the inputs are passed
-    through a holder, not as checkpoint arguments; a zero-size anchor on their device stays an
-    argument so checkpoint still stashes and replays that device's autocast state (and its RNG
-    state where the segment draws random numbers: ``rng``, a :class:`RngProbe`; without one the
-    RNG state is always preserved). ``skips`` (:class:`BoundarySkips`): boundary ops whose
-    recompute runs no kernel. In-place changes to an input between the forward and the
-    recompute are refused (the check ``torch.utils.checkpoint`` would have made on its saved
-    inputs), and so is a second recompute (a second backward through the segment with
-    ``retain_graph=True``).
+    Unlike ``torch.utils.checkpoint``, the inputs are let go once the recompute is done (the
+    planner counts on a boundary dying at its last reader's recompute): they are passed through
+    a holder, and a zero-size anchor on their device is the checkpoint's argument, so that it
+    still replays that device's autocast state and, where the segment draws random numbers
+    (``rng``, a :class:`RngProbe`; without one always), its RNG state. ``skips``: boundary ops
+    whose recompute runs no kernel (:class:`BoundarySkips`). An input changed in place after the
+    forward is refused, and so is a second recompute (``retain_graph=True``).
     """
     calls = [0]
     replays = [provider() for provider in _replay_providers]  # snapshots, taken now
@@ -214,18 +208,12 @@ def recompute_call(fn: Callable[..., Any], bns: list[_BatchNorm] | StatShield, *
 
 # ---------------------------------------------------------------------- boundary ops skipped
 class BoundarySkips:
-    """The free boundary ops of one checkpointed fx segment (``planner.free_boundary``: no
-    consumer inside the segment, and the op saves neither its output nor internals, e.g. a
-    conv whose output only the next segment reads).
-
-    ``torch.utils.checkpoint`` replays a segment up to its last saved tensor, so a conv at the
-    segment's end runs again in backward only so that autograd records what it saves (its input
-    and weight); its output is thrown away. Here the segment's generated code brackets each such
-    node with :func:`boundary_begin` / :func:`boundary_end`. In the first forward the bracket
-    records which aten op made the node's output (once per segment); in the recompute that op
-    returns an uninitialised tensor of its output's shape instead of running (autograd above it
-    still saves the op's inputs, which is all the backward reads). Everything else in the
-    bracket (autocast's casts, in-place updates) runs."""
+    """The free boundary ops of one checkpointed fx segment (``planner.free_boundary``), whose
+    recompute runs no kernel: the segment's generated code brackets each with
+    :func:`boundary_begin` / :func:`boundary_end`; the first forward records which aten op made
+    the node's output, and in the recompute that op returns an uninitialised tensor of its
+    output's shape instead (autograd still saves its inputs, all the backward reads). Everything
+    else in the bracket runs. Why: docs/memory.md#how-a-plan-runs."""
 
     def __init__(self, tags: list[str]) -> None:
         self.tags = set(tags)

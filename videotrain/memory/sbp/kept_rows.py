@@ -66,24 +66,15 @@ class BatchNormCoefficients:
 
 class KeptRowsBatchNorm(torch.autograd.Function):
     """The kept rows ``y`` of a full-batch BN output, with the graph of the kept input ``x``
-    (``y=None``: computed here from the statistics, record/apply's apply phase).
+    (``y=None``: computed here from the statistics, record/apply's apply phase). ``mean``,
+    ``rstd`` are the full batch's statistics (``N`` rows, ``rho = n / N`` of them kept).
 
-    ``mean``, ``rstd`` are the full batch's statistics (``N`` rows, ``rho = n / N`` of them
-    kept). Backward, with ``xhat = (x - mean) * rstd``, ``g`` the output gradient and ``m_k``
-    the mean over the kept rows (and positions)::
-
-        dx = w rstd (g - rho m_k(g) - rho xhat m_k(g xhat))            (e2e's BN backward,
-           = rho * bn_backward_train(g; weight w) + (1 - rho) w rstd g   dropped rows constant)
-
-    On CUDA, SyncBatchNorm's two backward kernels compute the first line as it stands:
-    ``batch_norm_backward_reduce`` (the sums, and the weight and bias gradients) and
-    ``batch_norm_backward_elemt`` with the full batch's element count, the two kernels native BN's
-    backward runs. They have no CPU kernels, so on CPU the second line runs: ATen's training-mode
-    BN backward with the saved statistics and weight ``rho * w`` (the first term, and the weight
-    and bias gradients, ``sum(g xhat)`` and ``sum(g)``, independent of the weight passed), then one
-    ``addcmul_`` for the second, with the per-channel factors of the step's
-    :class:`BatchNormCoefficients`. The two forms are tested against each other. Only ``x`` (and
-    the per-channel statistics) is saved, like native BN."""
+    The backward is e2e's BN backward with the dropped rows held constant: SyncBatchNorm's two
+    kernels on CUDA (:func:`fused_bn_backward`), ATen's training-mode BN backward with weight
+    ``rho * w`` plus one ``addcmul_`` elsewhere (:func:`split_bn_backward`); the two forms are
+    tested against each other, and derived in docs/memory.md#lockstep-or-recordapply. Only ``x``
+    (and the per-channel statistics) is saved, like native BN.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
