@@ -1,18 +1,13 @@
 """Predict a training step's memory without running it: the step on fake tensors, counted.
 
 The model, the optimizer and a batch are built under ``FakeTensorMode`` (shapes, dtypes and
-autograd, no data) and the trainer's step runs on them as it would on a device, memory
-strategy included: SBP's kept and dropped frames, recompute plans and their recompute,
-AdamW's state. :class:`~videotrain.metrics.live_bytes.LiveStorageBytes` counts every storage
-alive, so the figures are what a caching allocator would report as ``memory_allocated`` and
-``max_memory_allocated`` (no workspaces, rounding or fragmentation). A ResNet-50 step over
-256 frames of 224 px takes seconds on a CPU and allocates nothing.
-
-Mixed precision runs under CPU autocast, whose casting rules match CUDA's for the layers used
-here (convolutions and matmuls in low precision; BatchNorm and LayerNorm on the dtype they
-are given, their statistics in fp32). fp16's GradScaler is left out (its state is a few
-scalars). Callers run this in a process of its own (``videotrain.config.estimate``): garbage-collecting
-some fake-tensor graphs (recomputed segments under a transformer head) crashes torch 2.14.
+autograd, no data) and the trainer's step runs on them, memory strategy included, while
+:class:`~videotrain.metrics.live_bytes.LiveStorageBytes` counts every storage alive: the figures
+are ``memory_allocated`` and ``max_memory_allocated`` as a caching allocator would report them
+(no workspaces, rounding or fragmentation). Mixed precision runs under CPU autocast, whose
+casting rules match CUDA's for the layers used here; fp16's GradScaler is left out (a few
+scalars). Callers run this in a process of its own (``videotrain.config.estimate``):
+garbage-collecting some fake-tensor graphs crashes torch 2.14.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``memory=auto``: give it a memory budget, get the best training plan that fits.
 
-A user facing an out-of-memory error otherwise guesses among recomputation, SBP and frame
-sampling. ``AutoStrategy`` decides before training (``plan``, called by
-``videotrain.config.build.plan_memory`` and ``python -m videotrain.plan``), says why, and checks
-itself while training. One memory model: each candidate reached is estimated on fake tensors for
-the run's device type, the configured run with the candidate's ``memory:`` node, as ``plan --fit``
-estimates a row (:mod:`~videotrain.memory.auto.choice`). The ranking (expected accuracy, then
-the fixed relative costs of :mod:`~videotrain.memory.auto.candidates`), the decision table and
-``NoPlanFits`` follow from those estimates; nothing is profiled or timed.
+``AutoStrategy`` decides before training (``plan``, called by ``config.build.plan_memory`` and
+``python -m videotrain.plan``), says why, and checks itself while training. Each candidate
+reached is estimated on fake tensors as ``plan --fit`` estimates a row (``choice.py``), and
+ranked by ``candidates.py``; nothing is profiled or timed.
 
 Invariants: the budget is on the trainer's ``train_peak_mem_mb`` scale, whichever key set it;
 the first training step is not re-checked (it allocates gradients and optimizer state); a later

@@ -1,18 +1,12 @@
 """What a recomputed op costs on the device that trains: one cost function for every planner.
 
 Why: a FLOP count calls BatchNorm, ReLU and add free, yet on a GPU they are bandwidth-bound and
-cost about as much as the convs (docs/design §9); and every recomputed segment costs host time
-(closures, RNG state, saved-tensor hooks, BN statistics isolation) on the backward's critical
-path. A plan priced in FLOPs recomputes 50 of ResNet-50's 53 BNs in 63 segments.
-
-So a node's cost is in *seconds*: a roofline, the larger of ``FLOPs / peak`` and
-``bytes moved / bandwidth``, never less than one launch (``op_s``); and every recomputed segment
-costs ``segment_s`` on top (the planner adds it, ``Graph.segment_cost``). Or measured: with
-``cost_model=measured`` the shape pass times each node's forward on the device (CUDA events on a
-GPU, the wall clock on a CPU) and takes the larger of that and the launch cost.
-
-``Recompute`` (memory=recompute), ``memory=auto``'s recompute candidates and SBP's recomputed
-kept path all plan through ``graph.trace`` with these prices, so they agree on what a plan costs.
+cost about as much as the convs, and every recomputed segment costs host time on the backward's
+critical path (docs/memory.md#what-the-planner-prices). So a node costs *seconds*: a roofline,
+the larger of ``FLOPs / peak`` and ``bytes moved / bandwidth``, or (``cost_model=measured``) its
+forward timed in the shape pass, never less than one launch (``op_s``); every recomputed segment
+adds ``segment_s`` (``Graph.segment_cost``). ``Recompute``, ``memory=auto``'s recompute
+candidates and SBP's recomputed kept path all plan with these prices, so they agree.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def _anchor(device: torch.device) -> torch.Tensor:
 
 def _rng_states(device: torch.device) -> list[bytes]:
     """The CPU generator's state and ``device``'s, as bytes (compared outside any dispatch mode:
-    a fake-tensor step, ``memory/simulate.py``, must not see the comparison)."""
+    a fake-tensor step, ``memory/estimate.py``, must not see the comparison)."""
     with _disable_current_modes():
         states = [torch.random.get_rng_state()]
         if device.type == "cuda" and torch.cuda.is_available():

@@ -1,18 +1,12 @@
 """The backbone as a DAG of intermediate tensors, for recomputation planning.
 
-Why a separate graph: the planner (``planner.py``) reasons about sets of *tensors* (lower sets,
-their boundaries, bytes and recompute cost), not about fx nodes. Inputs, parameters
-(``get_attr``) and non-tensor values (``x.shape``, sizes) are not vertices: non-tensor nodes are
-contracted (edges pass through them), so shape arithmetic does not multiply the lower sets.
-
-Sets of vertices are Python ints used as bitmasks (bit ``i`` = vertex ``i``); vertices are
-numbered in fx (topological) order.
-
-In-place ops: torchvision ResNets use ``ReLU(inplace=True)``. A segment cut between a BN and
-its in-place ReLU would make the next segment modify a checkpoint input in place, which fails
-in backward. :func:`trace` therefore rewrites the traced graph out of place (ReLU modules ->
-``F.relu``; ``inplace=True`` kwargs -> False; ``x.relu_()``-style methods -> ``x.relu()``), so
-any cut is legal. The original backbone is not modified.
+Why a graph of its own: the planner (``planner.py``) reasons about sets of *tensors* (lower
+sets, their boundaries, bytes and recompute cost), not fx nodes. Inputs, parameters and
+non-tensor values (``x.shape``, sizes) are not vertices: they are contracted (edges pass
+through them), so shape arithmetic does not multiply the lower sets. Sets of vertices are ints
+used as bitmasks (bit ``i`` = vertex ``i``, in fx, i.e. topological, order). :func:`trace`
+rewrites the traced graph out of place (``memory.fx.make_out_of_place``), so any cut is legal
+(a cut between a BN and its in-place ReLU would fail in backward); the backbone is not modified.
 """
 
 from __future__ import annotations
@@ -374,20 +368,14 @@ class TransientBytes(TorchDispatchMode):
 
 def trace(backbone: nn.Module, example: torch.Tensor, cost_model: str = "roofline",
           profile: DeviceProfile | None = None) -> tuple[fx.GraphModule, Graph, dict[str, int]]:
-    """fx-trace ``backbone`` (with its own tracer: ``memory.fx.symbolic_trace``), make it out of place,
-    propagate shapes for ``example (N,C,H,W)``.
-
-    Returns the traced module (sharing parameters and buffers with ``backbone``), the tensor DAG,
-    and a map from fx node name to vertex index. Shape propagation runs the real kernels on the
-    example, one node at a time (each node's forward and backward alone, outputs detached), so
-    what autograd saves and what ops allocate internally are those of the device and dtype that
-    will train; its memory is that of a ``no_grad`` forward. BN running statistics and the RNG
-    are restored afterwards.
-
-    Costs (``costs.py``): ``roofline`` prices each vertex in seconds on ``profile`` (default: the
-    example's device) from its FLOPs and bytes moved; ``measured`` times each node's forward on
-    the device during the shape pass; ``flops`` is the FLOP proxy alone (no segment cost).
-    """
+    """fx-trace ``backbone`` (with its own tracer: ``memory.fx.symbolic_trace``), make it out of
+    place, propagate shapes for ``example (N,C,H,W)``; returns the traced module (sharing
+    parameters and buffers with ``backbone``), the tensor DAG, and a map from fx node name to
+    vertex index. Each node's forward and backward run alone on the real kernels (outputs
+    detached), so what autograd saves and what ops allocate are the training device's and dtype's;
+    BN running statistics and the RNG are restored afterwards. ``cost_model`` (``costs.py``):
+    ``roofline`` on ``profile`` (default: the example's device), ``measured`` (each node's forward
+    timed), or ``flops`` (the FLOP proxy alone, no segment cost)."""
     check_cost_model(cost_model)
     profile = profile or profile_for(example.device)
     gm = make_out_of_place(symbolic_trace(backbone))

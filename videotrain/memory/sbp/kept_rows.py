@@ -1,14 +1,12 @@
 """Autograd for the kept rows of an op that ran once over all rows (SBP).
 
-The lockstep code (``videotrain.memory.sbp.lockstep``) runs a convolution that feeds a
-full-batch BN, the BN itself, and a residual add with its ReLU once over all ``N`` rows of a
-step, in ``[kept | dropped]`` row order and without a graph, as e2e's forward does. The kept
-rows ``[:n]`` still need a graph, and what that graph saves must hold the kept rows only (the
-point of SBP). Each function here takes the kept rows' inputs (with their graphs) and the
-already computed output, saves what the op's backward needs, as ``n``-row tensors of their own,
-and in the backward runs ATen's own kernel for the op on the kept rows: e2e's gradient with
-the dropped rows held constant (their gradient paths cut). :class:`KeptRowsBatchNorm` is also
-record/apply's BN backward (``videotrain.memory.sbp.split``).
+The lockstep code runs a convolution that feeds a full-batch BN, the BN itself, and a residual
+add with its ReLU once over all ``N`` rows (``[kept | dropped]`` order, no graph), as e2e's
+forward does. Each function here takes the kept rows' inputs (with their graphs) and the
+computed output, saves what the op's backward needs as ``n``-row tensors of their own (the
+point of SBP), and in the backward runs ATen's kernel for the op on the kept rows: e2e's
+gradient with the dropped rows held constant. :class:`KeptRowsBatchNorm` is record/apply's BN
+backward too.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
-"""Record/apply: SBP's general path, where the lockstep code (``sbp/lockstep.py``) cannot run.
+"""Record/apply: SBP's general path, where the lockstep code (``sbp/lockstep.py``) cannot run
+(the kept path recomputed, a backbone ``torch.fx`` cannot trace, the dropped frames in
+``nograd_chunk`` pieces).
 
-``split_forward(fn, x, ...)`` computes ``fn(x)`` for all ``N = B*T`` frames of ``x`` but records
-an autograd graph for the kept rows only: the dropped rows run under ``no_grad`` and their
-activations are never stored. It runs when the kept path is recomputed, on a backbone
-``torch.fx`` cannot trace, and for the dropped frames in ``nograd_chunk`` pieces.
-
-With training-mode BatchNorm it runs in two phases: **record** (``fn`` under ``no_grad`` over all
-rows with BN's own training forward; each BN records its batch statistics; the dropped rows'
-outputs come from here) and **apply** (``fn`` reruns on the kept rows with autograd, normalizing
-with the recorded statistics through ``KeptRowsBatchNorm``). Invariant: values, running
-statistics and gradients are the lockstep code's. Without train-mode BN the dropped rows run
-under ``no_grad`` in chunks and the kept rows once. Details: ``docs/design/internals.md``.
+``split_forward(fn, x, ...)`` computes ``fn(x)`` for all ``N = B*T`` rows of ``x`` with an
+autograd graph for the kept rows only. With training-mode BatchNorm it runs in two phases:
+**record** (``fn`` under ``no_grad`` over all rows, each BN recording its batch statistics; the
+dropped rows' outputs come from here) and **apply** (``fn`` again on the kept rows with autograd,
+each BN normalizing with the recorded statistics through ``KeptRowsBatchNorm``). Invariant:
+values, running statistics and gradients are the lockstep code's. Details:
+``docs/design/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """``memory=sbp``: Stochastic Backpropagation (Cheng et al., CVPR 2022; Fang et al., NeurIPS 2022).
 
-Every frame runs forward; only ``n_keep = clamp(round(r*T), 1, T)`` frames per clip run the
-backbone's backward, so the other frames' activations are never stored and backbone training
-memory scales with ``r``. What it computes (gradients, BN policies, ``grad_scale``) and how it
-runs are explained once, in ``docs/memory.md`` (``memory=sbp``).
-
-Invariants: under ``bn_policy=full_batch`` the forward equals e2e's and running statistics update
-once per step; ``keep_ratio=1`` is e2e's code path; the input gradient is zero on dropped frames.
-The implementation, the lockstep code (``lockstep.py``) or record/apply (``split.py``) where
-lockstep cannot run, is decided once per backbone and logged with the reason; both give the same
-values, statistics and gradients (tested against each other).
+Every frame runs forward; only ``n_keep`` frames per clip run the backbone's backward, so the
+other frames' activations are never stored. What it computes and how it runs:
+``docs/memory.md`` (``memory=sbp``). Invariants: under ``bn_policy=full_batch`` the forward
+equals e2e's and running statistics update once per step; ``keep_ratio=1`` is e2e's code path;
+the input gradient is zero on dropped frames. The implementation, the lockstep code or
+record/apply where it cannot run, is decided once per backbone and logged with the reason; both
+give the same values, statistics and gradients (tested against each other).
 """
 
 from __future__ import annotations
