@@ -105,6 +105,13 @@ def compiled_forward(module: nn.Module, forward: Callable[..., Any],
     return compiler.function(forward)
 
 
+@torch.compiler.disable
+def outside_compiler(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` called from compiled code through a graph break: code the
+    compiler must not trace (Python state, an ``autograd.Function``, a checkpoint)."""
+    return fn(*args, **kwargs)
+
+
 def eagerly(module: nn.Module) -> Callable[..., Any]:
     """``module`` called with every compiled function it reaches run eagerly (no compile)."""
 

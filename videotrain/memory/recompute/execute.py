@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 
+from videotrain.memory.compiled import outside_compiler
 from videotrain.metrics.saved import note_held
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -360,18 +361,12 @@ class RecomputedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
             if torch.compiler.is_compiling():
-                return _checkpointed_eagerly(self, *args, **kwargs)
+                return outside_compiler(self, *args, **kwargs)  # the checkpoint, not traced
             return recompute_call(self.compiled or self.original, self.bns, *args, rng=self.rng,
                                   **kwargs)
         if self.compiled is None or torch.compiler.is_compiling():
             return self.original(*args, **kwargs)
         return self.compiled(*args, **kwargs)
-
-
-@torch.compiler.disable
-def _checkpointed_eagerly(forward: RecomputedForward, *args: Any, **kwargs: Any) -> Any:
-    """A checkpointed module called from compiled code: the checkpoint outside the compiler."""
-    return forward(*args, **kwargs)
 
 
 def wrap_forward(module: nn.Module) -> nn.Module:

@@ -23,6 +23,7 @@ from torch import nn
 from torch._prims_common import suggest_memory_format  # the memory format torch's ops pick
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from videotrain.memory.compiled import outside_compiler
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.sbp.kept_rows import BatchNormCoefficients, KeptRowsBatchNorm
 
@@ -189,18 +190,13 @@ class PatchedBN:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.owner.phase is not None and self.bn.training and torch.compiler.is_compiling():
-            return _eager_phase(self, x)  # trainer.compile: a graph break, the phase runs eagerly
+            # trainer.compile: the phase writes the statistics and reads them back as Python
+            # state, and its kept rows' backward is an autograd.Function
+            return outside_compiler(self, x)
         if self.orig is None and self.owner.phase is None:
             return type(self.bn).forward(self.bn, x)  # no bound method made: the compiler traces it
         orig = self.orig or MethodType(type(self.bn).forward, self.bn)
         return self.owner.forward(self.bn, orig, x)
-
-
-@torch.compiler.disable
-def _eager_phase(patched: PatchedBN, x: torch.Tensor) -> torch.Tensor:
-    """A record or apply phase's BN outside the compiler: it writes the statistics and reads
-    them back as Python state, and its kept rows' backward is an ``autograd.Function``."""
-    return patched(x)
 
 
 def is_patched_bn(module: nn.Module) -> bool:
