@@ -155,13 +155,6 @@ class AutoStrategy:
         self._estimate: Callable[[Candidate], None] | None = None  # kept for step-downs
 
     # ------------------------------------------------------------------ the decision
-    def _sbp_recompute_error(self, backbone: nn.Module) -> str | None:
-        """Why the SBP + recompute candidates are skipped: record/apply, which they run, cannot
-        run a backbone whose frames meet (TSM's temporal shift); frame SBP itself runs there."""
-        if mixes_frames(backbone):
-            return "sbp + recompute: the backbone's temporal shift mixes frames"
-        return None
-
     def _usable(self, device: torch.device) -> tuple[float, str]:
         """(bytes the allocator may use, where that came from), for budget_gb and free_frac."""
         if self.budget_gb is not None:
@@ -181,7 +174,9 @@ class AutoStrategy:
         ``estimate(memory_node)`` estimates the configured run with that ``memory:`` node on
         fake tensors for ``device``'s type. Raises :class:`NoPlanFits` when no plan fits."""
         assert self.backbone is not None, "prepare(backbone) comes first (VideoClassifier does it)"
-        self.options.sbp_recompute_error = self._sbp_recompute_error(self.backbone)
+        # SBP + recompute runs record/apply, which cannot run a backbone whose frames meet
+        self.options.sbp_recompute_error = ("sbp + recompute: the backbone's temporal shift mixes "
+                                            "frames" if mixes_frames(self.backbone) else None)
         has_bn = any(isinstance(m, _BatchNorm) for m in self.backbone.modules())
         self.candidates = build_candidates(num_frames, has_bn, self.options)
         base = 0.0  # what e2e holds between steps less the batch: the trainer's meter starts there
