@@ -7,12 +7,11 @@ import inspect
 import re
 from pathlib import Path
 
-import pytest
 import yaml
 
 from videotrain.config import schema
 from videotrain.config.files import _aliases, shipped_targets
-from videotrain.memory.registry import STRATEGIES, strategy_class
+from videotrain.memory.registry import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "memory"
@@ -61,8 +60,3 @@ def test_strategies_table_reads_rows_and_only_that_section() -> None:
             "| `e2e` | the reference |\n| `sbp` | fewer backward frames |\n\n## Other\n\n| `frame_dropout` | no |\n")
     assert strategies_table(text) == {"e2e": "the reference", "sbp": "fewer backward frames"}
 
-
-def test_an_unknown_name_says_the_known_ones() -> None:
-    assert strategy_class("sbp") is STRATEGIES["sbp"].cls
-    with pytest.raises(KeyError, match="e2e, frame_dropout, sbp, recompute, auto"):
-        strategy_class("checkpoint")

@@ -1,13 +1,10 @@
 """The memory-strategy seam: how the backbone is run over the frames of a clip in training.
 
-Every strategy is a small object with two methods. ``prepare`` may wrap the backbone's blocks
-once (SBP's BatchNorm patches, per-block recomputation). ``encode`` runs the backbone over a clip and
-returns per-frame features plus the *positions* of the frames they belong to, so strategies
-that drop frames (frame dropout) hand the head a subset without lying about time.
-
-The model calls ``encode`` only in training with autograd on; evaluation and ``no_grad``
-always use ``encode_all_frames``. All strategies are therefore identical at test time, and the
-trainer's loop never branches on the strategy.
+``prepare`` may wrap the backbone's blocks once; ``encode`` runs the backbone over a clip and
+returns per-frame features with the *positions* of their frames, so a strategy that drops
+frames hands the head a subset without lying about time. The model calls ``encode`` only in
+training with autograd on; evaluation and ``no_grad`` always use ``encode_all_frames``, so the
+strategies are identical at test time and the trainer's loop never branches on them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """``trainer.compile``: the backbone, or the code a strategy generates, run by ``torch.compile``.
 
 Why: on a GPU a ResNet-class step is set by host time and by the bytes of BN and elementwise
-work; the compiler fuses the one and, with static shapes, CUDA graphs remove the other.
-
-What runs compiled: by default the backbone module, in place (``nn.Module.compile``: the same
-module, the same ``state_dict`` keys), which evaluation calls too. A strategy that runs other
-code in training compiles it itself (``CompilesItself``, ``memory.base``): SBP its lockstep code
-split into regions (:func:`split_regions`), recomputation each segment inside its checkpoint.
+work; the compiler fuses the one and, with static shapes, CUDA graphs remove the other. By
+default the backbone module is compiled in place (evaluation calls it too); a strategy that runs
+other code in training compiles it itself (``CompilesItself``, ``memory.base``).
 
 Invariants: shapes are static (``dynamic=False``), so a run compiles once per shape and grad
 mode; code that runs eagerly (an ``autograd.Function`` with Python state, a checkpoint wrapper)
@@ -106,6 +103,13 @@ def compiled_forward(module: nn.Module, forward: Callable[..., Any],
                      "own (%s: %s)", type(module).__name__, type(err).__name__,
                      str(err).splitlines()[0][:200] if str(err) else "")
     return compiler.function(forward)
+
+
+@torch.compiler.disable
+def outside_compiler(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` called from compiled code through a graph break: code the
+    compiler must not trace (Python state, an ``autograd.Function``, a checkpoint)."""
+    return fn(*args, **kwargs)
 
 
 def eagerly(module: nn.Module) -> Callable[..., Any]:

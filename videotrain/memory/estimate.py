@@ -1,25 +1,20 @@
 """Predict a training step's memory without running it: the step on fake tensors, counted.
 
 The model, the optimizer and a batch are built under ``FakeTensorMode`` (shapes, dtypes and
-autograd, no data) and the trainer's step runs on them as it would on a device, memory
-strategy included: SBP's kept and dropped frames, recompute plans and their recompute,
-AdamW's state. :class:`~videotrain.metrics.live_bytes.LiveStorageBytes` counts every storage
-alive, so the figures are what a caching allocator would report as ``memory_allocated`` and
-``max_memory_allocated`` (no workspaces, rounding or fragmentation). A ResNet-50 step over
-256 frames of 224 px takes seconds on a CPU and allocates nothing.
-
-Mixed precision runs under CPU autocast, whose casting rules match CUDA's for the layers used
-here (convolutions and matmuls in low precision; BatchNorm and LayerNorm on the dtype they
-are given, their statistics in fp32). fp16's GradScaler is left out (its state is a few
-scalars). Callers run this in a process of its own (``videotrain.config.estimate``): garbage-collecting
-some fake-tensor graphs (recomputed segments under a transformer head) crashes torch 2.14.
+autograd, no data) and the trainer's step runs on them, memory strategy included, while
+:class:`~videotrain.metrics.live_bytes.LiveStorageBytes` counts every storage alive: the figures
+are ``memory_allocated`` and ``max_memory_allocated`` as a caching allocator would report them
+(no workspaces, rounding or fragmentation). Mixed precision runs under CPU autocast, whose
+casting rules match CUDA's for the layers used here; fp16's GradScaler is left out (a few
+scalars). Callers run this in a process of its own (``videotrain.config.estimate``):
+garbage-collecting some fake-tensor graphs crashes torch 2.14.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,9 +73,6 @@ class StepMemory:
             eval_peak = scale(eval_peak)
         return StepMemory(held, self.batch + grow, scale(self.fwd_bwd_peak), self.opt_peak + grow,
                           eval_peak, round(self.eval_batch * factor) if frames else self.eval_batch)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "train_peak": self.train_peak, "step_increase": self.step_increase}
 
 
 def device_need(mem: StepMemory) -> float:
@@ -232,7 +224,7 @@ def no_grad_peak(backbone: nn.Module, frames: int, frame_shape: tuple[int, ...],
                  autocast_dtype: torch.dtype | None = None) -> int:
     """Peak bytes of a ``no_grad`` forward of ``backbone`` over ``frames`` frames of
     ``frame_shape (C, H, W)`` above what is held before it, its input included; counted on fake
-    tensors (enter a ``FakeTensorMode`` first, or see :func:`frames_within`)."""
+    tensors (enter a ``FakeTensorMode`` first)."""
     device = next(backbone.parameters()).device  # fake frames where the weights are
     was_training = backbone.training
     backbone.eval()
@@ -248,26 +240,23 @@ def no_grad_peak(backbone: nn.Module, frames: int, frame_shape: tuple[int, ...],
 
 
 def frames_within(backbone: nn.Module, frame_shape: tuple[int, ...], budget: float,
-                  most: int, autocast_dtype: torch.dtype | None = None,
-                  in_fake_mode: bool = False, per: int = 1) -> int:
-    """The most frames (1 to ``most``) a ``no_grad`` forward of ``backbone`` may take at once
-    to stay within ``budget`` bytes, by binary search over the peak counted on fake tensors.
-    Searched, not extrapolated: the peak is the largest of the layers' (fixed + per-frame)
-    costs, so which layer sets it changes with the number of frames (in bf16 autocast's weight
-    copies set it for a few frames, the first activations for many). Nothing runs on the device.
-    ``in_fake_mode``: the caller has entered a ``FakeTensorMode`` (and its model is fake).
-    ``per``: count in units of ``per`` frames (whole clips, for a backbone that mixes frames)."""
+                  most: int, autocast_dtype: torch.dtype | None, per: int) -> int:
+    """The most frames (1 to ``most``) a ``no_grad`` forward of ``backbone`` (fake, in the
+    caller's ``FakeTensorMode``) may take at once to stay within ``budget`` bytes, by binary
+    search over the peak counted on fake tensors, in units of ``per`` frames (whole clips, for a
+    backbone that mixes frames). Searched, not extrapolated: the peak is the largest of the
+    layers' (fixed + per-frame) costs, so which layer sets it changes with the number of frames
+    (in bf16 autocast's weight copies set it for a few frames, the first activations for many)."""
     def fits(n: int) -> bool:
         return no_grad_peak(backbone, n * per, frame_shape, autocast_dtype) <= budget
 
-    with _fake_tensors(in_fake_mode):
-        if fits(most):
-            return most
-        low, high = 1, most  # fits(low) is assumed (at least a frame), fits(high) is false
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid)
-        return low
+    if fits(most):
+        return most
+    low, high = 1, most  # fits(low) is assumed (at least a frame), fits(high) is false
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
@@ -289,4 +278,4 @@ def eval_chunk(model: nn.Module, video_shape: tuple[int, ...], budget: float,
             model.head(feats, positions)
             shared = live.peak - base
         return per * frames_within(model.backbone, tuple(video_shape[2:]), budget - shared,
-                                   b * t // per, autocast_dtype, in_fake_mode=True, per=per)
+                                   b * t // per, autocast_dtype, per)

@@ -1,14 +1,10 @@
 """``memory=frame_dropout``: train on a random subset of frames; the rest are never computed.
 
-The "Frame Dropout" baseline of the SBP paper (as used in VATT). Each training clip keeps
-``n_keep = clamp(round(r*T), 1, T)`` frames; the dropped frames cost no forward, no backward and
-no memory. Unlike SBP, the head also sees only the kept frames (a train/test gap for temporal
-heads), given with their true frame positions. Evaluation uses all frames.
-
-Invariants: one backbone pass per step over the kept frames, so BatchNorm's statistics are the
-kept frames' and running statistics update once; ``keep_ratio=1`` is plain e2e, exactly; a
-backbone that mixes frames (TSM's shift) sees the kept frames as one clip in time order.
-Details: ``docs/design/internals.md``.
+The SBP paper's "Frame Dropout" baseline: each training clip keeps ``n_keep`` frames, and the
+head sees only those, at their true positions (a train/test gap for temporal heads; evaluation
+uses all frames). Invariants: one backbone pass per step over the kept frames (BN statistics
+are theirs, running statistics update once); ``keep_ratio=1`` is exactly e2e; a backbone that
+mixes frames sees the kept frames as one clip in time order.
 """
 
 from __future__ import annotations

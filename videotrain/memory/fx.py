@@ -13,7 +13,7 @@ _INPLACE_FUNCS = {operator.iadd: operator.add, operator.imul: operator.mul, oper
 
 
 def make_out_of_place(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite in-place ops of the traced graph to their out-of-place forms ."""
+    """Rewrite in-place ops of the traced graph to their out-of-place forms."""
     for node in gm.graph.nodes:
         if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.ReLU):
             if gm.get_submodule(str(node.target)).inplace:
@@ -29,15 +29,11 @@ def make_out_of_place(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def fx_tracer(module: nn.Module) -> fx.Tracer:
-    """The tracer ``module`` asks for (``module.fx_tracer()``, the backbone contract's optional
-    hook: timm backbones name their untraceable modules and functions), else a plain one."""
-    make = getattr(module, "fx_tracer", None)
-    return make() if callable(make) else fx.Tracer()
-
-
 def symbolic_trace(module: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` with the module's own tracer (:func:`fx_tracer`)."""
-    tracer = fx_tracer(module)
+    """``torch.fx.symbolic_trace`` with the tracer ``module`` asks for (``module.fx_tracer()``,
+    the backbone contract's optional hook: timm backbones name their untraceable modules and
+    functions), else a plain one."""
+    make = getattr(module, "fx_tracer", None)
+    tracer = make() if callable(make) else fx.Tracer()
     graph = tracer.trace(module)
     return fx.GraphModule(tracer.root, graph, type(module).__name__)

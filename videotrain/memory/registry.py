@@ -1,16 +1,10 @@
 """The memory strategies, named once: ``memory=NAME`` -> the class it builds and one line on it.
 
-What reads it: the config schema (one schema per entry, from the class's signature), the
-allowlist of configs read from files (the ``_target_`` a ``memory:`` node may name), the
-strategies table of ``docs/memory.md`` and ``memory=auto`` (the classes of its candidates). A
-strategy is added here and in ``configs/memory/NAME.yaml``, whose ``_target_`` is this entry's
-(tested), and nowhere else.
-
-Invariants: a name is a file of ``configs/memory/``; ``target`` is a class's dotted name as a
-config writes it, resolved when asked (:attr:`Strategy.cls`), as Hydra resolves a ``_target_``,
-so that ``memory=auto``, itself listed here, can read the list too; ``code_only`` names the
-constructor's arguments that no config sets (the tests and the bench pass them in code; the
-DDP rank comes from the environment).
+Read by the config schema, the allowlist of configs read from files, the table of
+``docs/memory.md`` and ``memory=auto``; a strategy is added here and in
+``configs/memory/NAME.yaml`` (whose ``_target_`` is this entry's, tested) and nowhere else.
+``target`` is resolved when asked (:attr:`Strategy.cls`), as Hydra resolves a ``_target_``, so
+that ``memory=auto``, itself listed here, can read the list too.
 """
 
 from __future__ import annotations
@@ -51,9 +45,3 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "give it a memory budget: it picks the fastest plan of the others that fits", _RANK),
 )}
 
-
-def strategy_class(name: str) -> type:
-    """The class of ``memory=name`` (``KeyError`` naming the known names otherwise)."""
-    if name not in STRATEGIES:
-        raise KeyError(f"no memory strategy {name!r}; the strategies are {', '.join(STRATEGIES)}")
-    return STRATEGIES[name].cls

@@ -1,19 +1,11 @@
 """Frame selection for the strategies that keep a subset of frames (frame dropout, SBP).
 
-Three facts shape this module:
-
-* **Any ratio works.** ``n_keep = clamp(round(r * T), 1, T)`` (round half up). The official
-  SBP code derives an integer stride ``int(1 / r)``, which silently turns r=0.4 into 0.5 and
-  crashes above 0.5; a count avoids both.
-* **Exact counts.** Every sampler keeps exactly ``n_keep`` distinct frames in every clip, so
-  the memory a step needs does not depend on luck, and the kept features stack into
-  ``(B, n_keep, D)`` without padding.
-* **Reproducible, per-rank, resumable randomness.** Masks come from a ``torch.Generator``
-  owned by the sampler (not the global RNG, so toggling SBP does not shift data augmentation
-  or dropout). Before every draw the generator is re-seeded from ``(seed, rank, draw index)``.
-  DDP ranks therefore get different masks, and the whole mask state is one counter: the
-  trainer saves the strategy state from rank 0 only and loads it on every rank, and a counter
-  (unlike a raw generator state, which is rank-specific) resumes *every* rank exactly.
+Invariants: ``n_keep = clamp(round(r * T), 1, T)`` for any ratio (a count, not the official
+code's integer stride); every sampler keeps exactly ``n_keep`` distinct frames per clip, so a
+step's memory does not depend on luck and the kept features stack into ``(B, n_keep, D)``; the
+masks come from the sampler's own generator (not the global RNG), re-seeded before every draw
+from ``(seed, rank, draw index)``: DDP ranks draw different masks, and the whole state is one
+counter, which resumes every rank exactly. Why: docs/memory.md#frame-sampling-frame-dropout-and-sbp.
 """
 
 from __future__ import annotations

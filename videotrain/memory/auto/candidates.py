@@ -1,16 +1,11 @@
 """``memory=auto``'s candidate plans, their ranking and the decision table.
 
-Why a fixed list: the plans that trade memory for accuracy or time are few and known (e2e,
-recomputation at planner budgets, SBP keep ratios ``k/T``, SBP with a recomputed kept path,
-frozen-BN SBP, frame dropout when allowed); each is a ``memory:`` node a run could be given.
-A candidate carries no formula: its peak is the fake-tensor estimate of its step
-(``choice.py``), set when the walk reaches it; what it *needs* is that estimate plus the share
-fake tensors cannot see (``UNSEEN_FRAC``: workspaces, rounding, fragmentation).
-
-Ranking: expected accuracy first (a tier, then the keep ratio, larger first), then speed, as a
-relative-cost constant per plan (:func:`relative_cost`, e2e = 1): a forward is about a third of
-a step, SBP at ``r`` does ``(1 + 2r)/3`` of e2e's work, frame dropout ``r``, recomputation adds
-up to one forward (SBP + recompute: one). Invariant: along a family (one plan at falling keep
+The plans that trade memory for accuracy or time are few and known (e2e, recomputation at
+planner budgets, SBP keep ratios ``k/T``, with a recomputed kept path or frozen BN, frame
+dropout when allowed); each is a ``memory:`` node a run could be given. A candidate's peak is
+the fake-tensor estimate of its step (``choice.py``); what it *needs* is that estimate plus the
+share fake tensors cannot see (``UNSEEN_FRAC``). Ranking: expected accuracy first (a tier, then
+the keep ratio), then :func:`relative_cost`. Invariant: along a family (one plan at falling keep
 ratios or planner budgets) the rank order is the order of falling memory, which the bisection
 relies on.
 """
@@ -66,7 +61,9 @@ class Candidate:
 
 
 def relative_cost(c: Candidate) -> float:
-    """A step's cost relative to e2e's (see the module docstring): only the ranking reads it."""
+    """A step's cost relative to e2e's, for the ranking alone: a forward is about a third of a step,
+    so SBP at ``r`` does ``(1 + 2r)/3`` of e2e's work, frame dropout ``r``, and recomputation adds
+    up to one forward (SBP + recompute: one)."""
     r = c.keep_ratio
     if c.kind == "e2e":
         return 1.0

@@ -1,16 +1,11 @@
 """``memory=auto``'s choice: one walk down the ranked candidates, each peak a fake-tensor estimate.
 
-:func:`choose` takes the candidates in :func:`~videotrain.memory.auto.candidates.ranked` order
-and chooses the first whose need (its estimated peak plus the share fake tensors cannot see)
-fits the budget; when none does it raises
-:class:`~videotrain.memory.auto.candidates.NoPlanFits` with the smallest need estimated.
-
-Why bisect: an estimate is a full-size step on fake tensors in a process of its own (seconds),
-so estimating every candidate would take minutes. A *family* (one plan at falling keep ratios,
-or the recomputation plans at falling planner budgets) needs less memory along its rank order,
-so its first member that fits is found in ``log2(n)`` estimates; the members before it are over
-budget by inference, and the table says so. Invariant: a note in the table is never a guess
-presented as an estimate (inferred notes say "inferred").
+:func:`choose` takes the first candidate in ``ranked`` order whose need fits the budget, or
+raises ``NoPlanFits`` with the smallest need estimated. Why bisect: an estimate is a full-size
+step on fake tensors in a process of its own (seconds); along a *family* the need falls with the
+rank, so its first member that fits is found in ``log2(n)`` estimates and the members before it
+are over budget by inference. Invariant: a note in the table is never a guess presented as an
+estimate (inferred notes say "inferred").
 """
 
 from __future__ import annotations
@@ -56,11 +51,7 @@ class Estimates:
         if key not in self.searched:
             self.searched.add(key)
             _bisect([m for m in rest if family_key(m) == key], self._fits)
-        if c.note or c.skip or c.need is None or c.need > self.budget:
-            c.note = c.note or (f"skipped: {c.skip}" if c.skip else "over budget (estimated)"
-                                if c.need is not None else CAPPED)
-            return False
-        return True
+        return not c.note and self._fits(c)  # the bisection noted (or estimated) all before it
 
     def no_plan_fits(self, cands: list[Candidate]) -> NoPlanFits:
         known = [c for c in cands if not c.skip and c.need is not None]

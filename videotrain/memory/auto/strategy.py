@@ -1,13 +1,9 @@
 """``memory=auto``: give it a memory budget, get the best training plan that fits.
 
-A user facing an out-of-memory error otherwise guesses among recomputation, SBP and frame
-sampling. ``AutoStrategy`` decides before training (``plan``, called by
-``videotrain.config.build.plan_memory`` and ``python -m videotrain.plan``), says why, and checks
-itself while training. One memory model: each candidate reached is estimated on fake tensors for
-the run's device type, the configured run with the candidate's ``memory:`` node, as ``plan --fit``
-estimates a row (:mod:`~videotrain.memory.auto.choice`). The ranking (expected accuracy, then
-the fixed relative costs of :mod:`~videotrain.memory.auto.candidates`), the decision table and
-``NoPlanFits`` follow from those estimates; nothing is profiled or timed.
+``AutoStrategy`` decides before training (``plan``, called by ``config.build.plan_memory`` and
+``python -m videotrain.plan``), says why, and checks itself while training. Each candidate
+reached is estimated on fake tensors as ``plan --fit`` estimates a row (``choice.py``), and
+ranked by ``candidates.py``; nothing is profiled or timed.
 
 Invariants: the budget is on the trainer's ``train_peak_mem_mb`` scale, whichever key set it;
 the first training step is not re-checked (it allocates gradients and optimizer state); a later
@@ -159,13 +155,6 @@ class AutoStrategy:
         self._estimate: Callable[[Candidate], None] | None = None  # kept for step-downs
 
     # ------------------------------------------------------------------ the decision
-    def _sbp_recompute_error(self, backbone: nn.Module) -> str | None:
-        """Why the SBP + recompute candidates are skipped: record/apply, which they run, cannot
-        run a backbone whose frames meet (TSM's temporal shift); frame SBP itself runs there."""
-        if mixes_frames(backbone):
-            return "sbp + recompute: the backbone's temporal shift mixes frames"
-        return None
-
     def _usable(self, device: torch.device) -> tuple[float, str]:
         """(bytes the allocator may use, where that came from), for budget_gb and free_frac."""
         if self.budget_gb is not None:
@@ -185,7 +174,9 @@ class AutoStrategy:
         ``estimate(memory_node)`` estimates the configured run with that ``memory:`` node on
         fake tensors for ``device``'s type. Raises :class:`NoPlanFits` when no plan fits."""
         assert self.backbone is not None, "prepare(backbone) comes first (VideoClassifier does it)"
-        self.options.sbp_recompute_error = self._sbp_recompute_error(self.backbone)
+        # SBP + recompute runs record/apply, which cannot run a backbone whose frames meet
+        self.options.sbp_recompute_error = ("sbp + recompute: the backbone's temporal shift mixes "
+                                            "frames" if mixes_frames(self.backbone) else None)
         has_bn = any(isinstance(m, _BatchNorm) for m in self.backbone.modules())
         self.candidates = build_candidates(num_frames, has_bn, self.options)
         base = 0.0  # what e2e holds between steps less the batch: the trainer's meter starts there

@@ -1,18 +1,12 @@
 """What a recomputed op costs on the device that trains: one cost function for every planner.
 
 Why: a FLOP count calls BatchNorm, ReLU and add free, yet on a GPU they are bandwidth-bound and
-cost about as much as the convs (docs/design §9); and every recomputed segment costs host time
-(closures, RNG state, saved-tensor hooks, BN statistics isolation) on the backward's critical
-path. A plan priced in FLOPs recomputes 50 of ResNet-50's 53 BNs in 63 segments.
-
-So a node's cost is in *seconds*: a roofline, the larger of ``FLOPs / peak`` and
-``bytes moved / bandwidth``, never less than one launch (``op_s``); and every recomputed segment
-costs ``segment_s`` on top (the planner adds it, ``Graph.segment_cost``). Or measured: with
-``cost_model=measured`` the shape pass times each node's forward on the device (CUDA events on a
-GPU, the wall clock on a CPU) and takes the larger of that and the launch cost.
-
-``Recompute`` (memory=recompute), ``memory=auto``'s recompute candidates and SBP's recomputed
-kept path all plan through ``graph.trace`` with these prices, so they agree on what a plan costs.
+cost about as much as the convs, and every recomputed segment costs host time on the backward's
+critical path (docs/memory.md#what-the-planner-prices). So a node costs *seconds*: a roofline,
+the larger of ``FLOPs / peak`` and ``bytes moved / bandwidth``, or (``cost_model=measured``) its
+forward timed in the shape pass, never less than one launch (``op_s``); every recomputed segment
+adds ``segment_s`` (``Graph.segment_cost``). ``Recompute``, ``memory=auto``'s recompute
+candidates and SBP's recomputed kept path all plan with these prices, so they agree.
 """
 
 from __future__ import annotations
@@ -43,8 +37,12 @@ class DeviceProfile:
     op_s: float
     segment_s: float
 
-    def seconds(self, flops: float, bytes_moved: float, half: bool) -> float:
-        """Roofline time of one op: compute- or bandwidth-bound, at least one launch."""
+    def seconds(self, flops: float, bytes_moved: float, half: bool,
+                measured_s: float | None = None) -> float:
+        """A node's cost: the measured time when there is one, else the roofline (compute- or
+        bandwidth-bound); never less than one launch."""
+        if measured_s is not None:
+            return max(measured_s, self.op_s)
         peak = self.flops_half if half else self.flops_fp32
         return max(flops / peak, bytes_moved / self.bandwidth, self.op_s)
 
@@ -85,15 +83,6 @@ def profile_for(device: torch.device | str, name: str = "auto") -> DeviceProfile
         return PROFILES["cpu"]
     gpu = torch.cuda.get_device_name(device).lower() if torch.cuda.is_available() else ""
     return next((PROFILES[k] for k in ("h200", "h100") if k in gpu), PROFILES["cuda"])
-
-
-def node_seconds(flops: float, bytes_moved: float, half: bool, profile: DeviceProfile,
-                 measured_s: float | None = None) -> float:
-    """A node's cost in seconds: the measured time when there is one, else the roofline; never
-    less than one launch."""
-    if measured_s is not None:
-        return max(measured_s, profile.op_s)
-    return profile.seconds(flops, bytes_moved, half)
 
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:

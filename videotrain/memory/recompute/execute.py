@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 
+from videotrain.memory.compiled import outside_compiler
 from videotrain.metrics.saved import note_held
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -121,7 +122,7 @@ def _anchor(device: torch.device) -> torch.Tensor:
 
 def _rng_states(device: torch.device) -> list[bytes]:
     """The CPU generator's state and ``device``'s, as bytes (compared outside any dispatch mode:
-    a fake-tensor step, ``memory/simulate.py``, must not see the comparison)."""
+    a fake-tensor step, ``memory/estimate.py``, must not see the comparison)."""
     with _disable_current_modes():
         states = [torch.random.get_rng_state()]
         if device.type == "cuda" and torch.cuda.is_available():
@@ -146,19 +147,13 @@ def recompute_call(fn: Callable[..., Any], bns: list[_BatchNorm] | StatShield, *
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint; recomputes leave BN stats alone
     and re-enter the forward-time contexts registered with :func:`replay_on_recompute`.
 
-    The inputs are let go once the recompute is done. ``torch.utils.checkpoint`` would keep
-    them until the whole segment's backward is over, although the recomputed ops already hold
-    whatever they save; releasing them is what lets a boundary tensor die as soon as the last
-    segment that reads it has been recomputed (the planner's cost model counts on it: a stem cut
-    ``conv, BN | ReLU`` frees the BN output before the stem's backward). So the inputs are passed
-    through a holder, not as checkpoint arguments; a zero-size anchor on their device stays an
-    argument so checkpoint still stashes and replays that device's autocast state (and its RNG
-    state where the segment draws random numbers: ``rng``, a :class:`RngProbe`; without one the
-    RNG state is always preserved). ``skips`` (:class:`BoundarySkips`): boundary ops whose
-    recompute runs no kernel. In-place changes to an input between the forward and the
-    recompute are refused (the check ``torch.utils.checkpoint`` would have made on its saved
-    inputs), and so is a second recompute (a second backward through the segment with
-    ``retain_graph=True``).
+    Unlike ``torch.utils.checkpoint``, the inputs are let go once the recompute is done (the
+    planner counts on a boundary dying at its last reader's recompute): they are passed through
+    a holder, and a zero-size anchor on their device is the checkpoint's argument, so that it
+    still replays that device's autocast state and, where the segment draws random numbers
+    (``rng``, a :class:`RngProbe`; without one always), its RNG state. ``skips``: boundary ops
+    whose recompute runs no kernel (:class:`BoundarySkips`). An input changed in place after the
+    forward is refused, and so is a second recompute (``retain_graph=True``).
     """
     calls = [0]
     replays = [provider() for provider in _replay_providers]  # snapshots, taken now
@@ -214,18 +209,12 @@ def recompute_call(fn: Callable[..., Any], bns: list[_BatchNorm] | StatShield, *
 
 # ---------------------------------------------------------------------- boundary ops skipped
 class BoundarySkips:
-    """The free boundary ops of one checkpointed fx segment (``planner.free_boundary``: no
-    consumer inside the segment, and the op saves neither its output nor internals, e.g. a
-    conv whose output only the next segment reads).
-
-    ``torch.utils.checkpoint`` replays a segment up to its last saved tensor, so a conv at the
-    segment's end runs again in backward only so that autograd records what it saves (its input
-    and weight); its output is thrown away. Here the segment's generated code brackets each such
-    node with :func:`boundary_begin` / :func:`boundary_end`. In the first forward the bracket
-    records which aten op made the node's output (once per segment); in the recompute that op
-    returns an uninitialised tensor of its output's shape instead of running (autograd above it
-    still saves the op's inputs, which is all the backward reads). Everything else in the
-    bracket (autocast's casts, in-place updates) runs."""
+    """The free boundary ops of one checkpointed fx segment (``planner.free_boundary``), whose
+    recompute runs no kernel: the segment's generated code brackets each with
+    :func:`boundary_begin` / :func:`boundary_end`; the first forward records which aten op made
+    the node's output, and in the recompute that op returns an uninitialised tensor of its
+    output's shape instead (autograd still saves its inputs, all the backward reads). Everything
+    else in the bracket runs. Why: docs/memory.md#how-a-plan-runs."""
 
     def __init__(self, tags: list[str]) -> None:
         self.tags = set(tags)
@@ -372,7 +361,7 @@ class RecomputedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
             if torch.compiler.is_compiling():
-                return _checkpointed_eagerly(self, *args, **kwargs)
+                return outside_compiler(self, *args, **kwargs)  # the checkpoint, not traced
             return recompute_call(self.compiled or self.original, self.bns, *args, rng=self.rng,
                                   **kwargs)
         if self.compiled is None or torch.compiler.is_compiling():
@@ -380,21 +369,11 @@ class RecomputedForward:
         return self.compiled(*args, **kwargs)
 
 
-@torch.compiler.disable
-def _checkpointed_eagerly(forward: RecomputedForward, *args: Any, **kwargs: Any) -> Any:
-    """A checkpointed module called from compiled code: the checkpoint outside the compiler."""
-    return forward(*args, **kwargs)
-
-
 def wrap_forward(module: nn.Module) -> nn.Module:
     """Checkpoint ``module``'s forward in training, once (idempotent)."""
     if not isinstance(module.__dict__.get("forward"), RecomputedForward):
         module.forward = RecomputedForward(module)  # type: ignore[method-assign]
     return module
-
-
-def is_wrapped(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), RecomputedForward)
 
 
 class RecomputedSegment(nn.Module):

@@ -1,18 +1,12 @@
 """The backbone as a DAG of intermediate tensors, for recomputation planning.
 
-Why a separate graph: the planner (``planner.py``) reasons about sets of *tensors* (lower sets,
-their boundaries, bytes and recompute cost), not about fx nodes. Inputs, parameters
-(``get_attr``) and non-tensor values (``x.shape``, sizes) are not vertices: non-tensor nodes are
-contracted (edges pass through them), so shape arithmetic does not multiply the lower sets.
-
-Sets of vertices are Python ints used as bitmasks (bit ``i`` = vertex ``i``); vertices are
-numbered in fx (topological) order.
-
-In-place ops: torchvision ResNets use ``ReLU(inplace=True)``. A segment cut between a BN and
-its in-place ReLU would make the next segment modify a checkpoint input in place, which fails
-in backward. :func:`trace` therefore rewrites the traced graph out of place (ReLU modules ->
-``F.relu``; ``inplace=True`` kwargs -> False; ``x.relu_()``-style methods -> ``x.relu()``), so
-any cut is legal. The original backbone is not modified.
+Why a graph of its own: the planner (``planner.py``) reasons about sets of *tensors* (lower
+sets, their boundaries, bytes and recompute cost), not fx nodes. Inputs, parameters and
+non-tensor values (``x.shape``, sizes) are not vertices: they are contracted (edges pass
+through them), so shape arithmetic does not multiply the lower sets. Sets of vertices are ints
+used as bitmasks (bit ``i`` = vertex ``i``, in fx, i.e. topological, order). :func:`trace`
+rewrites the traced graph out of place (``memory.fx.make_out_of_place``), so any cut is legal
+(a cut between a BN and its in-place ReLU would fail in backward); the backbone is not modified.
 """
 
 from __future__ import annotations
@@ -31,10 +25,10 @@ from videotrain.memory.fx import make_out_of_place, symbolic_trace
 from videotrain.memory.recompute.costs import (
     DeviceProfile,
     check_cost_model,
-    node_seconds,
     profile_for,
     time_call,
 )
+from videotrain.metrics.live_bytes import LiveStorageBytes
 
 
 @dataclass
@@ -108,9 +102,6 @@ class Graph:
         """Vertices of ``inner`` with a successor outside ``outer`` (W_i when inner=V_i, outer=L_i;
         the push-aware ∂(L) when inner = outer = L)."""
         return sum(1 << v for v in self.members(inner) if self.succ_mask[v] & ~outer)
-
-    def is_lower(self, s: int) -> bool:
-        return all(self.pred_mask[v] & ~s == 0 for v in self.members(s))
 
     def ancestors(self, v: int) -> int:
         """Ancestor closure of ``v`` including ``v`` (a lower set)."""
@@ -192,14 +183,7 @@ def _flops(node: fx.Node, gm: fx.GraphModule, out_bytes: int) -> float:
     return float(out_numel)
 
 
-def input_devices(args: object) -> list[torch.device]:
-    """Devices of the tensors in ``args`` (where a node's forward runs, for timing it)."""
-    return [t.device for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-
-
 def _storage_key(t: torch.Tensor) -> int:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
@@ -269,11 +253,13 @@ class _SavedProp(ShapeProp):
             self._param_keys = {_storage_key(p) for p in self.module.get_submodule(str(n.target)).parameters()}
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    TransientBytes() as fwd:
+                    LiveStorageBytes() as fwd:
                 result = super().run_node(n)
         finally:
             leaves, self._lifted = self._lifted, None
-        n.meta["work_fwd"] = fwd.above_end()
+        # the op's temporaries: the peak of the storages created, less those alive at the end
+        # (its saved internals and output, which the planner charges on their own)
+        n.meta["work_fwd"] = float(fwd.peak - fwd.now())
         packed_keys = {_storage_key(t) for t in packed}
         arg_keys: dict[fx.Node, set[int]] = {}  # input node -> storages of its value
         input_keys: set[int] = set()
@@ -291,8 +277,9 @@ class _SavedProp(ShapeProp):
         n.meta["bytes_in"] = self._bytes_in(n)
         if self.measure:
             args, kwargs = super().fetch_args_kwargs_from_env(n)
-            n.meta["measured_s"] = time_call(lambda: getattr(self, n.op)(n.target, args, kwargs),
-                                             next(iter(input_devices(args)), torch.device("cpu")))
+            device = next((t.device for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)),
+                          torch.device("cpu"))  # where the node runs
+            n.meta["measured_s"] = time_call(lambda: getattr(self, n.op)(n.target, args, kwargs), device)
         n.meta["alias"] = bool(out_keys) and out_keys <= input_keys
         n.meta["alias_of"] = [a for a, keys in arg_keys.items() if keys & out_keys] if n.meta["alias"] else []
         known = input_keys | out_keys | self._param_keys
@@ -336,11 +323,12 @@ class _SavedProp(ShapeProp):
 
 
 class TransientBytes(TorchDispatchMode):
-    """One op's temporaries (not ``metrics.live_bytes.LiveStorageBytes``, which follows a whole
-    step's live bytes and their peak): the storages created by the ops run under it, as a
-    timeline per op; ``transient()`` is the peak of those that are
-    freed again before the end (workspace, internals), i.e. what outputs do not account for,
-    plus, at each moment, the ``watch``ed storages (created earlier) still alive.
+    """One op's backward temporaries: the storages created by the ops run under it, as a
+    timeline per op; ``transient()`` is the peak of those that are freed again before the end
+    (workspace, internals), i.e. what outputs do not account for, plus, at each moment, the
+    ``watch``ed storages (created earlier) still alive. Not ``LiveStorageBytes``, which forgets
+    a storage when it dies: which storages survive is known only at the end, so every weak
+    reference is kept to it (a storage key is then never reused for another).
     Dispatch modes are thread-local: on CUDA the backward runs on the autograd device thread and
     is not seen (its internals are then not charged)."""
 
@@ -369,14 +357,6 @@ class TransientBytes(TorchDispatchMode):
         self.watched.append(sum(b for r, b in self.watch.values() if not r.expired()))
         return out
 
-    def above_end(self) -> float:
-        """Peak of all storages created under the mode, less what is still alive at the end
-        (an op's saved internals and output, which the planner charges on their own): the
-        op's temporaries beyond them, never counting one that becomes saved twice."""
-        end = sum(b for r, b in self.refs.values() if not r.expired())
-        alive = [sum(self.refs[k][1] for k in live) for live in self.timeline]
-        return float(max(alive, default=0) - end)
-
     def transient(self) -> float:
         end = {k for k, (r, _) in self.refs.items() if not r.expired()}
         created = [sum(self.refs[k][1] for k in live if k not in end) for live in self.timeline]
@@ -388,20 +368,14 @@ class TransientBytes(TorchDispatchMode):
 
 def trace(backbone: nn.Module, example: torch.Tensor, cost_model: str = "roofline",
           profile: DeviceProfile | None = None) -> tuple[fx.GraphModule, Graph, dict[str, int]]:
-    """fx-trace ``backbone`` (with its own tracer, :func:`fx_tracer`), make it out of place,
-    propagate shapes for ``example (N,C,H,W)``.
-
-    Returns the traced module (sharing parameters and buffers with ``backbone``), the tensor DAG,
-    and a map from fx node name to vertex index. Shape propagation runs the real kernels on the
-    example, one node at a time (each node's forward and backward alone, outputs detached), so
-    what autograd saves and what ops allocate internally are those of the device and dtype that
-    will train; its memory is that of a ``no_grad`` forward. BN running statistics and the RNG
-    are restored afterwards.
-
-    Costs (``costs.py``): ``roofline`` prices each vertex in seconds on ``profile`` (default: the
-    example's device) from its FLOPs and bytes moved; ``measured`` times each node's forward on
-    the device during the shape pass; ``flops`` is the FLOP proxy alone (no segment cost).
-    """
+    """fx-trace ``backbone`` (with its own tracer: ``memory.fx.symbolic_trace``), make it out of
+    place, propagate shapes for ``example (N,C,H,W)``; returns the traced module (sharing
+    parameters and buffers with ``backbone``), the tensor DAG, and a map from fx node name to
+    vertex index. Each node's forward and backward run alone on the real kernels (outputs
+    detached), so what autograd saves and what ops allocate are the training device's and dtype's;
+    BN running statistics and the RNG are restored afterwards. ``cost_model`` (``costs.py``):
+    ``roofline`` on ``profile`` (default: the example's device), ``measured`` (each node's forward
+    timed), or ``flops`` (the FLOP proxy alone, no segment cost)."""
     check_cost_model(cost_model)
     profile = profile or profile_for(example.device)
     gm = make_out_of_place(symbolic_trace(backbone))
@@ -456,7 +430,7 @@ def trace(backbone: nn.Module, example: torch.Tensor, cost_model: str = "rooflin
             else:
                 half = _is_half(node.meta["tensor_meta"])
                 moved = out_bytes + node.meta.get("bytes_in", 0.0)
-                cost.append(node_seconds(flops[-1], moved, half, profile, node.meta.get("measured_s")))
+                cost.append(profile.seconds(flops[-1], moved, half, node.meta.get("measured_s")))
         else:
             tensor_preds[node.name] = ps
     segment = profile.segment_s if cost_model != "flops" else 0.0

@@ -1,14 +1,12 @@
 """Autograd for the kept rows of an op that ran once over all rows (SBP).
 
-The lockstep code (``videotrain.memory.sbp.lockstep``) runs a convolution that feeds a
-full-batch BN, the BN itself, and a residual add with its ReLU once over all ``N`` rows of a
-step, in ``[kept | dropped]`` row order and without a graph, as e2e's forward does. The kept
-rows ``[:n]`` still need a graph, and what that graph saves must hold the kept rows only (the
-point of SBP). Each function here takes the kept rows' inputs (with their graphs) and the
-already computed output, saves what the op's backward needs, as ``n``-row tensors of their own,
-and in the backward runs ATen's own kernel for the op on the kept rows: e2e's gradient with
-the dropped rows held constant (their gradient paths cut). :class:`KeptRowsBatchNorm` is also
-record/apply's BN backward (``videotrain.memory.sbp.split``).
+The lockstep code runs a convolution that feeds a full-batch BN, the BN itself, and a residual
+add with its ReLU once over all ``N`` rows (``[kept | dropped]`` order, no graph), as e2e's
+forward does. Each function here takes the kept rows' inputs (with their graphs) and the
+computed output, saves what the op's backward needs as ``n``-row tensors of their own (the
+point of SBP), and in the backward runs ATen's kernel for the op on the kept rows: e2e's
+gradient with the dropped rows held constant. :class:`KeptRowsBatchNorm` is record/apply's BN
+backward too.
 """
 
 from __future__ import annotations
@@ -70,24 +68,15 @@ class BatchNormCoefficients:
 class KeptRowsBatchNorm(torch.autograd.Function):
     """The kept rows ``full[:n]`` of a full-batch BN output ``full``, with the graph of the
     kept input ``x (n, C, *)``: a view (``view_ok``) or rows of their own; ``full=None``:
-    computed here from the statistics (record/apply's apply phase).
+    computed here from the statistics (record/apply's apply phase). ``mean``, ``rstd`` are the
+    full batch's statistics (``N`` rows, ``rho = n / N`` of them kept).
 
-    ``mean``, ``rstd`` are the full batch's statistics (``N`` rows, ``rho = n / N`` of them
-    kept). Backward, with ``xhat = (x - mean) * rstd``, ``g`` the output gradient and ``m_k``
-    the mean over the kept rows (and positions)::
-
-        dx = w rstd (g - rho m_k(g) - rho xhat m_k(g xhat))            (e2e's BN backward,
-           = rho * bn_backward_train(g; weight w) + (1 - rho) w rstd g   dropped rows constant)
-
-    On CUDA, SyncBatchNorm's two backward kernels compute the first line as it stands:
-    ``batch_norm_backward_reduce`` (the sums, and the weight and bias gradients) and
-    ``batch_norm_backward_elemt`` with the full batch's element count, the two kernels native BN's
-    backward runs. They have no CPU kernels, so on CPU the second line runs: ATen's training-mode
-    BN backward with the saved statistics and weight ``rho * w`` (the first term, and the weight
-    and bias gradients, ``sum(g xhat)`` and ``sum(g)``, independent of the weight passed), then one
-    ``addcmul_`` for the second, with the per-channel factors of the step's
-    :class:`BatchNormCoefficients`. The two forms are tested against each other. Only ``x`` (and
-    the per-channel statistics) is saved, like native BN."""
+    The backward is e2e's BN backward with the dropped rows held constant: SyncBatchNorm's two
+    kernels on CUDA (:func:`fused_bn_backward`), ATen's training-mode BN backward with weight
+    ``rho * w`` plus one ``addcmul_`` elsewhere (:func:`split_bn_backward`); the two forms are
+    tested against each other, and derived in docs/memory.md#lockstep-or-recordapply. Only ``x``
+    (and the per-channel statistics) is saved, like native BN.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -24,7 +24,8 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from videotrain.memory.fx import fx_tracer, make_out_of_place
+from videotrain.memory.compiled import Compiler, split_regions
+from videotrain.memory.fx import make_out_of_place, symbolic_trace
 from videotrain.memory.sbp.kept_rows import (
     BatchNormCoefficients,
     KeptRowsBatchNorm,
@@ -194,10 +195,7 @@ def lockstep_graph(backbone: nn.Module, full_batch: bool = True) -> fx.GraphModu
     fuse). ``full_batch``: training-mode BN layers meet both parts (``bn_policy=full_batch``);
     otherwise BN runs per part like any layer (frozen BN, eval mode)."""
     try:
-        tracer = fx_tracer(backbone)  # timm backbones bring their own tracer
-        graph = tracer.trace(backbone)
-        gm = make_out_of_place(fx.GraphModule(tracer.root, graph))
-        return _twin_module(gm, full_batch)
+        return _twin_module(make_out_of_place(symbolic_trace(backbone)), full_batch)
     except Exception as err:  # noqa: BLE001 - any failure to trace or rewrite: record/apply
         reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
         log.info("memory=sbp: record/apply, since the lockstep code of %s cannot be built (%s%s)",
@@ -441,3 +439,21 @@ def lockstep_forward(twin: fx.GraphModule, x: torch.Tensor, rows: PartRows,
     out[rows.drop_rows] = dropped.to(kept.dtype)
     out[rows.keep_rows] = kept  # the result's graph holds the kept rows only
     return out
+
+
+# ---------------------------------------------------------------------- under trainer.compile
+MEETS = {take_rows, dropped_rows, join_rows, batchnorm_parts, conv_parts, add_relu_parts, module_parts}
+
+
+def compiled_lockstep(twin: fx.GraphModule, compiler: Compiler) -> fx.GraphModule:
+    """``twin`` (:func:`lockstep_graph`) under ``trainer.compile``, called the same way: its
+    meets (:data:`MEETS`, and anything reading the rows) stay eager, since they hold Python
+    state (the step's ``PartRows``, BN coefficients, in-place writes into their inputs); every
+    run of twins between two meets is one compiled graph, the no-grad and the grad ones apart
+    (``memory.compiled.split_regions``). The rows reach compiled code only as tensors and the
+    kept count is fixed per run, so a run compiles once."""
+    def is_meet(node: fx.Node) -> bool:
+        return (node.op == "call_function" and node.target in MEETS) or any(
+            n.op == "placeholder" and n.name == "rows" for n in node.all_input_nodes)
+
+    return split_regions(twin, is_meet, compiler)

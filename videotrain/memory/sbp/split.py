@@ -1,16 +1,14 @@
-"""Record/apply: SBP's general path, where the lockstep code (``sbp/lockstep.py``) cannot run.
+"""Record/apply: SBP's general path, where the lockstep code (``sbp/lockstep.py``) cannot run
+(the kept path recomputed, a backbone ``torch.fx`` cannot trace, the dropped frames in
+``nograd_chunk`` pieces).
 
-``split_forward(fn, x, ...)`` computes ``fn(x)`` for all ``N = B*T`` frames of ``x`` but records
-an autograd graph for the kept rows only: the dropped rows run under ``no_grad`` and their
-activations are never stored. It runs when the kept path is recomputed, on a backbone
-``torch.fx`` cannot trace, and for the dropped frames in ``nograd_chunk`` pieces.
-
-With training-mode BatchNorm it runs in two phases: **record** (``fn`` under ``no_grad`` over all
-rows with BN's own training forward; each BN records its batch statistics; the dropped rows'
-outputs come from here) and **apply** (``fn`` reruns on the kept rows with autograd, normalizing
-with the recorded statistics through ``KeptRowsBatchNorm``). Invariant: values, running
-statistics and gradients are the lockstep code's. Without train-mode BN the dropped rows run
-under ``no_grad`` in chunks and the kept rows once. Details: ``docs/design/internals.md``.
+``split_forward(fn, x, ...)`` computes ``fn(x)`` for all ``N = B*T`` rows of ``x`` with an
+autograd graph for the kept rows only. With training-mode BatchNorm it runs in two phases:
+**record** (``fn`` under ``no_grad`` over all rows, each BN recording its batch statistics; the
+dropped rows' outputs come from here) and **apply** (``fn`` again on the kept rows with autograd,
+each BN normalizing with the recorded statistics through ``KeptRowsBatchNorm``). Invariant:
+values, running statistics and gradients are the lockstep code's. Details:
+``docs/design/internals.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from torch import nn
 from torch._prims_common import suggest_memory_format  # the memory format torch's ops pick
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from videotrain.memory.compiled import outside_compiler
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.sbp.kept_rows import BatchNormCoefficients, KeptRowsBatchNorm
 
@@ -194,18 +193,13 @@ class PatchedBN:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.owner.phase is not None and self.bn.training and torch.compiler.is_compiling():
-            return _eager_phase(self, x)  # trainer.compile: a graph break, the phase runs eagerly
+            # trainer.compile: the phase writes the statistics and reads them back as Python
+            # state, and its kept rows' backward is an autograd.Function
+            return outside_compiler(self, x)
         if self.orig is None and self.owner.phase is None:
             return type(self.bn).forward(self.bn, x)  # no bound method made: the compiler traces it
         orig = self.orig or MethodType(type(self.bn).forward, self.bn)
         return self.owner.forward(self.bn, orig, x)
-
-
-@torch.compiler.disable
-def _eager_phase(patched: PatchedBN, x: torch.Tensor) -> torch.Tensor:
-    """A record or apply phase's BN outside the compiler: it writes the statistics and reads
-    them back as Python state, and its kept rows' backward is an ``autograd.Function``."""
-    return patched(x)
 
 
 def is_patched_bn(module: nn.Module) -> bool:

@@ -1,15 +1,12 @@
 """``memory=sbp``: Stochastic Backpropagation (Cheng et al., CVPR 2022; Fang et al., NeurIPS 2022).
 
-Every frame runs forward; only ``n_keep = clamp(round(r*T), 1, T)`` frames per clip run the
-backbone's backward, so the other frames' activations are never stored and backbone training
-memory scales with ``r``. What it computes (gradients, BN policies, ``grad_scale``) and how it
-runs are explained once, in ``docs/memory.md`` (``memory=sbp``).
-
-Invariants: under ``bn_policy=full_batch`` the forward equals e2e's and running statistics update
-once per step; ``keep_ratio=1`` is e2e's code path; the input gradient is zero on dropped frames.
-The implementation, the lockstep code (``lockstep.py``) or record/apply (``split.py``) where
-lockstep cannot run, is decided once per backbone and logged with the reason; both give the same
-values, statistics and gradients (tested against each other).
+Every frame runs forward; only ``n_keep`` frames per clip run the backbone's backward, so the
+other frames' activations are never stored. What it computes and how it runs:
+``docs/memory.md`` (``memory=sbp``). Invariants: under ``bn_policy=full_batch`` the forward
+equals e2e's and running statistics update once per step; ``keep_ratio=1`` is e2e's code path;
+the input gradient is zero on dropped frames. The implementation, the lockstep code or
+record/apply where it cannot run, is decided once per backbone and logged with the reason; both
+give the same values, statistics and gradients (tested against each other).
 """
 
 from __future__ import annotations
@@ -34,8 +31,12 @@ from videotrain.memory.compiled import eagerly
 from videotrain.memory.recompute.execute import replay_on_recompute
 from videotrain.memory.recompute.strategy import Recompute
 from videotrain.memory.sampling import FrameSampler, SamplerStateMixin, flat_rows, n_keep
-from videotrain.memory.sbp.compiled import compiled_lockstep
-from videotrain.memory.sbp.lockstep import PartRows, lockstep_forward, lockstep_graph
+from videotrain.memory.sbp.lockstep import (
+    PartRows,
+    compiled_lockstep,
+    lockstep_forward,
+    lockstep_graph,
+)
 from videotrain.memory.sbp.split import (
     BN_POLICIES,
     FullBatchNorm,
@@ -122,7 +123,7 @@ class StochasticBackprop(SamplerStateMixin):
     def compile(self, backbone: nn.Module, compiler: Any) -> None:
         """``trainer.compile``: the backbone (evaluation, ``keep_ratio=1``, record/apply's passes;
         recomputation's own hook when composed with it) and the lockstep code, region by region
-        (``videotrain.memory.sbp.compiled``) when it is built."""
+        (``lockstep.compiled_lockstep``) when it is built."""
         self._compiler, self._traced = compiler, None
         if self.recompute is not None:
             self.recompute.compile(backbone, compiler)
