@@ -215,6 +215,14 @@ def test_build_data_folder_class_mismatch(tiny_copy: Path) -> None:
         _build(tiny_copy, name="folder", layout="folder")
 
 
+def test_build_data_folder_layout_checks_num_classes(tiny_root: Path) -> None:
+    """The class folders are the classes: a ``data.num_classes`` that differs is an error
+    naming both counts (it was accepted, and the head got the wrong width)."""
+    assert _build(tiny_root, name="folder", layout="folder", num_classes=4)[0].num_classes == 4
+    with pytest.raises(ValueError, match=r"train holds 4 classes, but data.num_classes=5"):
+        _build(tiny_root, name="folder", layout="folder", num_classes=5)
+
+
 def test_build_data_batch_larger_than_dataset(tiny_root: Path) -> None:
     with pytest.raises(ValueError, match="data.batch_size=32 exceeds the 16 training videos"):
         _build(tiny_root, batch_size=32)

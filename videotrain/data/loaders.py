@@ -248,6 +248,9 @@ def read_splits(layout: str, root: Path, num_classes: int | None, options: dict[
     other from the lists alone (no video file is stat-ed yet)."""
     train_index = read_index(layout, root, "train", num_classes, options)
     val_index = read_index(layout, root, "val", num_classes or len(train_index.class_names), options)
+    if layout == "folder":  # the class folders are the classes: a set data.num_classes agrees
+        annotations.check_class_count(train_index.class_names, num_classes,
+                                      str(Path(root) / "train"), verb="holds")
     if layout == "folder" and val_index.class_names != train_index.class_names:
         extra = len(set(val_index.class_names) - set(train_index.class_names))  # counted, not named
         raise annotations.AnnotationError(
