@@ -52,7 +52,7 @@ GRAD_SCALES = ("none", "inverse_keep")
 
 
 def check_nograd_chunk(value: Any) -> None:
-    """``memory.nograd_chunk``: ``auto`` or an integer >= 1 (SBP's, and ``memory=auto``'s)."""
+    """``memory.nograd_chunk`` (SBP): ``auto`` or an integer >= 1."""
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"memory.nograd_chunk must be auto or an integer >= 1, got {value!r}")
 
