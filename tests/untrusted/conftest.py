@@ -87,6 +87,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     "benchmarks.equal_time": EntryPoint("python -m benchmarks.equal_time",
                                         module="benchmarks.equal_time"),
     "benchmarks.sac_milp": EntryPoint("python -m benchmarks.sac_milp", module="benchmarks.sac_milp"),
+    "benchmarks.gpu_estimate_cuda_bn": EntryPoint("python -m benchmarks.gpu_estimate_cuda_bn",
+                                                  module="benchmarks.gpu_estimate_cuda_bn"),
     "summarize_sweep": EntryPoint("python scripts/summarize_sweep.py",
                                   script="scripts/summarize_sweep.py"),
     "check_sbp_autocast_grads": EntryPoint("python scripts/check_sbp_autocast_grads.py",

@@ -112,6 +112,21 @@ def test_a_sweep_yaml_tag_runs_nothing(ws: Workspace, sweep_folder) -> None:
     ws.run("summarize_sweep", [sweep]).judge("either")
 
 
+def test_a_strangers_gpu_estimate_folder_runs_nothing(ws: Workspace) -> None:
+    """``benchmarks.gpu_estimate_cuda_bn TOOL_DIR`` on a folder whose ``estimate_step.py`` (and
+    a planted ``__pycache__``) would run a payload: refused by its digest before anything of
+    the folder is imported."""
+    tool = ws.work / "gpu_estimate"
+    (tool / "__pycache__").mkdir(parents=True)
+    code = f"import os\nos.system('touch {ws.marker}')\n"
+    for name in ("estimate_step.py", "roofline.py", "rows.py", "step_trace.py", "vt.py", "host_proxy.py"):
+        (tool / name).write_text(code)
+    (tool / "calibration.json").write_text("{}")
+    (tool / "__pycache__" / "estimate_step.cpython-311.pyc").write_bytes(b"\0" * 64)
+    ws.run("benchmarks.gpu_estimate_cuda_bn", [tool, "--rows", "resnet50/e2e"]).judge(
+        "refused", "estimate_step.py", "sha256 differs")
+
+
 # ---------------------------------------------------------------------- text
 def _no_forged_lines(text: str) -> None:
     assert not any(ln.lstrip().startswith("| forged") for ln in text.splitlines()), text[-2000:]
