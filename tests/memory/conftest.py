@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -147,6 +148,23 @@ def saved_bytes(fn: Callable[[], object], exclude: nn.Module) -> int:
         out = fn()
     del out
     return sum(seen.values())
+
+
+def python_calls(fn: Callable[[], object]) -> int:
+    """The Python function calls one call of ``fn`` makes (``sys.setprofile``): a host-work
+    count that is the same on a loaded CI machine, where time is not."""
+    calls = [0]
+
+    def count(frame, event, arg) -> None:  # noqa: ANN001
+        if event == "call":
+            calls[0] += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ that adds host work or traffic, not the issue's targets."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -54,7 +53,7 @@ def _step(model: torch.nn.Module, video: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def host_us(overrides: list[str]) -> float:
+def host_us(overrides: list[str], python_calls: Callable[[Callable[[], None]], int]) -> float:
     """The count model's host time of one training step of a ResNet-18 at B=1 x T=4, 64 px,
     after two steps (the lockstep code and the plans are built in the first)."""
     step = _step(_model("resnet18", overrides, 4, 64), torch.randn(1, 4, 3, 64, 64))
@@ -62,23 +61,12 @@ def host_us(overrides: list[str]) -> float:
         step()
     with aten_ops(views=True) as ops:
         step()
-    calls = [0]
-
-    def count(frame, event, arg) -> None:  # noqa: ANN001
-        if event == "call":
-            calls[0] += 1
-
-    sys.setprofile(count)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return US_PER_OP * sum(ops.values()) + US_PER_CALL * calls[0]
+    return US_PER_OP * sum(ops.values()) + US_PER_CALL * python_calls(step)
 
 
-@pytest.fixture(scope="module")
-def e2e_host_us() -> float:
-    return host_us(["memory=e2e"])
+@pytest.fixture
+def e2e_host_us(kit) -> float:  # noqa: ANN001
+    return host_us(["memory=e2e"], kit.python_calls)
 
 
 HOST_CEILING = 1.4  # today: 1.25x (1.32x frozen) on torch 2.14, 1.35x on 2.11, whose
@@ -86,14 +74,14 @@ HOST_CEILING = 1.4  # today: 1.25x (1.32x frozen) on torch 2.14, 1.35x on 2.11, 
 
 
 @pytest.mark.parametrize("row", list(SBP))
-def test_sbp_host_work_is_at_most_1_4x_e2e(row: str, e2e_host_us: float) -> None:
-    ratio = host_us(SBP[row]) / e2e_host_us
+def test_sbp_host_work_is_at_most_1_4x_e2e(row: str, e2e_host_us: float, kit) -> None:  # noqa: ANN001
+    ratio = host_us(SBP[row], kit.python_calls) / e2e_host_us
     assert ratio <= HOST_CEILING, f"{row}: {ratio:.3f}x e2e's host work"
 
 
-def test_the_host_guard_can_fail(e2e_host_us: float) -> None:
+def test_the_host_guard_can_fail(e2e_host_us: float, kit) -> None:  # noqa: ANN001
     """Frozen-BN SBP with its dropped frames run one at a time (``nograd_chunk=1``)."""
-    ratio = host_us([*SBP["sbp-frozen-0.5"], "memory.nograd_chunk=1"]) / e2e_host_us
+    ratio = host_us([*SBP["sbp-frozen-0.5"], "memory.nograd_chunk=1"], kit.python_calls) / e2e_host_us
     assert ratio > HOST_CEILING, ratio
 
 
